@@ -1,0 +1,62 @@
+"""Engine configuration: frozen, validated once, built by shoal.config from flags and env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DType = Literal["auto", "bfloat16", "float32"]
+WeightFormat = Literal["gguf", "safetensors"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where one model's weights and tokenizer live, already resolved to local files.
+
+    path is a .gguf file (format "gguf") or a Hugging Face style directory holding
+    config.json, *.safetensors and tokenizer.json (format "safetensors").
+    """
+
+    model_id: str
+    format: WeightFormat
+    path: Path
+
+    def __post_init__(self) -> None:
+        if not self.path.exists():
+            raise ValueError(f"model {self.model_id!r}: {self.path} does not exist")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    source: ModelSource
+    dtype: DType = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    # KV cache memory; None sizes it from SHOAL's default share of available memory.
+    kv_cache_bytes: int | None = None
+    block_size: int = 16
+    # Token budget per step: decode tokens first, the rest goes to prefill chunks.
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 32
+    # Upper bound on context per request; None takes the model's own context length.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # Directory for derived artefacts (e.g. a tokenizer.json built from GGUF metadata).
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError("block_size must be 8, 16, 32 or 64")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")

@@ -1,0 +1,1 @@
+"""The synchronous engine core: add requests, step, collect outputs. (Body lands next.)"""

@@ -1,0 +1,44 @@
+"""The contract between the scheduler (pure Python) and the model runner (torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request whose KV entries this step computes.
+
+    token_ids sit at positions start_position .. start_position + len(token_ids) - 1.
+    block_ids is the request's whole block table (KV slot of position p is
+    block_ids[p // block_size] * block_size + p % block_size).
+    needs_sample is true when the chunk ends at the request's last known token, so the
+    model's logits for the chunk's final position choose the next token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    needs_sample: bool
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the chunk's last position (cached + new)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's work. Chunks are ordered decodes first, then prefills."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
