@@ -1,0 +1,106 @@
+"""A fixed pool of KV blocks with reference counts and an LRU free list (pure Python).
+
+A block is in use while some request references it (ref count > 0). When its last user lets
+go, it joins the free list but keeps its prefix-cache entry, so a later request with the same
+prefix can take it back without recomputing. Allocation takes free blocks in LRU order and
+only then drops their cache entries (eviction).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from shoal.engine.kv.prefix_cache import PrefixCache
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache = PrefixCache()
+        self._ref_counts = [0] * num_blocks
+        # Free blocks, least recently freed first; values unused (an ordered set).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request references, cached or not (cached ones are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request."""
+        return self.num_used_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    # ---- allocation -----------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take num_blocks fresh blocks (evicting cached free ones in LRU order)."""
+        if num_blocks < 0:
+            raise ValueError("num_blocks must be >= 0")
+        if not self.can_allocate(num_blocks):
+            raise RuntimeError(f"cannot allocate {num_blocks} KV blocks: "
+                               f"only {len(self._free)} are free")
+        taken = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            if self.prefix_cache.hash_of(block_id) is not None:
+                self.prefix_cache.forget(block_id)
+                self.num_evictions += 1
+            self._ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def find_cached(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Block ids holding the longest cached prefix of block_hashes (no references taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        return self.prefix_cache.lookup(block_hashes)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks found by find_cached (pulling free ones back)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block. Freed cached blocks stay findable; the request's
+        tail goes to the free list first so a shared prefix outlives its suffixes."""
+        for block_id in reversed(block_ids):
+            if self._ref_counts[block_id] <= 0:
+                raise RuntimeError(f"KV block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self.prefix_cache.hash_of(block_id) is None:
+                    # Uncached content is worthless: reuse this block before evicting any.
+                    self._free.move_to_end(block_id, last=False)
+
+    def cache_block(self, block_hash: bytes, block_id: int) -> None:
+        """Register a fully computed block under its chained hash."""
+        if self.enable_prefix_caching:
+            self.prefix_cache.insert(block_hash, block_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (e.g. after weights change); in-use blocks stay valid."""
+        self.prefix_cache.clear()

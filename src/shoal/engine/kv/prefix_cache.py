@@ -1,0 +1,96 @@
+"""Content-addressed index of full KV blocks (pure Python; no torch).
+
+A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal
+whole prefixes, not just equal blocks. Only full blocks are hashed: a partial block's content
+still changes. The cache maps hashes to block ids; which blocks are free and which get evicted
+is the block pool's business (it calls `forget` when it reuses a block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+# The parent of a request's first block.
+ROOT_HASH = b"shoal-prefix-root"
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block. 128-bit blake2b makes a collision (which would serve
+    another prompt's KV) practically impossible, unlike Python's 64-bit hash()."""
+    digest = hashlib.blake2b(parent_hash, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int],
+                        block_size: int) -> list[bytes]:
+    """Append hashes for the full blocks of token_ids not yet hashed; returns `hashes`.
+
+    `hashes` holds the hashes of the first len(hashes) blocks, so a growing request pays
+    only for its newly full blocks.
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    num_full = len(token_ids) // block_size
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for index in range(len(hashes), num_full):
+        block = token_ids[index * block_size:(index + 1) * block_size]
+        parent = hash_block(parent, block)
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixCache:
+    """Maps the hash of a computed full block to the block id holding its KV entries."""
+
+    def __init__(self) -> None:
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        # Counted in tokens, per admission lookup (vLLM reports the same pair).
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.hit_requests = 0
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix of block_hashes (stops at the first miss)."""
+        found: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self._block_of.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.query_tokens += num_query_tokens
+        self.hit_tokens += num_hit_tokens
+        if num_hit_tokens:
+            self.hit_requests += 1
+
+    def insert(self, block_hash: bytes, block_id: int) -> bool:
+        """Register a computed block. Returns False when the content is already cached in
+        another block (two requests computed the same prefix at once); that block stays
+        the canonical copy and this one remains uncached."""
+        if block_hash in self._block_of or block_id in self._hash_of:
+            return False
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        return True
+
+    def hash_of(self, block_id: int) -> bytes | None:
+        return self._hash_of.get(block_id)
+
+    def forget(self, block_id: int) -> None:
+        """Drop a block from the index (it is about to hold other content)."""
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
+
+    def clear(self) -> None:
+        self._block_of.clear()
+        self._hash_of.clear()

@@ -1,0 +1,79 @@
+"""Block pool: ref counts, free list order, prefix-cache retention and LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.engine.kv.block_pool import BlockPool
+from shoal.engine.kv.prefix_cache import extend_block_hashes
+
+
+def test_allocate_and_free_track_counts():
+    pool = BlockPool(4)
+    assert pool.can_allocate(4) and not pool.can_allocate(5)
+    blocks = pool.allocate(3)
+    assert len(set(blocks)) == 3 and pool.num_free_blocks == 1
+    assert pool.usage == pytest.approx(0.75)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 4 and pool.usage == 0.0
+
+
+def test_over_allocation_and_double_free_raise():
+    pool = BlockPool(2)
+    with pytest.raises(RuntimeError):
+        pool.allocate(3)
+    blocks = pool.allocate(1)
+    pool.free(blocks)
+    with pytest.raises(RuntimeError):
+        pool.free(blocks)
+    with pytest.raises(ValueError):
+        BlockPool(0)
+
+
+def test_freed_cached_blocks_stay_findable_until_evicted():
+    pool = BlockPool(3)
+    hashes = extend_block_hashes([], list(range(8)), 4)
+    blocks = pool.allocate(2)
+    for block_hash, block_id in zip(hashes, blocks):
+        pool.cache_block(block_hash, block_id)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 3
+    assert pool.find_cached(hashes) == blocks
+    # The never-cached block goes first; then LRU takes the cached tail block (freed first).
+    pool.allocate(1)
+    assert pool.find_cached(hashes) == blocks
+    pool.allocate(1)
+    assert pool.find_cached(hashes) == blocks[:1]
+    assert pool.num_evictions == 1
+
+
+def test_touch_shares_a_block_and_pulls_it_off_the_free_list():
+    pool = BlockPool(2)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block_hash, block)
+    pool.touch([block])  # a second request shares it
+    assert pool.ref_count(block) == 2
+    pool.free([block])
+    pool.free([block])
+    assert pool.is_free(block)
+    pool.touch(pool.find_cached([block_hash]))
+    assert not pool.is_free(block) and pool.num_free_blocks == 1
+
+
+def test_uncached_freed_blocks_are_reused_before_cached_ones():
+    pool = BlockPool(2)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    cached, scratch = pool.allocate(2)
+    pool.cache_block(block_hash, cached)
+    pool.free([cached, scratch])
+    assert pool.allocate(1) == [scratch]
+    assert pool.find_cached([block_hash]) == [cached]
+
+
+def test_disabled_prefix_caching_finds_nothing():
+    pool = BlockPool(2, enable_prefix_caching=False)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block_hash, block)
+    assert pool.find_cached([block_hash]) == []
