@@ -1,0 +1,29 @@
+"""shoal models: the catalogue, and which models are available on this machine."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("models", help="list catalogue models and local availability")
+    parser.set_defaults(handler=run_models)
+
+
+def _size(size_bytes: int) -> str:
+    return f"{size_bytes / 1e6:.0f} MB" if size_bytes < 1e9 else f"{size_bytes / 1e9:.1f} GB"
+
+
+def run_models(_args: argparse.Namespace) -> int:
+    from shoal.catalog.resolve import DEFAULT_MODEL_ID, list_models
+
+    rows = [("MODEL", "KIND", "FORMAT", "SIZE", "CONTEXT", "LOCAL")]
+    for entry in list_models():
+        name = entry.id + (" (default)" if entry.id == DEFAULT_MODEL_ID else "")
+        local = "yes" if entry.available else (entry.install_hint or "no")
+        rows.append((name, entry.kind, entry.format, _size(entry.size_bytes),
+                     str(entry.context_length), local))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0

@@ -1,0 +1,160 @@
+"""Node configuration: frozen dataclasses built once from flags and SHOAL_* environment.
+
+Precedence: command-line flag, then environment, then default. Everything a user can set is
+validated in __post_init__ with a ValueError that names it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.engine.config import EngineConfig, ModelSource
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8470
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+               "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "512MiB", "2GB", "1.5g" or "123456"; ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit "
+                         f"such as 512MiB, 2GiB or 4GB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "shoal"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    # Seconds between SSE keep-alive comments on a silent stream.
+    keepalive_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, not {self.port}")
+        if self.keepalive_s <= 0:
+            raise ValueError("keepalive_s must be positive")
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """Engine settings applied to every model this node loads."""
+
+    dtype: str = "auto"
+    threads: int | None = None
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, not {self.threads}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1024 * 1024:
+            raise ValueError("kv cache memory must be at least 1 MiB")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError("max model length must be >= 16")
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    load_timeout_s: float = 600.0
+    # Requests in flight per model beyond which new ones get 429.
+    max_in_flight: int = 256
+
+    def __post_init__(self) -> None:
+        if self.load_timeout_s <= 0:
+            raise ValueError("load timeout must be positive")
+        if self.max_in_flight < 1:
+            raise ValueError("max in-flight requests must be >= 1")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Model ids, aliases or paths preloaded at start; empty means the catalogue default.
+    models: tuple[str, ...] = ()
+    data_dir: Path = field(default_factory=default_data_dir)
+    engine: EngineDefaults = field(default_factory=EngineDefaults)
+    runner: RunnerLimits = field(default_factory=RunnerLimits)
+
+    def __post_init__(self) -> None:
+        if any(not m.strip() for m in self.models):
+            raise ValueError("model names must not be empty")
+
+    def engine_config(self, source: ModelSource) -> EngineConfig:
+        return EngineConfig(source=source, dtype=self.engine.dtype,  # type: ignore[arg-type]
+                            threads=self.engine.threads,
+                            kv_cache_bytes=self.engine.kv_cache_bytes,
+                            max_model_len=self.engine.max_model_len,
+                            cache_dir=self.data_dir / "cache")
+
+
+def _pick(flag, env: Mapping[str, str], name: str):
+    if flag is not None:
+        return flag
+    value = env.get(name)
+    return value if value not in (None, "") else None
+
+
+def _as_int(value, what: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be an integer, not {value!r}") from None
+
+
+def _as_float(value, what: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, not {value!r}") from None
+
+
+def build_node_config(*, host: str | None = None, port: int | None = None,
+                      models: Sequence[str] = (), data_dir: str | None = None,
+                      dtype: str | None = None, threads: int | None = None,
+                      kv_cache_memory: str | None = None, max_model_len: int | None = None,
+                      env: Mapping[str, str] | None = None) -> NodeConfig:
+    """The node's configuration from flags (None = not given) and the environment."""
+    env = os.environ if env is None else env
+    env_models = [m.strip() for m in env.get("SHOAL_MODELS", "").split(",") if m.strip()]
+    size = _pick(kv_cache_memory, env, "SHOAL_KV_CACHE_MEMORY")
+    directory = _pick(data_dir, env, "SHOAL_DATA_DIR")
+    port_value = _as_int(_pick(port, env, "SHOAL_PORT"), "port")
+    server = ServerConfig(host=_pick(host, env, "SHOAL_HOST") or DEFAULT_HOST,
+                          port=DEFAULT_PORT if port_value is None else port_value)
+    engine = EngineDefaults(
+        dtype=_pick(dtype, env, "SHOAL_DTYPE") or "auto",
+        threads=_as_int(_pick(threads, env, "SHOAL_THREADS"), "threads"),
+        kv_cache_bytes=None if size is None else parse_size(size),
+        max_model_len=_as_int(_pick(max_model_len, env, "SHOAL_MAX_MODEL_LEN"),
+                              "max model length"))
+    runner = RunnerLimits(
+        load_timeout_s=_as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
+        or 600.0,
+        max_in_flight=_as_int(env.get("SHOAL_MAX_IN_FLIGHT") or None, "SHOAL_MAX_IN_FLIGHT")
+        or 256)
+    return NodeConfig(server=server, models=tuple(models) or tuple(env_models),
+                      data_dir=Path(directory).expanduser() if directory else default_data_dir(),
+                      engine=engine, runner=runner)

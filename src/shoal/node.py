@@ -1,0 +1,187 @@
+"""Wires one node: config -> router (runner supervisors) -> FastAPI app -> uvicorn.
+
+SIGINT / SIGTERM stop the HTTP server, then every runner (Shutdown -> SIGTERM -> SIGKILL).
+BackgroundNode runs the same thing on a thread, for `shoal run` and for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from shoal.api.app import create_app
+from shoal.config import NodeConfig
+from shoal.router import ModelUnavailable, Router
+from shoal.runner.supervisor import RunnerSupervisor, SupervisorOptions
+
+log = logging.getLogger("shoal.node")
+
+
+class NodeStartError(RuntimeError):
+    """The node could not start (a model failed to load, the port is taken)."""
+
+
+def print_progress(model_id: str, stage: str, fraction: float) -> None:
+    """Loading progress on stderr: one line per stage, overwritten in place on a terminal."""
+    line = f"loading {model_id}: {stage} {fraction * 100:5.1f}%"
+    if sys.stderr.isatty():
+        print(f"\r{line}\033[K", end="\n" if fraction >= 1.0 else "", file=sys.stderr,
+              flush=True)
+    elif fraction >= 1.0 or stage in ("starting", "tokenizer"):
+        print(line, file=sys.stderr, flush=True)
+
+
+def make_router(config: NodeConfig, options: SupervisorOptions | None = None,
+                on_progress: Callable[[str, str, float], None] | None = print_progress,
+                resolve: Callable[[str], Any] | None = None) -> Router:
+    options = options or SupervisorOptions(load_timeout_s=config.runner.load_timeout_s,
+                                           max_in_flight=config.runner.max_in_flight)
+    return Router(lambda source: RunnerSupervisor(config.engine_config(source), options,
+                                                  on_progress),
+                  resolve=resolve)
+
+
+def default_models(config: NodeConfig) -> tuple[str, ...]:
+    if config.models:
+        return config.models
+    from shoal.catalog.resolve import DEFAULT_MODEL_ID
+
+    return (DEFAULT_MODEL_ID,)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the node owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+async def serve(config: NodeConfig, router: Router | None = None,
+                stop: asyncio.Event | None = None,
+                on_listening: Callable[[str], None] | None = None,
+                list_available: Callable[[], Any] | None = None) -> None:
+    """Run the node until stop is set (or SIGINT/SIGTERM arrives on the main thread)."""
+    router = router or make_router(config)
+    stop = stop or asyncio.Event()
+    _install_signal_handlers(stop)
+    try:
+        await _preload(router, default_models(config), stop)
+        if stop.is_set():
+            return
+        app = create_app(router, keepalive_s=config.server.keepalive_s,
+                         list_available=list_available)
+        server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                        log_level="warning", lifespan="off"))
+        server_task = asyncio.ensure_future(server.serve())
+        await _wait_started(server, server_task)
+        if on_listening is not None:
+            on_listening(_bound_url(server))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({server_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        server.should_exit = True
+        await server_task
+    finally:
+        await router.shutdown()
+
+
+async def _preload(router: Router, models: tuple[str, ...], stop: asyncio.Event) -> None:
+    from shoal.catalog.resolve import ModelNotFound
+
+    preload = asyncio.ensure_future(router.preload(models))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({preload, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not preload.done():
+        preload.cancel()
+        with contextlib.suppress(BaseException):
+            await preload
+        return
+    try:
+        preload.result()
+    except (ModelNotFound, ModelUnavailable, ValueError) as error:
+        raise NodeStartError(str(error)) from error
+
+
+async def _wait_started(server: uvicorn.Server, task: asyncio.Task) -> None:
+    while not server.started:
+        if task.done():
+            # uvicorn exits (SystemExit) when it cannot bind
+            raise NodeStartError("the HTTP server failed to start (is the port in use?)")
+        await asyncio.sleep(0.05)
+
+
+def _bound_url(server: uvicorn.Server) -> str:
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return f"http://{host}:{port}"
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+class BackgroundNode:
+    """A node on a daemon thread: start() returns its URL once it listens."""
+
+    def __init__(self, config: NodeConfig, router_factory: Callable[[], Router] | None = None,
+                 start_timeout_s: float = 900.0, **serve_options: Any) -> None:
+        self.config = config
+        self._router_factory = router_factory
+        self._serve_options = serve_options
+        self._start_timeout_s = start_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._listening = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> str:
+        self._thread = threading.Thread(target=self._run, name="shoal-node", daemon=True)
+        self._thread.start()
+        if not self._listening.wait(self._start_timeout_s):
+            raise NodeStartError(f"the node did not start within {self._start_timeout_s:.0f} s")
+        if self.error is not None:
+            raise NodeStartError(str(self.error)) from self.error
+        if self.url is None:
+            raise NodeStartError("the node stopped before it listened")
+        return self.url
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            router = self._router_factory() if self._router_factory else None
+            await serve(self.config, router=router, stop=self._stop,
+                        on_listening=self._on_listening, **self._serve_options)
+
+        try:
+            asyncio.run(main())
+        except BaseException as error:  # noqa: BLE001 - reported to start()
+            self.error = error
+        finally:
+            self._listening.set()
+
+    def _on_listening(self, url: str) -> None:
+        self.url = url
+        self._listening.set()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout_s)

@@ -1,0 +1,424 @@
+"""Owns one runner subprocess: spawn, load, stream requests, detect crashes, restart, stop.
+
+Every wait is bounded. A runner that dies (exit seen, socket EOF) turns each of its in-flight
+requests into ErrorChunk(code="runner_crashed") at once and is restarted with backoff;
+max_crashes crashes within crash_window_s stop the retries (state "failed").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shoal.engine.config import EngineConfig
+from shoal.protocol import ErrorChunk, GenerationRequest
+from shoal.runner.framing import read_frame, write_frame
+from shoal.runner.messages import (
+    Cancel,
+    ChunkMessage,
+    Failed,
+    Load,
+    ModelInfo,
+    RunnerMessage,
+    Shutdown,
+    Status,
+    Submit,
+    parse_from_runner,
+    to_wire,
+)
+
+log = logging.getLogger("shoal.supervisor")
+
+RunnerState = Literal["stopped", "starting", "ready", "restarting", "failed"]
+ProgressCallback = Callable[[str, str, float], None]  # (model_id, stage, fraction)
+
+
+class RunnerUnavailable(RuntimeError):
+    """The runner could not be (re)started; the message says why."""
+
+
+@dataclass(frozen=True)
+class SupervisorOptions:
+    load_timeout_s: float = 600.0
+    # How long a request waits for a starting or restarting runner before it gets a 503.
+    ready_wait_s: float = 120.0
+    # Longest silence between two chunks of one request before it fails with "timeout".
+    chunk_timeout_s: float = 600.0
+    max_in_flight: int = 256
+    max_buffered_chunks: int = 4096
+    restart_backoff_s: tuple[float, ...] = (0.5, 2.0, 5.0)
+    max_crashes: int = 3
+    crash_window_s: float = 60.0
+    shutdown_grace_s: float = 5.0
+    terminate_grace_s: float = 3.0
+    engine_factory: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("load_timeout_s", "ready_wait_s", "chunk_timeout_s", "crash_window_s",
+                     "shutdown_grace_s", "terminate_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_in_flight < 1 or self.max_buffered_chunks < 1 or self.max_crashes < 1:
+            raise ValueError("max_in_flight, max_buffered_chunks and max_crashes must be >= 1")
+        if not self.restart_backoff_s:
+            raise ValueError("restart_backoff_s needs at least one delay")
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue
+    finished: bool = False  # a terminal chunk was queued (the runner holds nothing more)
+
+
+@dataclass
+class _Process:
+    """One spawned runner and its socket."""
+
+    proc: asyncio.subprocess.Process
+    writer: asyncio.StreamWriter | None = None
+    reader_task: asyncio.Task | None = None
+    ready: bool = False
+    load_failed: str | None = None
+
+
+class RunnerSupervisor:
+    def __init__(self, config: EngineConfig, options: SupervisorOptions | None = None,
+                 on_progress: ProgressCallback | None = None) -> None:
+        self.config = config
+        self.options = options or SupervisorOptions()
+        self.on_progress = on_progress
+        self.model_id = config.source.model_id
+        self.state: RunnerState = "stopped"
+        self.model_info: ModelInfo | None = None
+        self.last_error: str | None = None
+        self.restarts = 0
+        self._process: _Process | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._crash_times: list[float] = []
+        self._state_changed = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        self._stopping = False
+
+    # ---- public -----------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.proc.pid
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    async def start(self) -> None:
+        """Spawn the runner and wait (bounded) until it is ready; RunnerUnavailable if not."""
+        if self.state in ("ready", "starting", "restarting"):
+            await self.wait_ready(self.options.load_timeout_s)
+            return
+        self._stopping = False
+        self._crash_times.clear()
+        self._set_state("starting")
+        self._own(self._spawn_or_fail())
+        await self.wait_ready(self.options.load_timeout_s)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.state != "ready":
+            if self.state in ("failed", "stopped"):
+                raise RunnerUnavailable(self._unavailable_message())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RunnerUnavailable(f"model {self.model_id!r} is not ready after "
+                                        f"{timeout_s:.0f} s (state {self.state})")
+            event = self._state_changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await event.wait()
+
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
+        """The request's chunks: AcceptedChunk, TokenChunks, then one Finish or Error chunk.
+
+        Closing the iterator early (client gone) cancels the request in the runner.
+        """
+        request_id = request.request_id
+        refusal = await self._admit(request_id)
+        if refusal is not None:
+            yield refusal
+            return
+        pending = _Pending(asyncio.Queue(maxsize=self.options.max_buffered_chunks))
+        self._pending[request_id] = pending
+        try:
+            self._send(Submit(request=request))
+            while True:
+                chunk = await self._next_chunk(request_id, pending)
+                yield chunk
+                if chunk.kind in ("finish", "error"):
+                    return
+        finally:
+            self._pending.pop(request_id, None)
+            if not pending.finished:
+                self._send(Cancel(request_id=request_id))
+
+    async def cancel(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None and not pending.finished:
+            self._send(Cancel(request_id=request_id))
+            self._terminate(pending, ErrorChunk(request_id=request_id, code="invalid_request",
+                                                message="the request was cancelled by the server"))
+
+    async def shutdown(self) -> None:
+        """Stop the runner: Shutdown message -> wait -> SIGTERM -> wait -> SIGKILL."""
+        self._stopping = True
+        for task in list(self._background):
+            task.cancel()
+        self._fail_pending("unavailable", f"model {self.model_id!r} is shutting down")
+        process = self._process
+        if process is not None:
+            self._send(Shutdown())
+            await _stop_process(process.proc, self.options.shutdown_grace_s,
+                                self.options.terminate_grace_s)
+            if process.reader_task is not None:
+                process.reader_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await process.reader_task
+        self._process = None
+        self._set_state("stopped")
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.model_id, "state": self.state, "pid": self.pid,
+                "in_flight": self.num_in_flight, "restarts": self.restarts,
+                "error": self.last_error}
+
+    # ---- requests ---------------------------------------------------------------------
+
+    async def _admit(self, request_id: str) -> ErrorChunk | None:
+        if request_id in self._pending:
+            return ErrorChunk(request_id=request_id, code="invalid_request",
+                              message=f"request id {request_id!r} is already in flight")
+        if len(self._pending) >= self.options.max_in_flight:
+            return ErrorChunk(request_id=request_id, code="overloaded",
+                              message=f"model {self.model_id!r} has "
+                                      f"{self.options.max_in_flight} requests in flight; "
+                                      f"retry later")
+        try:
+            await self.wait_ready(self.options.ready_wait_s)
+        except RunnerUnavailable as error:
+            return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
+        return None
+
+    async def _next_chunk(self, request_id: str, pending: _Pending) -> Any:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+        # that races with a chunk arriving, and the request would then run to its end.
+        try:
+            async with asyncio.timeout(self.options.chunk_timeout_s):
+                return await pending.queue.get()
+        except TimeoutError:
+            return ErrorChunk(request_id=request_id, code="timeout",
+                              message=f"no output from the runner for "
+                                      f"{self.options.chunk_timeout_s:.0f} s")
+
+    def _deliver(self, chunk: Any) -> None:
+        pending = self._pending.get(chunk.request_id)
+        if pending is None or pending.finished:
+            return  # cancelled or already failed; the runner may still report it
+        if chunk.kind in ("finish", "error"):
+            self._terminate(pending, chunk)
+            return
+        try:
+            pending.queue.put_nowait(chunk)
+        except asyncio.QueueFull:
+            # The client stopped reading; keep memory bounded and end its stream clearly.
+            self._send(Cancel(request_id=chunk.request_id))
+            self._terminate(pending, ErrorChunk(
+                request_id=chunk.request_id, code="overloaded",
+                message="the client did not read its stream fast enough"))
+
+    @staticmethod
+    def _terminate(pending: _Pending, chunk: Any) -> None:
+        pending.finished = True
+        if pending.queue.full():
+            while not pending.queue.empty():
+                pending.queue.get_nowait()
+        pending.queue.put_nowait(chunk)
+
+    def _fail_pending(self, code: str, message: str) -> None:
+        for request_id, pending in list(self._pending.items()):
+            if not pending.finished:
+                self._terminate(pending, ErrorChunk(request_id=request_id, code=code,
+                                                    message=message))
+
+    def _send(self, message: RunnerMessage) -> None:
+        process = self._process
+        if process is None or process.writer is None or process.writer.is_closing():
+            return  # nothing to tell; a dead runner's requests are failed by _on_exit
+        try:
+            write_frame(process.writer, to_wire(message))
+        except (ConnectionError, RuntimeError) as error:
+            log.warning("send to runner %s failed: %s", self.model_id, error)
+
+    # ---- process lifecycle ------------------------------------------------------------
+
+    def _own(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _spawn_or_fail(self) -> None:
+        try:
+            await self._spawn()
+        except (OSError, RuntimeError) as error:
+            self.last_error = f"cannot start a runner for {self.model_id!r}: {error}"
+            log.error("%s", self.last_error)
+            self._set_state("failed")
+
+    async def _spawn(self) -> None:
+        socket_dir = tempfile.mkdtemp(prefix="shoal-runner-")
+        socket_path = os.path.join(socket_dir, "runner.sock")
+        connected: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not connected.done():
+                connected.set_result((reader, writer))
+            else:
+                writer.close()
+
+        server = await asyncio.start_unix_server(on_connect, path=socket_path)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "shoal.runner.entrypoint", "--socket", socket_path,
+                "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **self.options.env})
+            process = _Process(proc=proc)
+            self._process = process
+            await self._connect(process, connected)
+        finally:
+            server.close()
+            shutil.rmtree(socket_dir, ignore_errors=True)
+
+    async def _connect(self, process: _Process, connected: asyncio.Future) -> None:
+        exited = asyncio.ensure_future(process.proc.wait())
+        try:
+            await asyncio.wait({connected, exited}, timeout=self.options.load_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if not connected.done():
+            connected.cancel()
+            await _stop_process(process.proc, 0.1, self.options.terminate_grace_s)
+            await self._on_exit(process, "it exited before connecting")
+            return
+        reader, writer = connected.result()
+        process.writer = writer
+        self._send(Load.from_config(self.config, self.options.engine_factory))
+        process.reader_task = asyncio.get_running_loop().create_task(
+            self._read_loop(process, reader))
+        self._own(self._load_deadline(process))
+
+    async def _read_loop(self, process: _Process, reader: asyncio.StreamReader) -> None:
+        reason = "its socket closed"
+        try:
+            while (raw := await read_frame(reader)) is not None:
+                self._dispatch(process, parse_from_runner(raw))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a broken stream is a dead runner
+            reason = f"its stream broke ({type(error).__name__}: {error})"
+            log.error("runner %s: %s", self.model_id, reason)
+        if process.writer is not None:
+            process.writer.close()
+        await _stop_process(process.proc, 2.0, self.options.terminate_grace_s)
+        await self._on_exit(process, f"{reason}; exit code {process.proc.returncode}")
+
+    def _dispatch(self, process: _Process, message: Any) -> None:
+        if isinstance(message, ChunkMessage):
+            self._deliver(message.chunk)
+        elif isinstance(message, Status):
+            if message.state == "ready" and message.model is not None:
+                process.ready = True
+                self.model_info = message.model
+                self.last_error = None
+                self._set_state("ready")
+            if self.on_progress is not None:
+                self.on_progress(self.model_id, message.stage, message.progress)
+        elif isinstance(message, Failed):
+            self.last_error = message.message
+            if not process.ready:
+                process.load_failed = message.message
+
+    async def _load_deadline(self, process: _Process) -> None:
+        await asyncio.sleep(self.options.load_timeout_s)
+        if self._process is process and not process.ready:
+            process.load_failed = f"loading took longer than {self.options.load_timeout_s:.0f} s"
+            self.last_error = process.load_failed
+            await _stop_process(process.proc, 0.1, self.options.terminate_grace_s)
+
+    async def _on_exit(self, process: _Process, reason: str) -> None:
+        if self._process is not process:
+            return
+        self._process = None
+        message = f"the runner for {self.model_id!r} died: {reason}"
+        if process.load_failed:
+            message = f"loading {self.model_id!r} failed: {process.load_failed}"
+        self._fail_pending("runner_crashed", message)
+        if self._stopping:
+            return
+        log.error("%s", message)
+        self.last_error = message
+        if process.load_failed:
+            self._set_state("failed")  # deterministic; retrying would fail the same way
+            return
+        now = time.monotonic()
+        self._crash_times = [t for t in self._crash_times if now - t < self.options.crash_window_s]
+        self._crash_times.append(now)
+        if len(self._crash_times) >= self.options.max_crashes:
+            self.last_error = (f"{message}; {len(self._crash_times)} crashes within "
+                               f"{self.options.crash_window_s:.0f} s, not restarting")
+            self._set_state("failed")
+            return
+        self._set_state("restarting")
+        self._own(self._restart(len(self._crash_times)))
+
+    async def _restart(self, crash_count: int) -> None:
+        backoff = self.options.restart_backoff_s
+        await asyncio.sleep(backoff[min(crash_count, len(backoff)) - 1])
+        if self._stopping:
+            return
+        self.restarts += 1
+        await self._spawn_or_fail()
+
+    def _set_state(self, state: RunnerState) -> None:
+        self.state = state
+        self._state_changed.set()
+        self._state_changed = asyncio.Event()
+
+    def _unavailable_message(self) -> str:
+        if self.state == "stopped":
+            return f"model {self.model_id!r} is not running"
+        return f"model {self.model_id!r} is unavailable: {self.last_error or 'failed'}"
+
+
+async def _stop_process(proc: asyncio.subprocess.Process, grace_s: float,
+                        terminate_grace_s: float) -> None:
+    """Wait grace_s for a clean exit, then SIGTERM, then SIGKILL; every wait bounded."""
+    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, terminate_grace_s),
+                        (signal.SIGKILL, 5.0)):
+        if proc.returncode is not None:
+            return
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await proc.wait()
+    if proc.returncode is None:
+        log.error("runner %d did not die after SIGKILL", proc.pid)

@@ -1,0 +1,141 @@
+"""A real `shoal serve` subprocess with SmolLM2, driven over HTTP (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    data_dir = tmp_path_factory.mktemp("shoal-data")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(port), "--model",
+         "smollm2", "--data-dir", str(data_dir), "--threads", "2",
+         "--kv-cache-memory", "256MiB"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"shoal serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("shoal serve did not become healthy in 180 s")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 12, "temperature": 0}
+
+
+def _health(url) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def test_non_streaming_and_streaming_agree_greedily(server):
+    first = httpx.post(server + "/v1/chat/completions", json=CHAT, timeout=60).json()
+    text = first["choices"][0]["message"]["content"]
+    assert text and first["usage"]["completion_tokens"] <= 12
+    models = httpx.get(server + "/v1/models", timeout=5).json()["data"]
+    assert models[0]["max_model_len"] >= 1100
+    assert first["model"] == "smollm2-135m-instruct"
+    streamed = []
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**CHAT, "stream": True},
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed.append(choice["delta"].get("content", ""))
+    assert "".join(streamed) == text
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    reply = client.chat.completions.create(**CHAT, logprobs=True, top_logprobs=2)
+    assert reply.choices[0].message.content
+    assert len(reply.choices[0].logprobs.content[0].top_logprobs) == 2
+    stream = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=5,
+                                       stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(**{**CHAT, "model": "no-such-model"})
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**CHAT, "top_p": 7})
+    assert any(m.id == "smollm2-135m-instruct" for m in client.models.list())
+
+
+def test_context_length_is_400(server):
+    response = httpx.post(server + "/v1/completions", timeout=60,
+                          json={"model": "smollm2", "prompt": "hello " * 9000})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_client_disconnect_cancels(server):
+    body = {**CHAT, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()  # held: a dropped iterator closes the connection
+        for line in lines:
+            if line.startswith("data: "):
+                break
+        assert _health(server)["models"][0]["in_flight"] == 1
+    deadline = time.monotonic() + 10
+    while _health(server)["models"][0]["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _health(server)["models"][0]["in_flight"] == 0
+
+
+def test_runner_killed_mid_request(server):
+    pid = _health(server)["models"][0]["pid"]
+    body = {**CHAT, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    events = []
+    started = time.monotonic()
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 3:
+                    os.kill(pid, signal.SIGKILL)
+    assert time.monotonic() - started < 30
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "runner_crashed"
+    deadline = time.monotonic() + 120
+    while _health(server)["status"] != "ok" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    after = httpx.post(server + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert after.status_code == 200
+    assert _health(server)["models"][0]["pid"] != pid

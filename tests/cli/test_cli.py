@@ -1,0 +1,80 @@
+"""CLI and node configuration: flags over env over defaults, `shoal models`, `shoal run`."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import fake_engine_config, fake_supervisor_options
+
+from shoal.cli.app import main
+from shoal.config import NodeConfig, ServerConfig, build_node_config, parse_size
+from shoal.node import BackgroundNode
+from shoal.router import Router
+from shoal.runner.supervisor import RunnerSupervisor
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("2GB") == 2 * 1000**3
+    assert parse_size("1024") == 1024
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size("lots")
+
+
+def test_flags_beat_env_beat_defaults(tmp_path):
+    env = {"SHOAL_PORT": "9000", "SHOAL_HOST": "0.0.0.0", "SHOAL_MODELS": "a, b",
+           "SHOAL_THREADS": "3", "SHOAL_KV_CACHE_MEMORY": "1GiB", "SHOAL_DATA_DIR": str(tmp_path)}
+    config = build_node_config(port=9100, env=env)
+    assert config.server.port == 9100 and config.server.host == "0.0.0.0"
+    assert config.models == ("a", "b")
+    assert config.engine.threads == 3 and config.engine.kv_cache_bytes == 1024**3
+    assert config.data_dir == tmp_path
+    defaults = build_node_config(env={})
+    assert defaults.server.port == 8470 and defaults.server.host == "127.0.0.1"
+    assert defaults.models == () and defaults.engine.dtype == "auto"
+
+
+@pytest.mark.parametrize("kwargs,env,message", [
+    ({"port": 70000}, {}, "port"),
+    ({}, {"SHOAL_PORT": "http"}, "port"),
+    ({"threads": 0}, {}, "threads"),
+    ({"dtype": "float8"}, {}, "dtype"),
+    ({"kv_cache_memory": "12zz"}, {}, "invalid size"),
+])
+def test_bad_values_raise_value_errors(kwargs, env, message):
+    with pytest.raises(ValueError, match=message):
+        build_node_config(env=env, **kwargs)
+
+
+def test_bad_flag_exits_2_with_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--threads", "0"])
+    assert exit_info.value.code == 2
+    assert "threads must be >= 1" in capsys.readouterr().err
+
+
+def test_models_lists_the_catalogue(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct (default)" in out and "LOCAL" in out
+
+
+def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, monkeypatch):
+    source = fake_engine_config(tmp_path).source
+    options = fake_supervisor_options()
+    node = BackgroundNode(
+        NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp_path),
+        router_factory=lambda: Router(lambda s: RunnerSupervisor(fake_engine_config(
+            tmp_path, s.model_id), options), resolve=lambda name: source),
+        list_available=lambda: [])
+    url = node.start()
+    try:
+        assert main(["run", "fake-model", "hello", "--url", url, "--max-tokens", "3"]) == 0
+        assert capsys.readouterr().out == "w1 w2 w3 \n"
+        lines = iter(["first question", "second", "/bye"])
+        monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+        assert main(["run", "fake-model", "--url", url, "--max-tokens", "2"]) == 0
+        assert capsys.readouterr().out == "w1 w2 \nw1 w2 \n"
+        assert main(["run", "fake-model", "RAISE", "--url", url]) == 1
+        assert "engine step failed" in capsys.readouterr().err
+    finally:
+        node.stop()

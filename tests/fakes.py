@@ -1,0 +1,184 @@
+"""A fake engine that follows shoal.engine.engine.Engine's contract without torch.
+
+Behaviour is steered by the model id (load) and by markers in the prompt (step):
+  model ids:  fake-fail-load (raises UnsupportedModel), fake-exit-on-load (os._exit),
+              fake-slow-load (takes ~1 s with progress)
+  prompt:     RAISE (step raises once), KILLME (the runner SIGKILLs itself),
+              FOREVER (ignores the natural stop), SLOW (0.2 s per step)
+Otherwise each step yields one token "w<i> " per request and a request stops after 8 tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from shoal.engine.errors import ContextLengthExceeded, UnsupportedModel
+from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+
+VOCAB_SIZE = 1000
+MAX_MODEL_LEN = 128
+NATURAL_LENGTH = 8
+
+
+class FakeTokenizer:
+    has_chat_template = True
+    eos_token_ids = frozenset({1})
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # one token per whitespace-separated word; markers survive as their own words
+        return [10 + (sum(map(ord, word)) % (VOCAB_SIZE - 10)) for word in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+    def token_text(self, token_id: int) -> str:
+        return f"w{token_id} "
+
+
+@dataclass
+class _FakeRequest:
+    prompt_ids: list[int]
+    params: object
+    markers: set[str]
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+class FakeEngine:
+    def __init__(self, config, progress=None) -> None:
+        report = progress or (lambda stage, fraction: None)
+        model_id = config.source.model_id
+        if model_id == "fake-fail-load":
+            raise UnsupportedModel("fake architecture 'nope' is not supported")
+        if model_id == "fake-exit-on-load":
+            os._exit(1)
+        if model_id == "fake-slow-load":
+            for i in range(5):
+                report("weights", i / 5)
+                time.sleep(0.2)
+        report("ready", 1.0)
+        self.model_id = model_id
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = MAX_MODEL_LEN
+        self.vocab_size = VOCAB_SIZE
+        self.words: dict[int, str] = {}
+        self._requests: dict[str, _FakeRequest] = {}
+        self._aborted: list[str] = []
+        self.raised = False
+
+    def render_chat(self, messages, tools=None) -> str:
+        return " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+
+    def add_request(self, request_id, prompt_token_ids, params) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_vocab(self.vocab_size)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ContextLengthExceeded("prompt too long")
+        markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW")
+                   if self.tokenizer.encode(name)[0] in prompt_token_ids}
+        self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers)
+
+    def abort_request(self, request_id) -> None:
+        if request_id in self._requests:
+            self._aborted.append(request_id)
+            log_path = os.environ.get("SHOAL_FAKE_ABORT_LOG")
+            if log_path:  # lets tests see that a cancel reached the engine
+                with open(log_path, "a") as log:
+                    log.write(request_id + "\n")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> dict:
+        return {"num_running": len(self._requests), "num_waiting": 0}
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finish(rid, "abort", "", ()) for rid in self._aborted
+                   if rid in self._requests]
+        self._aborted = []
+        for request in self._requests.values():
+            if "RAISE" in request.markers and not self.raised:
+                self.raised = True
+                raise RuntimeError("fake engine step failure")
+            if "KILLME" in request.markers:
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.2 if any("SLOW" in r.markers for r in self._requests.values()) else 0.005)
+        for request_id in list(self._requests):
+            outputs.append(self._advance(request_id))
+        return outputs
+
+    def _advance(self, request_id: str) -> RequestOutput:
+        request = self._requests[request_id]
+        token = 100 + len(request.generated)
+        request.generated.append(token)
+        piece = f"w{len(request.generated)} "
+        request.text += piece
+        params = request.params
+        logprobs = ()
+        if params.logprobs:
+            top = tuple(TopLogprob(token_id=token + k, token=f"w{token + k} ",
+                                   logprob=math.log(0.5 / (k + 1))) for k in range(params.top_logprobs))
+            logprobs = (TokenLogprob(token_id=token, token=piece, logprob=math.log(0.5), top=top),)
+        for stop in params.stop:
+            if stop in request.text:
+                cut = request.text.index(stop)
+                start = len(request.text) - len(piece)
+                visible = request.text[start:cut] if cut > start else ""
+                return self._finish(request_id, "stop", visible, (token,), logprobs)
+        count = len(request.generated)
+        if params.max_tokens is not None and count >= params.max_tokens:
+            return self._finish(request_id, "length", piece, (token,), logprobs)
+        if count >= NATURAL_LENGTH and "FOREVER" not in request.markers:
+            return self._finish(request_id, "stop", piece, (token,), logprobs)
+        if len(request.prompt_ids) + count >= self.max_model_len:
+            return self._finish(request_id, "length", piece, (token,), logprobs)
+        return RequestOutput(request_id=request_id, text=piece, token_ids=(token,), finished=False,
+                             logprobs=logprobs, prompt_tokens=len(request.prompt_ids),
+                             completion_tokens=count)
+
+    def _finish(self, request_id, reason, text, token_ids, logprobs=()) -> RequestOutput:
+        request = self._requests.pop(request_id)
+        return RequestOutput(request_id=request_id, text=text, token_ids=tuple(token_ids),
+                             finished=True, finish_reason=reason, logprobs=logprobs,
+                             prompt_tokens=len(request.prompt_ids),
+                             completion_tokens=len(request.generated))
+
+
+def make_fake_engine(config, progress=None) -> FakeEngine:
+    return FakeEngine(config, progress)
+
+
+# ---- helpers for tests that spawn runners with the fake engine ----------------------------
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def fake_runner_env() -> dict[str, str]:
+    """Environment that lets a runner subprocess import this module."""
+    existing = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": TESTS_DIR + (os.pathsep + existing if existing else "")}
+
+
+def fake_engine_config(tmp_dir, model_id: str = "fake-model"):
+    from pathlib import Path
+
+    from shoal.engine.config import EngineConfig, ModelSource
+
+    weights = Path(tmp_dir) / f"{model_id}.gguf"
+    weights.write_bytes(b"fake")
+    return EngineConfig(source=ModelSource(model_id=model_id, format="gguf", path=weights))
+
+
+def fake_supervisor_options(**overrides):
+    from shoal.runner.supervisor import SupervisorOptions
+
+    values = dict(engine_factory="fakes:make_fake_engine", env=fake_runner_env(),
+                  load_timeout_s=30.0, ready_wait_s=10.0, chunk_timeout_s=10.0,
+                  restart_backoff_s=(0.1, 0.2, 0.3), shutdown_grace_s=2.0)
+    values.update(overrides)
+    return SupervisorOptions(**values)
