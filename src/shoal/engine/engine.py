@@ -1,1 +1,221 @@
-"""The synchronous engine core: add requests, step, collect outputs. (Body lands next.)"""
+"""The synchronous engine core: add requests, step, collect outputs.
+
+One `step()` is one scheduler decision, one batched forward pass and one batched sampling
+pass. Detokenization and stop strings are applied here, so every RequestOutput carries
+clean text deltas. The engine imports no asyncio, HTTP or cluster code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.errors import ContextLengthExceeded
+from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.models.loader import load_model
+from shoal.engine.outputs import FinishReason, RequestOutput, TokenLogprob, TopLogprob
+from shoal.engine.request import Request
+from shoal.engine.sampler import Sampler, SamplingRow
+from shoal.engine.sampling import SamplingParams
+from shoal.engine.scheduler import Scheduler, SchedulerConfig
+from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from shoal.engine.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[str, float], None]
+
+
+@dataclass
+class _OutputState:
+    """Per-request text state that lives beside the scheduler's Request."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    generator: torch.Generator | None
+    reported_tokens: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Engine:
+    """Loads one model and serves many concurrent requests with continuous batching."""
+
+    def __init__(self, config: EngineConfig, progress: ProgressCallback | None = None) -> None:
+        self.config = config
+        report = progress or (lambda _stage, _fraction: None)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        check_weights_fit(config.source)
+        report("tokenizer", 0.0)
+        self.tokenizer = Tokenizer.load(config.source, cache_dir=config.cache_dir)
+        self.loaded = load_model(config.source, config.dtype, device=config.device,
+                                 progress=lambda f: report("weights", f))
+        model_config = self.loaded.config
+        self.model_id = config.source.model_id
+        self.vocab_size = model_config.vocab_size
+        kv_plan = plan_kv_cache(config, model_config, self.loaded)
+        self.max_model_len = kv_plan.max_model_len
+        self.num_blocks = kv_plan.num_blocks
+        self.runner = ModelRunner(self.loaded, kv_plan.num_blocks, config.block_size,
+                                  config.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=kv_plan.num_blocks,
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._states: dict[str, _OutputState] = {}
+        self._aborted: list[str] = []
+        report("ready", 1.0)
+        log.info("engine ready: %s, %d KV blocks of %d, context %d, compute %s",
+                 self.model_id, kv_plan.num_blocks, config.block_size, self.max_model_len,
+                 self.loaded.compute_dtype)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tools=tools)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queue a request; raises InvalidParameter or ContextLengthExceeded."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ContextLengthExceeded("the prompt is empty")
+        params.check_vocab(self.vocab_size)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds "
+                f"{self.max_model_len} including at least one generated token")
+        request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                          params=params)
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+        self._states[request_id] = _OutputState(
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            stop_checker=StopChecker(params.stop),
+            generator=_generator_for(params.seed, self.config.device),
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self.scheduler.abort(request_id)
+            self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the loop body --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finish_output(rid, "abort") for rid in self._drain_aborted()]
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        logits = self.runner.execute(scheduled)  # [num_sampled, vocab] float32
+        sampled_chunks = [c for c in scheduled.chunks if c.needs_sample]
+        rows = [self._sampling_row(c.request_id) for c in sampled_chunks]
+        result = self.sampler(logits, rows)
+        sampled = {c.request_id: tok for c, tok in zip(sampled_chunks, result.token_ids)}
+        for chunk, lp in zip(sampled_chunks, result.logprobs):
+            if lp is not None:
+                self._states[chunk.request_id].pending_logprobs.append(self._to_logprob(lp))
+        finished = {r.request_id for r in self.scheduler.update(scheduled, sampled)}
+        for request_id in sampled:
+            output = self._emit(request_id, request_id in finished)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def stats(self) -> dict:
+        return {
+            "model": self.model_id,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            **self.scheduler.stats(),
+        }
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _drain_aborted(self) -> list[str]:
+        aborted, self._aborted = self._aborted, []
+        return [rid for rid in aborted if rid in self._requests]
+
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        request = self._requests[request_id]
+        return SamplingRow(params=request.params,
+                           prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=request.output_token_ids,
+                           generator=self._states[request_id].generator)
+
+    def _to_logprob(self, sampled) -> TokenLogprob:
+        text = self.tokenizer.token_text
+        return TokenLogprob(
+            token_id=sampled.token_id, token=text(sampled.token_id), logprob=sampled.logprob,
+            top=tuple(TopLogprob(token_id=t, token=text(t), logprob=lp) for t, lp in sampled.top),
+        )
+
+    def _emit(self, request_id: str, finished: bool) -> RequestOutput | None:
+        """Detokenize the request's new tokens and apply stop strings."""
+        request = self._requests[request_id]
+        state = self._states[request_id]
+        new_ids = request.output_token_ids[state.reported_tokens:]
+        state.reported_tokens = len(request.output_token_ids)
+        text = ""
+        stopped = False
+        for token_id in new_ids:
+            if token_id in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
+                continue  # the end token itself is never shown
+            piece, stopped = state.stop_checker.feed(state.detokenizer.add(token_id))
+            text += piece
+            if stopped:
+                break
+        if stopped and not finished:
+            self.scheduler.finish(request_id, "stop")
+        if stopped or finished:
+            if not stopped:
+                text += state.stop_checker.feed(state.detokenizer.flush())[0]
+                text += state.stop_checker.flush()
+            reason: FinishReason = "stop" if stopped else (request.finish_reason or "stop")
+            return self._finish_output(request_id, reason, text, tuple(new_ids))
+        logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
+        if not text and not new_ids:
+            return None
+        return RequestOutput(request_id=request_id, text=text, token_ids=tuple(new_ids),
+                             finished=False, logprobs=logprobs, **self._usage(request))
+
+    def _finish_output(self, request_id: str, reason: FinishReason, text: str = "",
+                       token_ids: tuple[int, ...] = ()) -> RequestOutput:
+        request = self._requests.pop(request_id)
+        state = self._states.pop(request_id)
+        return RequestOutput(request_id=request_id, text=text, token_ids=token_ids,
+                             finished=True, finish_reason=reason,
+                             logprobs=tuple(state.pending_logprobs), **self._usage(request))
+
+    @staticmethod
+    def _usage(request: Request) -> dict:
+        return {"prompt_tokens": len(request.prompt_token_ids),
+                "completion_tokens": len(request.output_token_ids),
+                "cached_tokens": request.num_cached_tokens}
+
+
+def _generator_for(seed: int | None, device: str) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,227 @@
+"""Engine and server speed on the built-in model; prints one JSON object.
+
+    python bench/engine.py [--model ID] [--threads 2] [--peer llama-cpp] [--skip-http]
+
+Measures, in one run: prefill tokens/s, batch-1 decode tokens/s (engine in-process),
+aggregate decode tokens/s with 1, 4 and 16 concurrent streams through the HTTP API, time to
+first token p50/p95, time to first token for a prompt whose first 1,000 tokens were seen
+before versus cold, and peak memory of the serving processes. With --peer llama-cpp the same
+GGUF and prompts run through llama-cpp-python and ratios are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from shoal.catalog.resolve import DEFAULT_MODEL_ID, resolve_model
+from shoal.engine.config import EngineConfig
+from shoal.engine.engine import Engine
+from shoal.engine.sampling import SamplingParams
+
+WORDS = ("river stone market lantern orchard signal harbor meadow copper violin thunder "
+         "garden compass mirror velvet canyon ember glacier quartz meadow").split()
+
+
+def synthetic_text(num_words: int, salt: int = 0) -> str:
+    return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(num_words))
+
+
+def prompt_of_tokens(engine: Engine, num_tokens: int, salt: int = 0) -> list[int]:
+    ids = engine.tokenizer.encode(synthetic_text(num_tokens * 2, salt), add_special_tokens=False)
+    return ids[:num_tokens]
+
+
+def run_to_end(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", ids, params)
+    first_token_at = None
+    start = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            generated += len(out.token_ids)
+            if first_token_at is None and out.token_ids:
+                first_token_at = time.perf_counter()
+    end = time.perf_counter()
+    return {"seconds": end - start, "ttft": (first_token_at or end) - start,
+            "generated": generated}
+
+
+def bench_engine(model: str, threads: int) -> dict:
+    engine = Engine(EngineConfig(source=resolve_model(model), threads=threads,
+                                 max_num_batched_tokens=2048))
+    run_to_end(engine, [prompt_of_tokens(engine, 64, salt=99)], 8)  # warm-up
+    prefill_ids = prompt_of_tokens(engine, 500, salt=1)
+    prefill = run_to_end(engine, [prefill_ids], 1)
+    decode_ids = prompt_of_tokens(engine, 200, salt=2)
+    decode = run_to_end(engine, [decode_ids], 129)
+    decode_tps = (decode["generated"] - 1) / (decode["seconds"] - decode["ttft"])
+    return {
+        "prefill_tokens": len(prefill_ids),
+        "prefill_tokens_per_s": len(prefill_ids) / prefill["ttft"],
+        "decode_batch1_tokens_per_s": decode_tps,
+        "compute_dtype": str(engine.loaded.compute_dtype),
+    }
+
+
+# ---- HTTP -----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, threads: int, port: int, data_dir: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(port), "--model", model,
+           "--threads", str(threads), "--data-dir", str(data_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("shoal serve exited during start-up")
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("shoal serve did not become healthy within 180 s")
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                     max_tokens: int) -> tuple[float, int, float]:
+    """Returns (ttft seconds, completion tokens, total seconds) for one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", url, json=body, timeout=600) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("choices") and event["choices"][0].get("text"):
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return ttft or 0.0, tokens, time.perf_counter() - start
+
+
+async def concurrent_streams(base: str, model: str, streams: int, max_tokens: int) -> dict:
+    url = f"{base}/v1/completions"
+    async with httpx.AsyncClient() as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*[
+            stream_one(client, url, model, f"Story {i}: " + synthetic_text(40, i), max_tokens)
+            for i in range(streams)])
+        elapsed = time.perf_counter() - start
+    ttfts = sorted(r[0] for r in results)
+    return {"streams": streams, "aggregate_tokens_per_s": sum(r[1] for r in results) / elapsed,
+            "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]}
+
+
+async def prefix_cache_ttft(base: str, model: str) -> dict:
+    url = f"{base}/v1/completions"
+    shared = synthetic_text(700, 5)  # ~1,000+ tokens
+    async with httpx.AsyncClient() as client:
+        cold, _, _ = await stream_one(client, url, model, shared + " Question one?", 1)
+        warm, _, _ = await stream_one(client, url, model, shared + " Question two?", 1)
+    return {"cold_ttft_s": cold, "cached_prefix_ttft_s": warm, "warm_over_cold": warm / cold}
+
+
+def process_tree_rss(proc: subprocess.Popen) -> int:
+    root = psutil.Process(proc.pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+def bench_http(model: str, threads: int) -> dict:
+    import tempfile
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as data_dir:
+        proc = start_server(model, threads, port, Path(data_dir))
+        base = f"http://127.0.0.1:{port}"
+        try:
+            out = {"concurrency": [asyncio.run(concurrent_streams(base, model, n, 64))
+                                   for n in (1, 4, 16)],
+                   "prefix_cache": asyncio.run(prefix_cache_ttft(base, model)),
+                   "server_rss_bytes": process_tree_rss(proc)}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return out
+
+
+# ---- the peer -------------------------------------------------------------------------------
+
+def bench_llama_cpp(model: str, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    path = str(resolve_model(model).path)
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    prompt = llm.tokenize(synthetic_text(1000, 1).encode(), add_bos=False)[:500]
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    prefill_tps = len(prompt) / (time.perf_counter() - start)
+    llm.reset()
+    decode_prompt = llm.tokenize(synthetic_text(400, 2).encode(), add_bos=False)[:200]
+    llm.eval(decode_prompt)
+    token = llm.sample(temp=0.0)
+    start = time.perf_counter()
+    for _ in range(128):
+        llm.eval([token])
+        token = llm.sample(temp=0.0)
+    decode_tps = 128 / (time.perf_counter() - start)
+    return {"prefill_tokens_per_s": prefill_tps, "decode_batch1_tokens_per_s": decode_tps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL_ID)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--peer", choices=["llama-cpp"], default=None)
+    parser.add_argument("--skip-http", action="store_true")
+    args = parser.parse_args()
+
+    result: dict = {"model": args.model, "threads": args.threads,
+                    "engine": bench_engine(args.model, args.threads)}
+    # ru_maxrss is KiB on Linux: the peak of this process, which held the engine.
+    result["engine_process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if not args.skip_http:
+        result["http"] = bench_http(args.model, args.threads)
+    if args.peer == "llama-cpp":
+        peer = bench_llama_cpp(args.model, args.threads)
+        ours = result["engine"]
+        result["peer_llama_cpp"] = peer
+        ratios = {
+            "decode_batch1": ours["decode_batch1_tokens_per_s"] / peer["decode_batch1_tokens_per_s"],
+            "prefill": ours["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"],
+        }
+        if "http" in result:
+            agg16 = result["http"]["concurrency"][-1]["aggregate_tokens_per_s"]
+            ratios["aggregate16_over_peer_decode_batch1"] = agg16 / peer["decode_batch1_tokens_per_s"]
+        result["ratios"] = ratios
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Size the paged KV cache from a memory budget, and refuse models that cannot fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.errors import ModelDoesNotFit
+
+# Share of the memory available after loading weights that the KV cache takes by default.
+DEFAULT_KV_SHARE = 0.25
+# The smallest context worth serving; below it loading fails with a clear error.
+MIN_CONTEXT_TOKENS = 256
+# Weights in memory are at most this many times the file size (dequantized norms, packing).
+LOAD_OVERHEAD_FACTOR = 1.3
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    max_model_len: int
+
+
+def check_weights_fit(source: ModelSource, available_bytes: int | None = None) -> None:
+    """Fail before loading when the weight files alone exceed available memory."""
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    files = [source.path] if source.path.is_file() else list(source.path.glob("*.safetensors"))
+    needed = int(sum(f.stat().st_size for f in files) * LOAD_OVERHEAD_FACTOR)
+    if needed > available:
+        raise ModelDoesNotFit(
+            f"model {source.model_id!r} needs about {needed / 2**30:.2f} GiB to load but only "
+            f"{available / 2**30:.2f} GiB is available")
+
+
+def plan_kv_cache(config: EngineConfig, model_config, loaded,
+                  available_bytes: int | None = None) -> KVPlan:
+    """Blocks for the KV cache and the context they allow.
+
+    The budget is --kv-cache-memory when given, else DEFAULT_KV_SHARE of available memory,
+    never more than max_num_seqs full contexts need.
+    """
+    from shoal.engine.models.loader import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(model_config, loaded.compute_dtype)
+    per_block = per_token * config.block_size
+    context = model_config.max_position
+    if config.max_model_len is not None:
+        context = min(context, config.max_model_len)
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    else:
+        available = (psutil.virtual_memory().available if available_bytes is None
+                     else available_bytes)
+        budget = min(int(available * DEFAULT_KV_SHARE),
+                     config.max_num_seqs * context * per_token)
+    num_blocks = budget // per_block
+    tokens = num_blocks * config.block_size
+    if tokens < min(MIN_CONTEXT_TOKENS, context):
+        raise ModelDoesNotFit(
+            f"the KV cache budget of {budget / 2**20:.1f} MiB holds only {tokens} tokens of "
+            f"model {config.source.model_id!r} ({per_token} bytes per token); at least "
+            f"{min(MIN_CONTEXT_TOKENS, context)} are needed. Raise --kv-cache-memory or free memory.")
+    return KVPlan(num_blocks=int(num_blocks), max_model_len=int(min(context, tokens)))

@@ -1,0 +1,160 @@
+"""ModelRunner: a SchedulerOutput -> flat token tensors + attention metadata -> forward -> logits.
+
+All chunks' tokens go through the linear layers as one [T_total, hidden] matrix. Attention
+runs per group: consecutive single-token chunks (decodes) form one padded batch; every longer
+chunk (a prefill piece) is its own group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.engine.kv.tensors import allocate_kv_cache
+from shoal.engine.models.layers.attention import AttentionGroup, AttentionMetadata, AttentionView
+from shoal.engine.models.loader import LoadedModel
+from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class _KeyWindow:
+    """Keys positions [lo_b, ctx_b) of each request b in a group, padded to `length`."""
+
+    lo: list[int]
+    ctx: list[int]
+
+    @property
+    def length(self) -> int:
+        return max(c - lo for lo, c in zip(self.lo, self.ctx))
+
+    @property
+    def uniform(self) -> bool:
+        return len({c - lo for lo, c in zip(self.lo, self.ctx)}) == 1
+
+
+class ModelRunner:
+    """Owns the paged KV cache of one model stage and runs its forward pass."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 device: str | torch.device = "cpu") -> None:
+        self.loaded = loaded
+        self.model = loaded.module
+        self.config = loaded.config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        start, end = loaded.layer_range
+        self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
+                                           loaded.compute_dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [num_sampled, vocab], one row per chunk with needs_sample in chunk
+        order. A stage without the output head returns hidden states [T_total, hidden]
+        instead, and a stage without the embedding takes them as `hidden_states`."""
+        meta, token_ids = self.prepare(scheduler_output)
+        inputs = token_ids if self.model.has_embedding else hidden_states
+        if inputs is None:
+            raise ValueError("this stage has no embedding: pass hidden_states")
+        hidden = self.model(inputs, meta, self.kv_caches)
+        if not self.model.has_head:
+            return hidden
+        if meta.logits_indices.shape[0] != hidden.shape[0]:
+            hidden = hidden[meta.logits_indices]
+        return self.model.compute_logits(hidden)
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Flat token ids [T], positions, KV slots and attention groups for one step."""
+        chunks = scheduler_output.chunks
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for chunk in chunks:
+            self._check(chunk)
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.context_len))
+            if chunk.needs_sample:
+                logits_rows.append(len(token_ids) - 1)
+        groups = self._groups(chunks)
+        device = self.device
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        meta = AttentionMetadata(
+            positions=position_tensor,
+            slot_mapping=self._slot_mapping(chunks).to(device),
+            groups=groups,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device))
+        return meta, torch.tensor(token_ids, dtype=torch.long, device=device)
+
+    def _check(self, chunk: ScheduledChunk) -> None:
+        if not chunk.token_ids:
+            raise ValueError(f"request {chunk.request_id}: empty chunk")
+        if chunk.context_len > self.config.max_position:
+            raise ValueError(f"request {chunk.request_id}: position {chunk.context_len - 1} "
+                             f"exceeds the model's context ({self.config.max_position})")
+        if -(-chunk.context_len // self.block_size) > len(chunk.block_ids):
+            raise ValueError(f"request {chunk.request_id}: block table too short for "
+                             f"{chunk.context_len} tokens")
+
+    def _slot_mapping(self, chunks) -> torch.Tensor:
+        size = self.block_size
+        slots = [chunk.block_ids[p // size] * size + p % size
+                 for chunk in chunks for p in range(chunk.start_position, chunk.context_len)]
+        return torch.tensor(slots, dtype=torch.long)
+
+    def _groups(self, chunks: tuple[ScheduledChunk, ...]) -> list[AttentionGroup]:
+        groups: list[AttentionGroup] = []
+        row = index = 0
+        while index < len(chunks):
+            end = index + 1
+            if len(chunks[index].token_ids) == 1:
+                while end < len(chunks) and len(chunks[end].token_ids) == 1:
+                    end += 1
+            members = chunks[index:end]
+            groups.append(self._group(row, members))
+            row += sum(len(c.token_ids) for c in members)
+            index = end
+        return groups
+
+    def _group(self, row: int, members: tuple[ScheduledChunk, ...]) -> AttentionGroup:
+        query_len = len(members[0].token_ids)
+        ctx = [c.context_len for c in members]
+        tables = self._block_tables(members)
+        if len(members) == 1 and members[0].start_position == 0 and query_len > 1:
+            # A fresh prefill attends only to its own new keys: no gather needed.
+            full = AttentionView(gather=None, mask=None, is_causal=True)
+        else:
+            full = self._view(tables, _KeyWindow([0] * len(ctx), ctx), query_len, None)
+        sliding = None
+        window = self.config.sliding_window
+        if window is not None and max(ctx) > window:
+            lo = [max(0, c - query_len - window + 1) for c in ctx]
+            sliding = self._view(tables, _KeyWindow(lo, ctx), query_len, window)
+        return AttentionGroup(token_start=row, batch=len(members), query_len=query_len,
+                              full=full, sliding=sliding)
+
+    def _block_tables(self, members) -> torch.Tensor:
+        # [B, max blocks] block ids; padding uses block 0 (its keys are masked out).
+        needed = [-(-c.context_len // self.block_size) for c in members]
+        width = max(needed)
+        rows = [list(c.block_ids[:n]) + [0] * (width - n) for c, n in zip(members, needed)]
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _view(self, tables: torch.Tensor, keys: _KeyWindow, query_len: int,
+              window: int | None) -> AttentionView:
+        size = self.block_size
+        lo = torch.tensor(keys.lo, dtype=torch.long)[:, None]
+        ctx = torch.tensor(keys.ctx, dtype=torch.long)[:, None]
+        key_pos = lo + torch.arange(keys.length)[None, :]               # [B, L]
+        valid = key_pos < ctx
+        key_pos = torch.minimum(key_pos, ctx - 1)
+        gather = tables.gather(1, key_pos // size) * size + key_pos % size  # [B, L]
+        mask = None
+        if query_len > 1 or not keys.uniform:
+            query_pos = ctx - query_len + torch.arange(query_len)[None, :]  # [B, Tq]
+            allowed = valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+            if window is not None:
+                allowed &= key_pos[:, None, :] > query_pos[:, :, None] - window
+            mask = allowed.unsqueeze(1).to(self.device)                  # [B, 1, Tq, L]
+        return AttentionView(gather=gather.flatten().to(self.device), mask=mask)

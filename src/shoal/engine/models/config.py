@@ -1,0 +1,63 @@
+"""ModelConfig: the shape and family flags of one decoder, read from GGUF or config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+LayerType = Literal["full", "sliding"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward path needs to know about a checkpoint.
+
+    architecture is the registry's canonical family name ("llama", "qwen2", "qwen3", "gemma3").
+    layer_types gives each layer's attention kind; sliding layers attend to the last
+    sliding_window positions and use rope_local_theta.
+    """
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[LayerType, ...] = ()
+    rope_local_theta: float | None = None
+    # Linear RoPE scaling of global layers (positions divided by this factor).
+    rope_scaling_factor: float = 1.0
+    # Attention logits are multiplied by this; None means head_dim ** -0.5.
+    attention_scale: float | None = None
+    hidden_activation: Literal["silu", "gelu_tanh"] = "silu"
+    final_logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
+                     "num_kv_heads", "head_dim", "vocab_size", "max_position"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError("layer_types must name one kind per layer")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding layers need a sliding_window")
+
+    def layer_type(self, layer_index: int) -> LayerType:
+        return self.layer_types[layer_index] if self.layer_types else "full"
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5

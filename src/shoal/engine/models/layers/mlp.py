@@ -1,0 +1,21 @@
+"""Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: str) -> None:
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.gate_up, self.down = gate_up, down
+        self.gelu = activation == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(act * up)

@@ -1,0 +1,42 @@
+"""Rotary position embeddings (Hugging Face half-split layout), tables precomputed once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryTable(nn.Module):
+    """cos / sin of position * inv_freq for positions 0 .. max_position - 1.
+
+    Computed in float32 exactly as transformers does, so fp32 logits match it bit for bit.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_position: int,
+                 scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def lookup(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) shaped [T, 1, D] in dtype, ready to broadcast over heads.
+
+        cos repeats over both halves; sin is negated on the first half so that
+        apply_rotary needs one swap, two multiplies and an add. The model runner checks
+        positions against max_position before the forward.
+        """
+        cos = self.cos[positions].to(dtype)  # [T, D/2]
+        sin = self.sin[positions].to(dtype)
+        return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
+                torch.cat((-sin, sin), dim=-1).unsqueeze(1))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] rotated in HF's half-split layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin)

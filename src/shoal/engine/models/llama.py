@@ -1,0 +1,145 @@
+"""One decoder skeleton for llama / mistral / qwen2 (qkv bias) / qwen3 (q/k norm).
+
+A model instance holds a half-open layer range [start, end) with original layer indices;
+the first stage embeds token ids, the last stage owns the final norm and output head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shoal.engine.models.config import ModelConfig
+from shoal.engine.models.layers.attention import AttentionMetadata, SelfAttention
+from shoal.engine.models.layers.embedding import Embedding, build_head
+from shoal.engine.models.layers.linear import WeightPlan, build_linear
+from shoal.engine.models.layers.mlp import GatedMLP
+from shoal.engine.models.layers.norm import RMSNorm
+from shoal.engine.models.layers.rotary import RotaryTable
+from shoal.engine.weights.quant import RawTensor
+
+Weights = dict[str, RawTensor]
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan) -> RMSNorm:
+    weight = raw.dequantize().to(device=plan.device, dtype=plan.compute_dtype)
+    return RMSNorm(weight, config.rms_eps)
+
+
+def make_attention(config: ModelConfig, index: int, weights: Weights,
+                   plan: WeightPlan) -> SelfAttention:
+    prefix = f"layers.{index}."
+    parts = [weights[prefix + p + ".weight"] for p in "qkv"]
+    biases = [weights[prefix + p + ".bias"] for p in "qkv"] if config.qkv_bias else None
+    q_norm = k_norm = None
+    if config.qk_norm:
+        q_norm = make_norm(weights[prefix + "q_norm.weight"], config, plan)
+        k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan)
+    return SelfAttention(
+        qkv=build_linear(parts, biases, plan),
+        o=build_linear([weights[prefix + "o.weight"]], None, plan),
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, scale=config.scale,
+        sliding=config.layer_type(index) == "sliding", q_norm=q_norm, k_norm=k_norm,
+        attention_dtype=torch.float32 if plan.device.type == "cpu" else None)
+
+
+def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan) -> GatedMLP:
+    prefix = f"layers.{index}."
+    gate_up = build_linear([weights[prefix + "gate.weight"], weights[prefix + "up.weight"]],
+                           None, plan)
+    down = build_linear([weights[prefix + "down.weight"]], None, plan)
+    return GatedMLP(gate_up, down, config.hidden_activation)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, index: int, weights: Weights, plan: WeightPlan):
+        super().__init__()
+        prefix = f"layers.{index}."
+        self.attn_norm = make_norm(weights[prefix + "attn_norm.weight"], config, plan)
+        self.attn = make_attention(config, index, weights, plan)
+        self.mlp_norm = make_norm(weights[prefix + "mlp_norm.weight"], config, plan)
+        self.mlp = make_mlp(config, index, weights, plan)
+
+    def forward(self, h: torch.Tensor, rope, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), rope, kv_cache, meta)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class LlamaModel(nn.Module):
+    """Layers [start, end) of a llama-family decoder.
+
+    forward(inputs, meta, kv_caches): inputs are token ids [T] on the first stage and hidden
+    states [T, hidden] otherwise; returns hidden states [T, hidden] (before the final norm).
+    compute_logits(hidden) applies the final norm and head (last stage only).
+    """
+
+    block_class: type[nn.Module] = LlamaBlock
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], weights: Weights,
+                 plan: WeightPlan, progress: Callable[[float], None] | None = None) -> None:
+        super().__init__()
+        self.config, self.plan = config, plan
+        self.start, self.end = layer_range
+        self.has_embedding = self.start == 0
+        self.has_head = self.end == config.num_layers
+        self.embedding = (Embedding(weights["embed.weight"], plan, self.embedding_scale())
+                          if self.has_embedding else None)
+        blocks = []
+        for i in range(self.start, self.end):
+            blocks.append(self.block_class(config, i, weights, plan))
+            if progress is not None:
+                progress((i - self.start + 1) / (self.end - self.start))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = self.head = None
+        if self.has_head:
+            self.norm = make_norm(weights["norm.weight"], config, plan)
+            head_raw = weights.get("lm_head.weight") or weights["embed.weight"]
+            tied = "lm_head.weight" not in weights
+            self.head = build_head(head_raw, plan, self.embedding if tied else None)
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position,
+                                  config.rope_scaling_factor)
+
+    def embedding_scale(self) -> float | None:
+        return None
+
+    def rope_for_layer(self, index: int, tables: dict[str, tuple]) -> tuple:
+        return tables["global"]
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple]:
+        return {"global": self.rotary.lookup(positions, self.plan.compute_dtype)}
+
+    def forward(self, inputs: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        h = self.embedding(inputs) if self.has_embedding else inputs.to(self.plan.compute_dtype)
+        tables = self.rope_tables(meta.positions)
+        for offset, block in enumerate(self.blocks):
+            rope = self.rope_for_layer(self.start + offset, tables)
+            h = block(h, rope, kv_caches[offset], meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] -> float32 logits [S, vocab]."""
+        logits = self.head(self.norm(hidden)).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def weight_bytes(self) -> int:
+        total = 0
+        for module in self.modules():
+            if hasattr(module, "nbytes"):
+                total += module.nbytes()
+            elif isinstance(module, RMSNorm):
+                total += module.weight.numel() * module.weight.element_size()
+        if self.head is not None and self.embedding is not None and \
+                getattr(self.head, "weight", None) is self.embedding.weight:
+            total -= self.head.nbytes()  # tied: counted once
+        return total

@@ -1,0 +1,57 @@
+"""Drive ModelRunner directly with hand-built scheduler outputs (no scheduler needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+def chunk(request_id: str, token_ids, start: int, blocks, sample: bool = True) -> ScheduledChunk:
+    return ScheduledChunk(request_id=request_id, token_ids=tuple(token_ids),
+                          start_position=start, block_ids=tuple(blocks), needs_sample=sample)
+
+
+def step(runner: ModelRunner, *chunks: ScheduledChunk) -> torch.Tensor:
+    return runner.execute(SchedulerOutput(chunks=tuple(chunks)))
+
+
+def all_position_logits(runner: ModelRunner, token_ids: list[int], blocks) -> torch.Tensor:
+    """Logits [T, vocab] for every prompt position (one prefill; bypasses sampling rows)."""
+    output = SchedulerOutput(chunks=(chunk("all", token_ids, 0, blocks),))
+    with torch.inference_mode():
+        meta, ids = runner.prepare(output)
+        hidden = runner.model(ids, meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden)
+
+
+def greedy(runner: ModelRunner, prompt: list[int], steps: int, blocks) -> list[int]:
+    """Greedy tokens: one prefill, then one decode step per token."""
+    logits = step(runner, chunk("greedy", prompt, 0, blocks))
+    ids = list(prompt)
+    out = []
+    for _ in range(steps):
+        token = int(logits[0].argmax())
+        out.append(token)
+        ids.append(token)
+        logits = step(runner, chunk("greedy", [token], len(ids) - 1, blocks))
+    return out
+
+
+def greedy_batch(runner: ModelRunner, prompts: list[list[int]], steps: int,
+                 blocks_per_request: int) -> list[list[int]]:
+    """Greedy tokens of several prompts: one prefill each, then batched decode steps."""
+    tables = [list(range(i * blocks_per_request, (i + 1) * blocks_per_request))
+              for i in range(len(prompts))]
+    logits = step(runner, *(chunk(str(i), p, 0, tables[i]) for i, p in enumerate(prompts)))
+    lengths = [len(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        tokens = [int(row.argmax()) for row in logits]
+        for out, token in zip(outputs, tokens):
+            out.append(token)
+        logits = step(runner, *(chunk(str(i), [t], lengths[i], tables[i])
+                                for i, t in enumerate(tokens)))
+        lengths = [n + 1 for n in lengths]
+    return outputs

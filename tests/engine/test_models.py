@@ -1,0 +1,115 @@
+"""The forward path on tiny random models of each family, against transformers in fp32."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from forward_helpers import all_position_logits, chunk, step
+from shoal.engine.config import ModelSource
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.models.loader import load_model
+from tiny_models import FAMILIES, VOCAB
+
+PROMPT = [3, 17, 99, 42, 5, 77, 8, 120, 64, 33, 2, 91, 15]
+BLOCK = 4
+
+
+def shuffled_blocks(count: int = 16, seed: int = 0) -> list[int]:
+    blocks = list(range(count))
+    random.Random(seed).shuffle(blocks)
+    return blocks
+
+
+def load(checkpoint, fmt: str, dtype: str = "float32", layer_range=None):
+    path = checkpoint.gguf_path if fmt == "gguf" else checkpoint.safetensors_dir
+    return load_model(ModelSource(checkpoint.family, fmt, path), dtype, layer_range=layer_range)
+
+
+def reference_logits(model, token_ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_logits_match_transformers(tiny_checkpoints, family, fmt):
+    checkpoint = tiny_checkpoints[family]
+    loaded = load(checkpoint, fmt)
+    assert loaded.config.architecture == family
+    runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
+    ours = all_position_logits(runner, PROMPT, shuffled_blocks())
+    reference = checkpoint.hf_model if fmt == "safetensors" else checkpoint.gguf_reference
+    expected = reference_logits(reference, PROMPT)
+    assert ours.shape == (len(PROMPT), VOCAB)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_equals_one_shot(tiny_checkpoints, family):
+    loaded = load(tiny_checkpoints[family], "gguf")
+    blocks = shuffled_blocks()
+    one_shot = step(ModelRunner(loaded, 16, BLOCK), chunk("a", PROMPT, 0, blocks))
+    runner = ModelRunner(loaded, 16, BLOCK)
+    split = 7
+    assert step(runner, chunk("a", PROMPT[:split], 0, blocks, sample=False)).shape[0] == 0
+    chunked = step(runner, chunk("a", PROMPT[split:], split, blocks))
+    torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family):
+    loaded = load(tiny_checkpoints[family], "gguf")
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:11]]  # different lengths; gemma window is 5
+    tables = [shuffled_blocks(16, seed)[:5] for seed in range(3)]
+    tables = [[b + 16 * i for b in t] for i, t in enumerate(tables)]  # disjoint blocks
+
+    def prefill(runner):
+        return [step(runner, chunk(str(i), p, 0, tables[i])) for i, p in enumerate(prompts)]
+
+    alone = ModelRunner(loaded, 48, BLOCK)
+    batched = ModelRunner(loaded, 48, BLOCK)
+    firsts = prefill(alone)
+    prefill(batched)
+    tokens = [int(f[0].argmax()) for f in firsts]
+    lengths = [len(p) for p in prompts]
+    for _ in range(4):
+        chunks = [chunk(str(i), [tokens[i]], lengths[i], tables[i]) for i in range(3)]
+        together = step(batched, *chunks)
+        separate = torch.cat([step(alone, c) for c in chunks])
+        torch.testing.assert_close(together, separate, atol=1e-5, rtol=1e-5)
+        tokens = [int(row.argmax()) for row in together]
+        lengths = [n + 1 for n in lengths]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family):
+    checkpoint = tiny_checkpoints[family]
+    whole = load(checkpoint, "gguf")
+    split = whole.config.num_layers // 2
+    first = load(checkpoint, "gguf", layer_range=(0, split))
+    second = load(checkpoint, "gguf", layer_range=(split, whole.config.num_layers))
+    assert first.module.head is None and second.module.embedding is None
+    blocks = shuffled_blocks()
+    expected = step(ModelRunner(whole, 16, BLOCK), chunk("a", PROMPT, 0, blocks))
+    stage_one, stage_two = ModelRunner(first, 16, BLOCK), ModelRunner(second, 16, BLOCK)
+    hidden = step(stage_one, chunk("a", PROMPT, 0, blocks))
+    assert hidden.shape == (len(PROMPT), whole.config.hidden_size)
+    from shoal.engine.scheduler_output import SchedulerOutput
+    logits = stage_two.execute(SchedulerOutput((chunk("a", PROMPT, 0, blocks),)), hidden)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_quantized_path_stays_close_to_fp32(tiny_checkpoints):
+    checkpoint = tiny_checkpoints["llama"]
+    fast = load(checkpoint, "gguf", dtype="bfloat16")
+    kinds = {type(m).__name__ for m in fast.module.modules()}
+    assert {"Int4Linear", "Int8Linear"} <= kinds  # Q4_1/Q4_0 kept 4-bit, Q8_0 head as int8
+    blocks = shuffled_blocks()
+    ours = all_position_logits(ModelRunner(fast, 16, BLOCK), PROMPT, blocks)
+    exact = all_position_logits(ModelRunner(load(checkpoint, "gguf"), 16, BLOCK), PROMPT, blocks)
+    assert ours.dtype == torch.float32
+    cosine = torch.nn.functional.cosine_similarity(ours, exact, dim=-1)
+    assert cosine.min() > 0.99

@@ -1,0 +1,184 @@
+"""Tiny random-weight checkpoints of each family, saved as an HF safetensors directory and
+as a GGUF file, with the transformers model that serves as the fp32 reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+VOCAB = 128
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
+
+@dataclass
+class TinyCheckpoint:
+    family: str
+    hf_model: torch.nn.Module   # reference whose weights equal the safetensors files
+    safetensors_dir: Path
+    gguf_path: Path
+    gguf_reference: torch.nn.Module  # reference with the GGUF's (dequantized) weights
+
+
+def hf_config(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=family != "llama")
+    if family == "llama":
+        return tf.LlamaConfig(num_hidden_layers=2, rope_theta=10000.0, **common)
+    if family == "qwen2":
+        return tf.Qwen2Config(num_hidden_layers=2, rope_theta=10000.0, **common)
+    if family == "qwen3":
+        return tf.Qwen3Config(num_hidden_layers=2, head_dim=32, rope_theta=10000.0, **common)
+    # Six layers so both kinds appear (five sliding, one global); a window of 5 tokens.
+    common.update(num_key_value_heads=1)
+    return tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=32, sliding_window=5,
+                               query_pre_attn_scalar=32, **common)
+
+
+def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = hf_config(family)
+    config._attn_implementation = "eager"
+    classes = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+               "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}
+    model = classes[family](config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Random norms and biases too, so a misplaced norm or bias shows in the logits.
+            std = 0.3 if "norm" in name or "bias" in name else 0.08
+            param.normal_(1.0 if ("norm" in name and family != "gemma3") else 0.0, std)
+    return model
+
+
+def build(family: str, directory: Path) -> TinyCheckpoint:
+    model = hf_model(family)
+    st_dir = directory / f"{family}-hf"
+    model.save_pretrained(st_dir, safe_serialization=True)
+    gguf_path = directory / f"{family}.gguf"
+    dequantized = write_gguf(model, family, gguf_path)
+    reference = hf_model(family)
+    reference.load_state_dict(dequantized, strict=False)
+    if reference.config.tie_word_embeddings:
+        reference.tie_weights()
+    return TinyCheckpoint(family, model, st_dir, gguf_path, reference)
+
+
+# HF parameter suffix -> (GGUF name, quantization used in the tiny file).
+_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm.weight", "F32"),
+    "self_attn.q_proj.weight": ("attn_q.weight", "Q4_1"),
+    "self_attn.k_proj.weight": ("attn_k.weight", "Q4_1"),
+    "self_attn.v_proj.weight": ("attn_v.weight", "Q8_0"),
+    "self_attn.o_proj.weight": ("attn_output.weight", "Q4_0"),
+    "self_attn.q_proj.bias": ("attn_q.bias", "F32"),
+    "self_attn.k_proj.bias": ("attn_k.bias", "F32"),
+    "self_attn.v_proj.bias": ("attn_v.bias", "F32"),
+    "self_attn.q_norm.weight": ("attn_q_norm.weight", "F32"),
+    "self_attn.k_norm.weight": ("attn_k_norm.weight", "F32"),
+    "mlp.gate_proj.weight": ("ffn_gate.weight", "Q4_1"),
+    "mlp.up_proj.weight": ("ffn_up.weight", "Q4_1"),
+    "mlp.down_proj.weight": ("ffn_down.weight", "F16"),
+    "pre_feedforward_layernorm.weight": ("ffn_norm.weight", "F32"),
+    "post_feedforward_layernorm.weight": ("post_ffw_norm.weight", "F32"),
+}
+
+
+def _gguf_name(hf_name: str, family: str) -> tuple[str, str]:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight", "Q8_0"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight", "F32"
+    if hf_name == "lm_head.weight":
+        return "output.weight", "Q8_0"
+    _, _, index, suffix = hf_name.split(".", 3)
+    if suffix == "post_attention_layernorm.weight":
+        part = "post_attention_norm.weight" if family == "gemma3" else "ffn_norm.weight"
+        return f"blk.{index}.{part}", "F32"
+    part, quant = _LAYER_MAP[suffix]
+    return f"blk.{index}.{part}", quant
+
+
+def write_gguf(model, family: str, path: Path) -> dict[str, torch.Tensor]:
+    """Write `model` as GGUF the way llama.cpp's converter would; returns the HF state dict
+    of the values the file actually holds (after quantization)."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), _GGUF_ARCH[family])
+    _write_metadata(writer, config, family)
+    stored: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name, quant = _gguf_name(hf_name, family)
+        values = tensor.float().numpy().copy()
+        if family == "gemma3" and "norm" in name:
+            values = values + 1.0  # GGUF Gemma norms hold 1 + w
+        if family == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            values = _permute(values, heads)
+        data, back = _encode(values, quant)
+        writer.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, quant))
+        if family == "llama" and (".attn_q." in name or ".attn_k." in name):
+            back = _unpermute(back, heads)
+        if family == "gemma3" and "norm" in name:
+            back = back - 1.0
+        stored[hf_name] = torch.from_numpy(back.astype(np.float32)).reshape(tensor.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def _encode(values: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:
+    import gguf
+
+    if quant == "F32":
+        return values.astype(np.float32), values.astype(np.float32)
+    if quant == "F16":
+        half = values.astype(np.float16)
+        return half, half.astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    data = gguf.quants.quantize(values.astype(np.float32), qtype)
+    return data, gguf.quants.dequantize(data, qtype).reshape(values.shape)
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf: interleave each head's two rotary halves.
+    rows = weights.shape[0]
+    return (weights.reshape(heads, 2, rows // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+    rows = weights.shape[0]
+    return (weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _write_metadata(writer, config, family: str) -> None:
+    arch = _GGUF_ARCH[family]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_uint32(f"{arch}.block_count", config.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", config.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", config.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    theta = config.rope_parameters.get("full_attention", config.rope_parameters)["rope_theta"]
+    writer.add_float32(f"{arch}.rope.freq_base", theta)
+    writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
+    if family == "gemma3":
+        writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
