@@ -14,6 +14,17 @@ def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, blo
     if num_blocks < 1 or block_size < 1:
         raise ValueError("num_blocks and block_size must be >= 1")
     shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-    # zeros, not empty: padded gathers read slot 0 and must never see NaN garbage.
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+    return [(_lazy_cache(shape, dtype, device), _lazy_cache(shape, dtype, device))
+            for _ in range(num_layers)]
+
+
+def _lazy_cache(shape: tuple[int, int, int], dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    """Uncommitted memory (pages arrive as blocks are first written), slot 0 zeroed.
+
+    Padded gathers read slot 0 and must never see NaN garbage; every other slot that is
+    read has been written first. torch.zeros would commit the whole budget at start-up.
+    """
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    cache[0].zero_()
+    return cache
