@@ -317,7 +317,7 @@ def serve(sock: socket.socket) -> int:
         try:
             engine = build_engine(load, channel)
         except Exception as error:  # noqa: BLE001 - reported, then exit
-            log.error("loading %s failed:\n%s", load.model_id, traceback.format_exc())
+            log.error("loading %s failed:\n%s", load.engine.source.model_id, traceback.format_exc())
             channel.send(Failed(message=str(error) or type(error).__name__,
                                 error_type=type(error).__name__))
             return 2
