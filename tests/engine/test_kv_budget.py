@@ -1,0 +1,59 @@
+"""KV cache sizing from a memory budget, and clear refusals when a model cannot fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.errors import ModelDoesNotFit
+from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
+from shoal.engine.models.config import ModelConfig
+
+# SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 23,040 bytes per token in bf16.
+CONFIG = ModelConfig(architecture="llama", num_layers=30, hidden_size=576,
+                     intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                     vocab_size=49152, max_position=8192)
+PER_TOKEN = 2 * 30 * 3 * 64 * 2
+
+
+@dataclass
+class Loaded:
+    compute_dtype: torch.dtype = torch.bfloat16
+
+
+@pytest.fixture()
+def source(tmp_path) -> ModelSource:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"\0" * 1000)
+    return ModelSource(model_id="tiny", format="gguf", path=path)
+
+
+def test_explicit_budget_sets_block_count_and_context(source):
+    config = EngineConfig(source=source, kv_cache_bytes=100 * 16 * PER_TOKEN)
+    plan = plan_kv_cache(config, CONFIG, Loaded())
+    assert plan.num_blocks == 100
+    assert plan.max_model_len == 1600  # the pool holds fewer tokens than the model's 8192
+
+
+def test_default_budget_is_a_share_of_available_memory_capped_by_need(source):
+    config = EngineConfig(source=source, max_num_seqs=2)
+    plenty = plan_kv_cache(config, CONFIG, Loaded(), available_bytes=2**40)
+    assert plenty.num_blocks * 16 == 2 * 8192  # two full contexts, no more
+    assert plenty.max_model_len == 8192
+    tight = plan_kv_cache(config, CONFIG, Loaded(), available_bytes=400 * PER_TOKEN * 4)
+    assert tight.num_blocks == 400 // 16
+
+
+def test_a_budget_below_the_minimum_context_is_refused_clearly(source):
+    config = EngineConfig(source=source, kv_cache_bytes=4096)
+    with pytest.raises(ModelDoesNotFit, match="kv-cache-memory"):
+        plan_kv_cache(config, CONFIG, Loaded())
+
+
+def test_weights_larger_than_available_memory_are_refused_before_loading(source):
+    check_weights_fit(source, available_bytes=10**6)
+    with pytest.raises(ModelDoesNotFit, match="needs about"):
+        check_weights_fit(source, available_bytes=500)
