@@ -113,3 +113,19 @@ def test_bfloat16_quantized_path_stays_close_to_fp32(tiny_checkpoints):
     assert ours.dtype == torch.float32
     cosine = torch.nn.functional.cosine_similarity(ours, exact, dim=-1)
     assert cosine.min() > 0.99
+
+
+def test_int8_linear_many_rows_match_the_weight_only_kernel():
+    from shoal.engine.models.layers.linear import INT8_MAX_ROWS, Int8Linear
+    from shoal.engine.weights.quant import int8_rows
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator)
+    q, scale = int8_rows(weight)
+    layer = Int8Linear(q, scale.to(torch.bfloat16))
+    x = torch.randn(INT8_MAX_ROWS + 12, 64, generator=generator).to(torch.bfloat16)
+    x[:, 3] *= 20  # an outlier channel, as real activations have
+    many = layer(x)  # int8 activations path
+    one_by_one = torch.cat([layer(row[None]) for row in x])  # weight-only kernel
+    assert many.dtype == torch.bfloat16 and many.shape == (x.shape[0], 96)
+    torch.testing.assert_close(many.float(), one_by_one.float(), atol=0.05, rtol=0.02)

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from shoal.engine.kv.tensors import allocate_kv_cache
-from shoal.engine.models.layers.attention import AttentionGroup, AttentionMetadata, AttentionView
+from shoal.engine.models.layers.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    AttentionView,
+    attention_dtype_for,
+)
 from shoal.engine.models.loader import LoadedModel
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -47,6 +52,7 @@ class ModelRunner:
         start, end = loaded.layer_range
         self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
                                            loaded.compute_dtype, self.device)
+        self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
@@ -156,5 +162,8 @@ class ModelRunner:
             allowed = valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
             if window is not None:
                 allowed &= key_pos[:, None, :] > query_pos[:, :, None] - window
-            mask = allowed.unsqueeze(1).to(self.device)                  # [B, 1, Tq, L]
+            # Additive float mask, converted once here instead of inside every layer.
+            mask = torch.zeros(allowed.shape, dtype=self.mask_dtype)
+            mask.masked_fill_(~allowed, float("-inf"))
+            mask = mask.unsqueeze(1).to(self.device)                     # [B, 1, Tq, L]
         return AttentionView(gather=gather.flatten().to(self.device), mask=mask)

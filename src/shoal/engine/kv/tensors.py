@@ -1,4 +1,9 @@
-"""Paged KV cache tensors: per layer, K and V of shape [num_blocks * block_size, H_kv, D]."""
+"""Paged KV cache tensors: per layer one tensor [num_blocks * block_size, 2 * H_kv, D].
+
+Heads 0 .. H_kv - 1 of a slot hold its keys and heads H_kv .. 2 H_kv - 1 its values, so a
+layer writes a token's k and v with one index_copy_ and reads them with one index_select
+(half the small ops of separate K and V tensors, which matters at batch-1 decode).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,12 @@ from shoal.engine.models.config import ModelConfig
 
 def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu",
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (k, v) pair per local layer; slot = block_id * block_size + offset in block."""
+                      ) -> list[torch.Tensor]:
+    """One [slots, 2 * H_kv, D] tensor per local layer; slot = block_id * block_size + offset."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError("num_blocks and block_size must be >= 1")
-    shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-    return [(_lazy_cache(shape, dtype, device), _lazy_cache(shape, dtype, device))
-            for _ in range(num_layers)]
+    shape = (num_blocks * block_size, 2 * config.num_kv_heads, config.head_dim)
+    return [_lazy_cache(shape, dtype, device) for _ in range(num_layers)]
 
 
 def _lazy_cache(shape: tuple[int, int, int], dtype: torch.dtype,

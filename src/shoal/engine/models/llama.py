@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from shoal.engine.models.config import ModelConfig
-from shoal.engine.models.layers.attention import AttentionMetadata, SelfAttention
+from shoal.engine.models.layers.attention import (
+    AttentionMetadata,
+    SelfAttention,
+    attention_dtype_for,
+)
 from shoal.engine.models.layers.embedding import Embedding, build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.mlp import GatedMLP
@@ -21,7 +25,7 @@ from shoal.engine.models.layers.rotary import RotaryTable
 from shoal.engine.weights.quant import RawTensor
 
 Weights = dict[str, RawTensor]
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = torch.Tensor  # [slots, 2 * H_kv, D]: keys then values (kv/tensors.py)
 
 
 def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan) -> RMSNorm:
@@ -44,7 +48,12 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim, scale=config.scale,
         sliding=config.layer_type(index) == "sliding", q_norm=q_norm, k_norm=k_norm,
-        attention_dtype=torch.float32 if plan.device.type == "cpu" else None)
+        attention_dtype=_attention_cast(plan))
+
+
+def _attention_cast(plan: WeightPlan) -> torch.dtype | None:
+    dtype = attention_dtype_for(plan.device, plan.compute_dtype)
+    return None if dtype == plan.compute_dtype else dtype
 
 
 def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan) -> GatedMLP:

@@ -3,7 +3,7 @@
 The model runner describes one step with AttentionMetadata: the KV slot of every new token,
 and groups of tokens that attend together (a batch of decodes padded to the longest context,
 or one request's prefill chunk). Each layer writes its new k/v into the cache slots, then
-gathers each group's keys and runs scaled_dot_product_attention with the group's mask.
+gathers each group's keys and values (one tensor) and runs scaled_dot_product_attention with the group's mask.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.models.layers.norm import RMSNorm
-from shoal.engine.models.layers.rotary import apply_rotary
+from shoal.engine.models.layers.rotary import apply_rotary, apply_rotary_
 
 
 @dataclass
@@ -24,7 +24,8 @@ class AttentionView:
 
     gather: [B * L] KV slots to read, row-major [B, L] (padding repeats a real slot and is
     masked), or None to use the group's own new k/v (a prefill chunk starting at position 0).
-    mask: [B, 1, Tq, L] bool, True = attend; None when every key is visible (or is_causal).
+    mask: [B, 1, Tq, L] additive (0 = attend, -inf = masked) in the attention dtype, built
+    once per step so no layer converts it; None when every key is visible (or is_causal).
     """
 
     gather: torch.Tensor | None
@@ -57,17 +58,27 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [S] rows whose logits are sampled
 
 
+def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention scores and masks use on this device.
+
+    torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
+    queries, so on CPU attention runs in float32 whatever the cache dtype.
+    """
+    return torch.float32 if device.type == "cpu" else compute_dtype
+
+
 class SelfAttention(nn.Module):
-    """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection."""
+    """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection.
+
+    The KV cache of a layer is one tensor [slots, 2 * H_kv, D]: keys then values per slot.
+    """
 
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding: bool,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                  attention_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        # torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
-        # queries, so on CPU attention runs in float32 whatever the cache dtype.
-        self.attention_dtype = attention_dtype
+        self.attention_dtype = attention_dtype  # None: attend in the cache dtype
         self.qkv, self.o = qkv, o
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -75,8 +86,7 @@ class SelfAttention(nn.Module):
         self.sliding = sliding
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden] -> qkv: [T, (H + 2 H_kv) * D]
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -84,38 +94,33 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, H|H_kv, D]
             q = apply_rotary(self.q_norm(q), *rope)
-            k = apply_rotary(self.k_norm(k), *rope)
+            new_kv = torch.cat((apply_rotary(self.k_norm(k), *rope), v), dim=1)
         else:
-            # One rotary pass over q and k heads together: [T, H + H_kv, D].
-            qk = apply_rotary(qkv[:, :heads + kv_heads], *rope)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, heads + kv_heads:]
-        k_cache, v_cache = kv_cache  # [slots, H_kv, D]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+            # Rotate q and k heads in place, so k sits beside v: new_kv is a view.
+            apply_rotary_(qkv[:, :heads + kv_heads], *rope)
+            q, new_kv = qkv[:, :heads], qkv[:, heads:]  # [T, H, D], [T, 2 H_kv, D]
+        kv_cache.index_copy_(0, meta.slot_mapping, new_kv)
         if self.attention_dtype is not None:
             q = q.to(self.attention_dtype)
-        outputs = [self._attend(q, k, v, k_cache, v_cache, group) for group in meta.groups]
+        outputs = [self._attend(q, new_kv, kv_cache, group) for group in meta.groups]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self.o(out.to(x.dtype))
 
-    def _attend(self, q, k, v, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
+                group: AttentionGroup) -> torch.Tensor:
         view = group.sliding if self.sliding and group.sliding is not None else group.full
         batch, query_len = group.batch, group.query_len
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         rows = slice(group.token_start, group.token_end)
         # q: [B, H, Tq, D]
-        q = q[rows].view(batch, query_len, self.num_heads, self.head_dim).transpose(1, 2)
-        if view.gather is None:
-            keys = k[rows].view(batch, query_len, self.num_kv_heads, self.head_dim)
-            values = v[rows].view(batch, query_len, self.num_kv_heads, self.head_dim)
-        else:
-            shape = (batch, -1, self.num_kv_heads, self.head_dim)  # [B, L, H_kv, D]
-            keys = k_cache.index_select(0, view.gather).view(shape)
-            values = v_cache.index_select(0, view.gather).view(shape)
+        q = q[rows].view(batch, query_len, heads, dim).transpose(1, 2)
+        # kv: [B * L, 2 H_kv, D], the group's own new k/v or gathered from the cache
+        kv = new_kv[rows] if view.gather is None else kv_cache.index_select(0, view.gather)
         if self.attention_dtype is not None:
-            keys, values = keys.to(self.attention_dtype), values.to(self.attention_dtype)
+            kv = kv.to(self.attention_dtype)
+        kv = kv.view(batch, -1, 2 * kv_heads, dim).transpose(1, 2)  # [B, 2 H_kv, L, D]
         out = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=view.mask,
+            q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
         # out: [B, H, Tq, D] -> [B * Tq, H * D]
-        return out.transpose(1, 2).reshape(batch * query_len, self.num_heads * self.head_dim)
+        return out.transpose(1, 2).reshape(batch * query_len, heads * dim)

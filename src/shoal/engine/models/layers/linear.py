@@ -64,8 +64,8 @@ class Int4Linear(nn.Module):
         return _bytes(self.packed, self.scales_and_zeros, self.bias)
 
 
-# torch's int8 kernel slows down sharply past a few rows (49k x 576 head: 3 ms for 4 rows,
-# 7.5 ms for 8), so bigger inputs go through it in slices of this many rows.
+# torch's weight-only int8 kernel is compute bound past a few rows (49k x 576 head: ~3 ms for
+# 1 row, ~15 ms for 16 at 2 threads), so bigger inputs use an int8 x int8 matmul instead.
 INT8_MAX_ROWS = 4
 
 
@@ -77,16 +77,32 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.q = q
         self.scale = scale  # [out]
+        self.scale_f32 = scale.float()
         self.bias = bias
         self.out_features = q.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT8_MAX_ROWS:
+        if x.shape[0] <= INT8_MAX_ROWS or x.device.type != "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         else:
-            y = torch.cat([torch.ops.aten._weight_int8pack_mm(part, self.q, self.scale)
-                           for part in x.split(INT8_MAX_ROWS)])
+            y = self._int8_activations(x)
         return y if self.bias is None else y + self.bias
+
+    def _int8_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, in] quantized to int8 in two levels (per-row scale s, then the remainder at
+        s / 127), both levels in one int8 x int8 -> int32 matmul (VNNI): ~3x faster than the
+        weight-only kernel at 16 rows, and as accurate as bf16 activations (one level alone
+        doubles the logit error: activations have outlier channels)."""
+        rows = x.shape[0]
+        xf = x.float()
+        coarse_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [M, 1]
+        coarse = torch.round(xf / coarse_scale)
+        fine_scale = coarse_scale / 127.0
+        fine = torch.round((xf - coarse * coarse_scale) / fine_scale).clamp(-127, 127)
+        levels = torch.cat((coarse, fine)).to(torch.int8)  # [2M, in]
+        acc = torch._int_mm(levels, self.q.t()).float()  # [2M, out] exact int32 sums
+        y = torch.addcmul(acc[:rows] * coarse_scale, acc[rows:], fine_scale)
+        return (y * self.scale_f32).to(x.dtype)
 
     def nbytes(self) -> int:
         return _bytes(self.q, self.scale, self.bias)

@@ -40,3 +40,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """x: [T, H, D] rotated in HF's half-split layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
     return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """apply_rotary written back into x (which may be a strided view, e.g. of a qkv output).
+
+    Both operands are computed before the write, so writing over x is safe; it saves the
+    separate copy a caller would need to put the rotated heads back beside v.
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)
+    torch.addcmul(x * cos, swapped, signed_sin, out=x)
