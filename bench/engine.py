@@ -70,10 +70,13 @@ def bench_engine(model: str, threads: int) -> dict:
     decode_ids = prompt_of_tokens(engine, 200, salt=2)
     decode = run_to_end(engine, [decode_ids], 129)
     decode_tps = (decode["generated"] - 1) / (decode["seconds"] - decode["ttft"])
+    batch = run_to_end(engine, [prompt_of_tokens(engine, 50, salt=10 + i) for i in range(16)], 64)
     return {
         "prefill_tokens": len(prefill_ids),
         "prefill_tokens_per_s": len(prefill_ids) / prefill["ttft"],
         "decode_batch1_tokens_per_s": decode_tps,
+        # 16 requests of 50-token prompts, 64 tokens each, prefill included.
+        "batch16_tokens_per_s": batch["generated"] / batch["seconds"],
         "compute_dtype": str(engine.loaded.compute_dtype),
     }
 
