@@ -27,9 +27,9 @@ class ModelUnavailable(RuntimeError):
 
 
 def _default_resolver(name: str) -> ModelSource:
-    from shoal.catalog.resolve import resolve_model
+    from shoal.catalog.resolve import resolve_generative_model
 
-    return resolve_model(name)
+    return resolve_generative_model(name)
 
 
 def _not_found_types() -> tuple[type[BaseException], ...]:

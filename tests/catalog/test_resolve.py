@@ -154,3 +154,11 @@ def test_list_models_reports_availability_without_side_effects():
     assert default.kind == "chat" and "smollm2" in default.aliases
     if _smollm2_installed():
         assert default.available and default.path.is_file() and default.install_hint is None
+
+
+def test_generation_refuses_an_embedding_model_by_name():
+    from shoal.catalog.resolve import resolve_generative_model
+
+    with pytest.raises(ValueError, match="embedding model"):
+        resolve_generative_model("sentence-transformers/all-MiniLM-L6-v2")
+    assert resolve_generative_model("smollm2").model_id == "smollm2-135m-instruct"

@@ -62,6 +62,15 @@ def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None) -
     raise ModelNotFound(_not_found_message(name, tried, cards))
 
 
+def resolve_generative_model(id_or_path: str) -> ModelSource:
+    """resolve_model for text generation: a catalogue embedding model is refused clearly."""
+    name = id_or_path.strip() if isinstance(id_or_path, str) else ""
+    card = find_card(name, load_builtin_catalog()) if name else None
+    if card is not None and card.kind == "embedding":
+        raise ValueError(f"model {card.id!r} is an embedding model; it cannot generate text")
+    return resolve_model(id_or_path)
+
+
 def find_card(name: str, catalog: Sequence[ModelCard]) -> ModelCard | None:
     key = name.lower()
     for card in catalog:

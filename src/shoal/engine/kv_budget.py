@@ -61,5 +61,6 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
         raise ModelDoesNotFit(
             f"the KV cache budget of {budget / 2**20:.1f} MiB holds only {tokens} tokens of "
             f"model {config.source.model_id!r} ({per_token} bytes per token); at least "
-            f"{min(MIN_CONTEXT_TOKENS, context)} are needed. Raise --kv-cache-memory or free memory.")
+            f"{min(MIN_CONTEXT_TOKENS, context)} are needed. "
+            "Raise --kv-cache-memory or free memory.")
     return KVPlan(num_blocks=int(num_blocks), max_model_len=int(min(context, tokens)))

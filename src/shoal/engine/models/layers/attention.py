@@ -3,7 +3,8 @@
 The model runner describes one step with AttentionMetadata: the KV slot of every new token,
 and groups of tokens that attend together (a batch of decodes padded to the longest context,
 or one request's prefill chunk). Each layer writes its new k/v into the cache slots, then
-gathers each group's keys and values (one tensor) and runs scaled_dot_product_attention with the group's mask.
+gathers each group's keys and values (one tensor) and runs scaled_dot_product_attention
+with the group's mask.
 """
 
 from __future__ import annotations
