@@ -175,7 +175,7 @@ def fake_engine_config(tmp_dir, model_id: str = "fake-model"):
 
 
 def fake_supervisor_options(**overrides):
-    from shoal.runner.supervisor import SupervisorOptions
+    from shoal.runner.options import SupervisorOptions
 
     values = dict(engine_factory="fakes:make_fake_engine", env=fake_runner_env(),
                   load_timeout_s=30.0, ready_wait_s=10.0, chunk_timeout_s=10.0,

@@ -20,7 +20,8 @@ import uvicorn
 from shoal.api.app import create_app
 from shoal.config import NodeConfig
 from shoal.router import ModelUnavailable, Router
-from shoal.runner.supervisor import RunnerSupervisor, SupervisorOptions
+from shoal.runner.options import SupervisorOptions
+from shoal.runner.supervisor import RunnerSupervisor
 
 log = logging.getLogger("shoal.node")
 

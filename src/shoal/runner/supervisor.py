@@ -12,17 +12,18 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from shoal.engine.config import EngineConfig
 from shoal.protocol import ErrorChunk, GenerationRequest
 from shoal.runner.framing import read_frame, write_frame
+from shoal.runner.options import SupervisorOptions
+from shoal.runner.process import stop_process
 from shoal.runner.messages import (
     Cancel,
     ChunkMessage,
@@ -45,34 +46,6 @@ ProgressCallback = Callable[[str, str, float], None]  # (model_id, stage, fracti
 
 class RunnerUnavailable(RuntimeError):
     """The runner could not be (re)started; the message says why."""
-
-
-@dataclass(frozen=True)
-class SupervisorOptions:
-    load_timeout_s: float = 600.0
-    # How long a request waits for a starting or restarting runner before it gets a 503.
-    ready_wait_s: float = 120.0
-    # Longest silence between two chunks of one request before it fails with "timeout".
-    chunk_timeout_s: float = 600.0
-    max_in_flight: int = 256
-    max_buffered_chunks: int = 4096
-    restart_backoff_s: tuple[float, ...] = (0.5, 2.0, 5.0)
-    max_crashes: int = 3
-    crash_window_s: float = 60.0
-    shutdown_grace_s: float = 5.0
-    terminate_grace_s: float = 3.0
-    engine_factory: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name in ("load_timeout_s", "ready_wait_s", "chunk_timeout_s", "crash_window_s",
-                     "shutdown_grace_s", "terminate_grace_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.max_in_flight < 1 or self.max_buffered_chunks < 1 or self.max_crashes < 1:
-            raise ValueError("max_in_flight, max_buffered_chunks and max_crashes must be >= 1")
-        if not self.restart_backoff_s:
-            raise ValueError("restart_backoff_s needs at least one delay")
 
 
 @dataclass
@@ -185,7 +158,7 @@ class RunnerSupervisor:
         process = self._process
         if process is not None:
             self._send(Shutdown())
-            await _stop_process(process.proc, self.options.shutdown_grace_s,
+            await stop_process(process.proc, self.options.shutdown_grace_s,
                                 self.options.terminate_grace_s)
             if process.reader_task is not None:
                 process.reader_task.cancel()
@@ -314,7 +287,7 @@ class RunnerSupervisor:
             exited.cancel()
         if not connected.done():
             connected.cancel()
-            await _stop_process(process.proc, 0.1, self.options.terminate_grace_s)
+            await stop_process(process.proc, 0.1, self.options.terminate_grace_s)
             await self._on_exit(process, "it exited before connecting")
             return
         reader, writer = connected.result()
@@ -336,7 +309,7 @@ class RunnerSupervisor:
             log.error("runner %s: %s", self.model_id, reason)
         if process.writer is not None:
             process.writer.close()
-        await _stop_process(process.proc, 2.0, self.options.terminate_grace_s)
+        await stop_process(process.proc, 2.0, self.options.terminate_grace_s)
         await self._on_exit(process, f"{reason}; exit code {process.proc.returncode}")
 
     def _dispatch(self, process: _Process, message: Any) -> None:
@@ -360,7 +333,7 @@ class RunnerSupervisor:
         if self._process is process and not process.ready:
             process.load_failed = f"loading took longer than {self.options.load_timeout_s:.0f} s"
             self.last_error = process.load_failed
-            await _stop_process(process.proc, 0.1, self.options.terminate_grace_s)
+            await stop_process(process.proc, 0.1, self.options.terminate_grace_s)
 
     async def _on_exit(self, process: _Process, reason: str) -> None:
         if self._process is not process:
@@ -405,20 +378,3 @@ class RunnerSupervisor:
         if self.state == "stopped":
             return f"model {self.model_id!r} is not running"
         return f"model {self.model_id!r} is unavailable: {self.last_error or 'failed'}"
-
-
-async def _stop_process(proc: asyncio.subprocess.Process, grace_s: float,
-                        terminate_grace_s: float) -> None:
-    """Wait grace_s for a clean exit, then SIGTERM, then SIGKILL; every wait bounded."""
-    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, terminate_grace_s),
-                        (signal.SIGKILL, 5.0)):
-        if proc.returncode is not None:
-            return
-        if sig is not None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait_s):
-                await proc.wait()
-    if proc.returncode is None:
-        log.error("runner %d did not die after SIGKILL", proc.pid)
