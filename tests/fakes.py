@@ -16,7 +16,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from shoal.engine.errors import ContextLengthExceeded, UnsupportedModel
+from shoal.engine.errors import UnsupportedModel, check_context
+from shoal.engine.sampling import InvalidParameter
 from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 
 VOCAB_SIZE = 1000
@@ -76,9 +77,10 @@ class FakeEngine:
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
         params.check_vocab(self.vocab_size)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthExceeded("prompt too long")
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW")
                    if self.tokenizer.encode(name)[0] in prompt_token_ids}
         self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers)

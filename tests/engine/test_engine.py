@@ -130,4 +130,10 @@ def test_bad_requests_are_refused_clearly(fast_engine):
     with pytest.raises(InvalidParameter) as caught:
         fast_engine.add_request("bias", [5, 6], SamplingParams(logit_bias={10**7: 1.0}))
     assert caught.value.param == "logit_bias"
+    with pytest.raises(ContextLengthExceeded, match="max_tokens"):
+        fast_engine.add_request("over", [5, 6],
+                                SamplingParams(max_tokens=fast_engine.max_model_len))
+    with pytest.raises(InvalidParameter) as caught:
+        fast_engine.add_request("empty", [], SamplingParams(max_tokens=1))
+    assert caught.value.param == "prompt"
     assert not fast_engine.has_unfinished_requests()

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.errors import ContextLengthExceeded
+from shoal.engine.errors import check_context
 from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
 from shoal.engine.outputs import FinishReason, RequestOutput, TokenLogprob, TopLogprob
 from shoal.engine.request import Request
 from shoal.engine.sampler import Sampler, SamplingRow
-from shoal.engine.sampling import SamplingParams
+from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 from shoal.engine.tokenizer.tokenizer import Tokenizer
@@ -95,12 +95,9 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
-            raise ContextLengthExceeded("the prompt is empty")
+            raise InvalidParameter("prompt", "the prompt is empty")
         params.check_vocab(self.vocab_size)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds "
-                f"{self.max_model_len} including at least one generated token")
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params)
         self.scheduler.add(request)

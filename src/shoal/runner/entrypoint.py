@@ -24,7 +24,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shoal.engine.config import EngineConfig
 from shoal.engine.errors import ContextLengthExceeded
 from shoal.engine.outputs import RequestOutput, TokenLogprob
 from shoal.engine.sampling import InvalidParameter
@@ -111,7 +110,7 @@ def resolve_factory(spec: str | None) -> Callable[..., Any]:
 
 
 def build_engine(load: Load, channel: Channel) -> Any:
-    config: EngineConfig = load.to_config()
+    config = load.engine
     if load.engine_factory is None and config.threads is not None:
         import torch
 
@@ -211,7 +210,6 @@ class RunnerLoop:
         request_id = request.request_id
         try:
             ids = self.prompt_token_ids(request)
-            self._check_fits(len(ids), request.sampling.max_tokens)
             self.engine.add_request(request_id, ids, request.sampling)
         except InvalidParameter as error:
             self._error(request_id, "invalid_request", str(error), error.param)
@@ -226,19 +224,6 @@ class RunnerLoop:
         else:
             self.in_flight.add(request_id)
             self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
-
-    def _check_fits(self, prompt_tokens: int, max_tokens: int | None) -> None:
-        limit = self.engine.max_model_len
-        if prompt_tokens == 0:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        if prompt_tokens >= limit:
-            raise ContextLengthExceeded(
-                f"the prompt has {prompt_tokens} tokens; this model's context is {limit} "
-                f"tokens including at least one generated token")
-        if max_tokens is not None and prompt_tokens + max_tokens > limit:
-            raise ContextLengthExceeded(
-                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"this model's context of {limit} tokens")
 
     # ---- step -----------------------------------------------------------------------------
 

@@ -27,13 +27,6 @@ class Load(RunnerMessage):
     # "module:callable" building the engine from (EngineConfig, progress); tests inject fakes.
     engine_factory: str | None = None
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, engine_factory: str | None = None) -> Load:
-        return cls(engine=config, engine_factory=engine_factory)
-
-    def to_config(self) -> EngineConfig:
-        return self.engine
-
 
 class Submit(RunnerMessage):
     type: Literal["submit"] = "submit"

@@ -292,7 +292,7 @@ class RunnerSupervisor:
             return
         reader, writer = connected.result()
         process.writer = writer
-        self._send(Load.from_config(self.config, self.options.engine_factory))
+        self._send(Load(engine=self.config, engine_factory=self.options.engine_factory))
         process.reader_task = asyncio.get_running_loop().create_task(
             self._read_loop(process, reader))
         self._own(self._load_deadline(process))
