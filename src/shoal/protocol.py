@@ -18,10 +18,44 @@ class WireModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class ToolCall(WireModel):
+    """One function call the model made; arguments is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this result answers
+
+
+class ToolSpec(WireModel):
+    """A function the model may call; parameters is its arguments' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ForcedTool(WireModel):
+    """tool_choice naming one function: the model must call exactly it."""
+
+    name: str
+
+
+ToolChoice = Union[Literal["auto", "none", "required"], ForcedTool]
+
+
+class ResponseFormat(WireModel):
+    """Constrains the output: free text, any JSON object, or JSON valid under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None  # set exactly when type is "json_schema"
 
 
 class GenerationRequest(WireModel):
@@ -36,6 +70,12 @@ class GenerationRequest(WireModel):
     stream: bool = False
     priority: int = 0
     add_special_tokens: bool = True
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    response_format: ResponseFormat | None = None
+    # How long the model stays loaded after this request, in seconds: None is the server's
+    # default, 0 unloads it once idle, a negative value keeps it loaded indefinitely.
+    keep_alive_s: float | None = None
 
 
 class Usage(WireModel):
@@ -77,10 +117,19 @@ class TokenChunk(WireModel):
     logprobs: tuple[LogprobItem, ...] = ()
 
 
+class ToolCallChunk(WireModel):
+    """A complete tool call parsed from the model's output (index counts from 0)."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    request_id: str
+    index: int
+    call: ToolCall
+
+
 class FinishChunk(WireModel):
     kind: Literal["finish"] = "finish"
     request_id: str
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"]
     usage: Usage
 
 
@@ -105,7 +154,8 @@ class ErrorChunk(WireModel):
 
 
 Chunk = Annotated[
-    Union[AcceptedChunk, TokenChunk, FinishChunk, ErrorChunk], Field(discriminator="kind")
+    Union[AcceptedChunk, TokenChunk, ToolCallChunk, FinishChunk, ErrorChunk],
+    Field(discriminator="kind")
 ]
 
 
