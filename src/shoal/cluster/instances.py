@@ -1,0 +1,142 @@
+"""Instances: one placed copy of a model, split into ranks across nodes.
+
+A rank is one runner process on one node. Pipeline ranks each hold a contiguous, half-open
+range of layers that keeps the original layer indices; tensor ranks hold every layer and a
+1/tp_size slice of its heads and MLP columns. A single-node instance is one rank holding
+everything.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from shoal.cluster.model_facts import ModelFacts
+from shoal.ids import InstanceId, ModelId, NodeId, RunnerId
+
+Sharding = Literal["single", "pipeline", "tensor"]
+RequestedSharding = Literal["auto", "single", "pipeline", "tensor"]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Rank(Frozen):
+    """One rank of an instance: which node runs it and which part of the model it holds."""
+
+    runner_id: RunnerId
+    node_id: NodeId
+    rank: int
+    world_size: int
+    layer_start: int
+    layer_end: int  # exclusive
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @model_validator(mode="after")
+    def _check(self) -> Rank:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"layer range [{self.layer_start}, {self.layer_end}) is empty "
+                             "or negative")
+        return self
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return (self.layer_start, self.layer_end)
+
+
+class PlacementRequest(Frozen):
+    """What a client asks for: a model, how to split it, how wide, and which nodes to avoid."""
+
+    facts: ModelFacts
+    sharding: RequestedSharding = "auto"
+    min_nodes: int = 1
+    excluded_nodes: tuple[NodeId, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> PlacementRequest:
+        if self.min_nodes < 1:
+            raise ValueError(f"min_nodes must be >= 1, not {self.min_nodes}")
+        if self.sharding == "single" and self.min_nodes > 1:
+            raise ValueError("single-node sharding cannot have min_nodes > 1")
+        return self
+
+    @property
+    def model(self) -> ModelId:
+        return self.facts.model
+
+
+class Instance(Frozen):
+    """A placed model. ranks[i].rank == i; rank 0 owns the scheduler and serves requests.
+
+    request is what the instance was placed for, kept so the master can re-place it (one
+    node wider on a refusal) without the original command.
+    """
+
+    instance_id: InstanceId
+    request: PlacementRequest
+    sharding: Sharding
+    ranks: tuple[Rank, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> Instance:
+        ranks = self.ranks
+        if not ranks:
+            raise ValueError("an instance needs at least one rank")
+        for index, rank in enumerate(ranks):
+            if rank.rank != index or rank.world_size != len(ranks):
+                raise ValueError(f"rank {index} is numbered {rank.rank} of {rank.world_size}; "
+                                 f"ranks must be 0..{len(ranks) - 1} of {len(ranks)}")
+        if len({r.node_id for r in ranks}) != len(ranks):
+            raise ValueError("each rank of an instance must be on a different node")
+        if len({r.runner_id for r in ranks}) != len(ranks):
+            raise ValueError("runner ids of an instance must be distinct")
+        _check_layout(self.sharding, ranks, self.facts.n_layers)
+        return self
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.request.facts
+
+    @property
+    def model(self) -> ModelId:
+        return self.request.facts.model
+
+    @property
+    def node_ids(self) -> tuple[NodeId, ...]:
+        return tuple(r.node_id for r in self.ranks)
+
+    @property
+    def runner_ids(self) -> tuple[RunnerId, ...]:
+        return tuple(r.runner_id for r in self.ranks)
+
+    def rank_on(self, node_id: NodeId) -> Rank | None:
+        return next((r for r in self.ranks if r.node_id == node_id), None)
+
+
+def _check_layout(sharding: Sharding, ranks: tuple[Rank, ...], n_layers: int) -> None:
+    if sharding == "single" and len(ranks) != 1:
+        raise ValueError(f"a single-node instance has one rank, not {len(ranks)}")
+    if sharding in ("single", "tensor"):
+        for rank in ranks:
+            if rank.layers != (0, n_layers):
+                raise ValueError(f"{sharding} rank {rank.rank} must hold all layers "
+                                 f"[0, {n_layers}), not {list(rank.layers)}")
+            if (rank.tp_rank, rank.tp_size) != (rank.rank, rank.world_size):
+                raise ValueError(f"{sharding} rank {rank.rank} must have tp_rank {rank.rank} "
+                                 f"of {rank.world_size}")
+        return
+    start = 0
+    for rank in ranks:
+        if rank.layer_start != start or rank.tp_size != 1:
+            raise ValueError(f"pipeline rank {rank.rank} must start at layer {start} with "
+                             "tp_size 1 (ranges are contiguous)")
+        start = rank.layer_end
+    if start != n_layers:
+        raise ValueError(f"pipeline ranks cover layers [0, {start}), not [0, {n_layers})")

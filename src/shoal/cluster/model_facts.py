@@ -1,0 +1,106 @@
+"""ModelFacts: the few numbers placement needs about a model, read cheaply from its files.
+
+Only headers are read (GGUF metadata, config.json) and file sizes summed; no weights load and
+no torch import, so the node process can compute facts before any runner exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from shoal.engine.config import ModelSource
+from shoal.engine.errors import UnsupportedModel
+from shoal.ids import ModelId
+
+
+class ModelFacts(BaseModel):
+    """Size and attention shape of one model, as placement sees it.
+
+    weight_bytes is the size of the weight files; placement multiplies it by an engine
+    overhead factor. intermediate_size is None when the checkpoint does not say.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelId
+    weight_bytes: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelFacts:
+        if self.weight_bytes < 0:
+            raise ValueError("weight_bytes must be >= 0")
+        for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                             f"({self.n_kv_heads})")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError("intermediate_size must be >= 1")
+        return self
+
+    def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None) -> int:
+        """K and V of one token in one layer: 2 * kv_heads * head_dim * element_bytes."""
+        heads = self.n_kv_heads if kv_heads is None else kv_heads
+        return 2 * heads * self.head_dim * element_bytes
+
+
+def model_facts_from_source(source: ModelSource) -> ModelFacts:
+    """ModelFacts from a resolved model's header and file sizes (UnsupportedModel if unreadable)."""
+    if source.format == "gguf":
+        return _gguf_facts(ModelId(source.model_id), Path(source.path))
+    return _safetensors_facts(ModelId(source.model_id), Path(source.path))
+
+
+def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
+    from shoal.engine.weights.gguf_file import GGUFFile
+
+    metadata = GGUFFile(path).metadata
+    arch = metadata.get("general.architecture")
+
+    def field(key: str, default=None):
+        value = metadata.get(f"{arch}.{key}")
+        if value is None and default is None:
+            raise UnsupportedModel(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return default if value is None else value
+
+    heads = int(field("attention.head_count"))
+    hidden = int(field("embedding_length"))
+    intermediate = metadata.get(f"{arch}.feed_forward_length")
+    return ModelFacts(
+        model=model, weight_bytes=path.stat().st_size,
+        n_layers=int(field("block_count")), n_heads=heads,
+        n_kv_heads=int(field("attention.head_count_kv", heads)),
+        head_dim=int(field("attention.key_length", hidden // heads)),
+        # Mixture-of-experts files store a per-layer array here; treat that as unknown.
+        intermediate_size=intermediate if isinstance(intermediate, int) else None)
+
+
+def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
+    config_path = directory / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, ValueError) as error:
+        raise UnsupportedModel(f"{config_path}: cannot read config.json ({error})") from error
+    # Multimodal wrappers nest the decoder's settings in text_config.
+    if "text_config" in hf and "num_hidden_layers" not in hf:
+        hf = hf["text_config"]
+    try:
+        heads = int(hf["num_attention_heads"])
+        return ModelFacts(
+            model=model,
+            weight_bytes=sum(f.stat().st_size for f in directory.glob("*.safetensors")),
+            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            intermediate_size=hf.get("intermediate_size"))
+    except (KeyError, TypeError) as error:
+        raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error

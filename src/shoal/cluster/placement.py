@@ -1,0 +1,325 @@
+"""Placement: which nodes hold which part of a model. Pure; the master turns the result into
+an InstanceCreated event.
+
+Memory model, per rank: its share of the weight bytes x an engine overhead factor, plus a KV
+reservation for `kv_reservation_tokens` tokens of its layers and KV heads, plus a fixed floor
+for the runner process. It must fit the node's usable memory.
+
+  single    one node holds everything; the node with the most usable memory wins.
+  pipeline  w nodes, layers split in proportion to usable memory (each at least one layer).
+  tensor    w nodes, every layer split evenly: n_heads (and the MLP width) must divide by w;
+            KV heads divide by w or are replicated when w is a multiple of them.
+  auto      single if it fits, else the narrowest pipeline that fits.
+Explicit pipeline / tensor try widths from min_nodes up; a width of 1 is reported as single.
+Wider attempts use the w nodes with the most usable memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shoal.cluster.instances import Instance, PlacementRequest, Rank, Sharding
+from shoal.cluster.model_facts import ModelFacts
+from shoal.engine.kv_budget import LOAD_OVERHEAD_FACTOR
+from shoal.ids import InstanceId, NodeId, runner_id_for
+
+GIB = 2**30
+# System RAM the engine may use at most; the rest stays with the OS and other processes.
+RAM_USABLE_FRACTION = 0.9
+# Device memory the engine may use at most (the driver and fragmentation take the rest).
+DEVICE_USABLE_FRACTION = 0.95
+# How far a rank's share may exceed live usable memory at load before the worker refuses.
+LOAD_FIT_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    overhead_factor: float = LOAD_OVERHEAD_FACTOR
+    kv_reservation_tokens: int = 4096
+    kv_element_bytes: int = 2  # bf16 / fp16 cache
+    # A runner process (interpreter, torch, buffers) before any weights.
+    floor_bytes: int = 512 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.overhead_factor < 1.0:
+            raise ValueError("overhead_factor must be >= 1.0")
+        if self.kv_reservation_tokens < 0 or self.kv_element_bytes < 1 or self.floor_bytes < 0:
+            raise ValueError("KV reservation and floor must not be negative")
+
+
+DEFAULT_POLICY = PlacementPolicy()
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """One node's memory as telemetry last reported it, reduced to what placement may use."""
+
+    node_id: NodeId
+    usable_bytes: int
+
+    @classmethod
+    def from_memory(cls, node_id: NodeId, memory_total: int, memory_available: int,
+                    device_memory_total: int | None = None,
+                    device_memory_available: int | None = None) -> NodeCapacity:
+        """Usable memory: the accelerator's when there is one (weights and KV live there)."""
+        if device_memory_total is not None and device_memory_available is not None:
+            usable = min(device_memory_available, int(device_memory_total * DEVICE_USABLE_FRACTION))
+        else:
+            usable = min(memory_available, int(memory_total * RAM_USABLE_FRACTION))
+        return cls(node_id=node_id, usable_bytes=max(0, usable))
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    node_id: NodeId
+    layer_start: int
+    layer_end: int
+    tp_rank: int
+    tp_size: int
+    needed_bytes: int
+    usable_bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    request: PlacementRequest
+    sharding: Sharding
+    shards: tuple[ShardPlan, ...]
+
+    @property
+    def width(self) -> int:
+        return len(self.shards)
+
+    def to_instance(self, instance_id: InstanceId) -> Instance:
+        world = len(self.shards)
+        ranks = tuple(
+            Rank(runner_id=runner_id_for(instance_id, index), node_id=shard.node_id, rank=index,
+                 world_size=world, layer_start=shard.layer_start, layer_end=shard.layer_end,
+                 tp_rank=shard.tp_rank, tp_size=shard.tp_size)
+            for index, shard in enumerate(self.shards))
+        return Instance(instance_id=instance_id, request=self.request, sharding=self.sharding,
+                        ranks=ranks)
+
+
+@dataclass(frozen=True)
+class PlacementError:
+    """Why a request cannot be placed. pending: node memory has not been reported yet, so
+    retrying shortly may succeed (the API answers 503, not 400)."""
+
+    reason: str
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class PlacementPreview:
+    sharding: Sharding
+    width: int
+    placement: Placement | None
+    error: str | None
+
+
+def place(request: PlacementRequest, nodes: Sequence[NodeCapacity],
+          policy: PlacementPolicy = DEFAULT_POLICY) -> Placement | PlacementError:
+    """The narrowest placement that fits, honouring sharding, min_nodes and excluded_nodes."""
+    candidates = _candidates(nodes, request.excluded_nodes)
+    if isinstance(candidates, PlacementError):
+        return candidates
+    if request.min_nodes > len(candidates):
+        return PlacementError(f"min_nodes is {request.min_nodes} but only {len(candidates)} "
+                              f"node(s) are available{_excluded_note(request)}")
+    failures: dict[Sharding, str] = {}
+    for sharding, width in _attempts(request, len(candidates)):
+        result = place_exact(request, candidates, sharding, width, policy)
+        if isinstance(result, Placement):
+            return result
+        failures[sharding] = result.reason  # keeps the widest attempt's reason per sharding
+    summary = "; ".join(f"{sharding}: {reason}" for sharding, reason in failures.items())
+    return PlacementError(f"cannot place model {request.model!r}{_excluded_note(request)}: "
+                          f"{summary}")
+
+
+def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], sharding: Sharding,
+                width: int, policy: PlacementPolicy = DEFAULT_POLICY,
+                ) -> Placement | PlacementError:
+    """One sharding at one width on the `width` nodes with the most usable memory.
+
+    Width 1 is always "single": one node holding everything, whatever split was asked for.
+    request.excluded_nodes are skipped; request.sharding and min_nodes are not consulted.
+    """
+    skip = set(request.excluded_nodes)
+    chosen = _by_memory([n for n in nodes if n.node_id not in skip])[:width]
+    if width < 1 or len(chosen) < width:
+        return PlacementError(f"needs {width} node(s), {len(chosen)} available")
+    if sharding == "single" and width != 1:
+        return PlacementError("single-node placement has width 1")
+    if width == 1:
+        sharding = "single"
+    facts = request.facts
+    if sharding == "pipeline":
+        if width > facts.n_layers:
+            return PlacementError(f"{width} nodes exceed the model's {facts.n_layers} layers")
+        counts = split_layers(facts.n_layers, [n.usable_bytes for n in chosen])
+        bounds = [sum(counts[:i]) for i in range(width + 1)]
+        plans = [(node, bounds[i], bounds[i + 1], 0, 1) for i, node in enumerate(chosen)]
+    else:
+        reason = tensor_split_problem(facts, width) if sharding == "tensor" else None
+        if reason is not None:
+            return PlacementError(reason)
+        plans = [(node, 0, facts.n_layers, i, width) for i, node in enumerate(chosen)]
+    shards = []
+    for node, start, end, tp_rank, tp_size in plans:
+        needed = shard_bytes(facts, end - start, tp_size, policy)
+        if needed > node.usable_bytes:
+            return PlacementError(
+                f"over {width} node(s) node {node.node_id} needs {_gib(needed)} for layers "
+                f"[{start}, {end}) but has {_gib(node.usable_bytes)} usable")
+        shards.append(ShardPlan(node.node_id, start, end, tp_rank, tp_size, needed,
+                                node.usable_bytes))
+    return Placement(request=request, sharding=sharding, shards=tuple(shards))
+
+
+def previews(request: PlacementRequest, nodes: Sequence[NodeCapacity],
+             policy: PlacementPolicy = DEFAULT_POLICY) -> tuple[PlacementPreview, ...]:
+    """Every sharding at every width the cluster allows, each placed or with its reason.
+
+    request.sharding and min_nodes are ignored (a preview shows all options); excluded
+    nodes are honoured.
+    """
+    candidates = _candidates(nodes, request.excluded_nodes)
+    if isinstance(candidates, PlacementError):
+        return ()
+    options: list[tuple[Sharding, int]] = [("single", 1)]
+    for sharding in ("pipeline", "tensor"):
+        options += [(sharding, w) for w in range(2, len(candidates) + 1)]
+    out = []
+    for sharding, width in options:
+        result = place_exact(request, candidates, sharding, width, policy)
+        ok = isinstance(result, Placement)
+        out.append(PlacementPreview(sharding, width, result if ok else None,
+                                    None if ok else result.reason))
+    return tuple(out)
+
+
+def widen(request: PlacementRequest, refused_width: int,
+          cluster_size: int) -> PlacementRequest | None:
+    """The request one node wider than a refused placement; None when no wider one exists.
+
+    Each retry is at least one node wider, so refusals end after at most cluster_size.
+    An explicit single-node request cannot widen.
+    """
+    width = refused_width + 1
+    if request.sharding == "single" or width > cluster_size:
+        return None
+    return request.model_copy(update={"min_nodes": max(width, request.min_nodes)})
+
+
+def load_refusal(instance: Instance, node_id: NodeId, usable_bytes: int,
+                 policy: PlacementPolicy = DEFAULT_POLICY,
+                 tolerance: float = LOAD_FIT_TOLERANCE) -> str | None:
+    """Why this node must refuse its rank at load time (live memory), or None if it fits.
+
+    The master placed on gossiped readings; a live reading a little lower is jitter, not a
+    reason to refuse, so the share may exceed usable memory by `tolerance` (the share is
+    already padded by the overhead factor, the KV reservation and the floor).
+    """
+    rank = instance.rank_on(node_id)
+    if rank is None:
+        raise ValueError(f"instance {instance.instance_id} has no rank on node {node_id}")
+    needed = shard_bytes(instance.facts, rank.layer_end - rank.layer_start, rank.tp_size, policy)
+    if needed <= usable_bytes * (1 + tolerance):
+        return None
+    return (f"node {node_id} needs {_gib(needed)} for rank {rank.rank} of model "
+            f"{instance.model!r} but has {_gib(usable_bytes)} usable now")
+
+
+# -- memory model -------------------------------------------------------------------------
+
+
+def shard_bytes(facts: ModelFacts, layers: int, tp_size: int = 1,
+                policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+    """Memory one rank needs for `layers` layers, holding 1/tp_size of each."""
+    weights = math.ceil(facts.weight_bytes * layers / facts.n_layers / tp_size
+                        * policy.overhead_factor)
+    kv_heads = kv_heads_per_rank(facts.n_kv_heads, tp_size)
+    kv = (facts.kv_bytes_per_token_per_layer(policy.kv_element_bytes, kv_heads)
+          * layers * policy.kv_reservation_tokens)
+    return weights + kv + policy.floor_bytes
+
+
+def kv_heads_per_rank(n_kv_heads: int, tp_size: int) -> int:
+    """KV heads each tensor rank holds: a share, or one replicated head when tp > n_kv."""
+    if n_kv_heads % tp_size == 0:
+        return n_kv_heads // tp_size
+    if tp_size % n_kv_heads == 0:
+        return 1
+    raise ValueError(f"{n_kv_heads} KV heads cannot be split or replicated over {tp_size}")
+
+
+def tensor_split_problem(facts: ModelFacts, width: int) -> str | None:
+    """Why the model cannot be split evenly over `width` tensor ranks, or None if it can."""
+    if facts.n_heads % width:
+        return f"{facts.n_heads} attention heads do not divide by {width} nodes"
+    if facts.n_kv_heads % width and width % facts.n_kv_heads:
+        return (f"{facts.n_kv_heads} KV heads neither divide by {width} nodes nor "
+                f"replicate evenly over them")
+    if facts.intermediate_size is not None and facts.intermediate_size % width:
+        return f"MLP width {facts.intermediate_size} does not divide by {width} nodes"
+    return None
+
+
+def split_layers(n_layers: int, weights: Sequence[int]) -> tuple[int, ...]:
+    """n_layers split in proportion to weights (largest remainder), each share >= 1."""
+    count = len(weights)
+    if not 1 <= count <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers over {count} ranks")
+    total = sum(weights)
+    ideal = [n_layers * w / total if total > 0 else n_layers / count for w in weights]
+    shares = [max(1, math.floor(x)) for x in ideal]
+    while sum(shares) < n_layers:
+        i = max(range(count), key=lambda k: (ideal[k] - shares[k], -k))
+        shares[i] += 1
+    while sum(shares) > n_layers:
+        i = max((k for k in range(count) if shares[k] > 1),
+                key=lambda k: (shares[k] - ideal[k], -k))
+        shares[i] -= 1
+    return tuple(shares)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _attempts(request: PlacementRequest, available: int) -> list[tuple[Sharding, int]]:
+    low = request.min_nodes
+    if request.sharding == "single":
+        return [("single", 1)]
+    if request.sharding in ("pipeline", "tensor"):
+        return [(request.sharding, w) for w in range(low, available + 1)]
+    single: list[tuple[Sharding, int]] = [("single", 1)] if low == 1 else []
+    return single + [("pipeline", w) for w in range(max(2, low), available + 1)]
+
+
+def _candidates(nodes: Sequence[NodeCapacity],
+                excluded: Sequence[NodeId]) -> list[NodeCapacity] | PlacementError:
+    if not nodes:
+        return PlacementError("no node has reported its memory yet", pending=True)
+    skip = set(excluded)
+    candidates = [n for n in nodes if n.node_id not in skip]
+    if not candidates:
+        return PlacementError(f"all {len(nodes)} node(s) are excluded")
+    return _by_memory(candidates)
+
+
+def _by_memory(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
+    return sorted(nodes, key=lambda n: (-n.usable_bytes, n.node_id))
+
+
+def _excluded_note(request: PlacementRequest) -> str:
+    if not request.excluded_nodes:
+        return ""
+    return f" (excluding {', '.join(request.excluded_nodes)})"
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:.2f} GiB"

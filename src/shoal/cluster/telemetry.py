@@ -1,0 +1,232 @@
+"""The telemetry plane: per-node readings, last writer wins, never event-sourced.
+
+Every node publishes a NodeReading every `interval_s` (memory, CPU, disk of its data dir,
+GPUs when torch sees one, its backends and API addresses) and keeps every node's latest in a
+TelemetryTable. Which reading is newer is decided by the sender's own clock (`taken_at`, one
+clock per node, so skew between nodes does not matter); liveness uses this node's monotonic
+receive time, so a node silent for `timeout_s` counts as gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pydantic
+
+from shoal.cluster.background import cancel_and_wait
+from shoal.cluster.instances import Frozen
+from shoal.cluster.placement import NodeCapacity
+from shoal.cluster.transport.base import Subscription, Transport
+from shoal.cluster.transport.topics import Topic
+from shoal.ids import NodeId
+
+log = logging.getLogger("shoal.cluster.telemetry")
+
+# Device files whose presence makes it worth importing torch to read GPU memory.
+_GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/kfd")
+
+
+class GpuReading(Frozen):
+    index: int
+    name: str
+    memory_total: int
+    memory_available: int
+
+
+class NodeReading(Frozen):
+    """One node's readings at `taken_at` (seconds since the epoch on that node's clock)."""
+
+    node_id: NodeId
+    taken_at: float
+    name: str = ""
+    addresses: tuple[str, ...] = ()  # API endpoints, host:port
+    memory_total: int = 0
+    memory_available: int = 0
+    cpu_percent: float = 0.0
+    cpu_count: int = 0
+    disk_total: int = 0
+    disk_free: int = 0
+    gpus: tuple[GpuReading, ...] = ()
+    backends: tuple[str, ...] = ()
+
+    def capacity(self) -> NodeCapacity:
+        """What placement may use here: the first GPU's memory when there is one, else RAM."""
+        gpu = self.gpus[0] if self.gpus else None
+        return NodeCapacity.from_memory(
+            self.node_id, self.memory_total, self.memory_available,
+            None if gpu is None else gpu.memory_total,
+            None if gpu is None else gpu.memory_available)
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    interval_s: float = 2.0
+    # A node not heard from for this long is gone (the master then removes it).
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError("telemetry interval_s must be positive")
+        if self.timeout_s <= 2 * self.interval_s:
+            raise ValueError(f"telemetry timeout_s must exceed two intervals "
+                             f"({2 * self.interval_s:g}s)")
+
+
+class TelemetryTable:
+    """Latest reading and last-heard time per node. `now` is a monotonic time in seconds."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._readings: dict[NodeId, NodeReading] = {}
+        self._heard: dict[NodeId, float] = {}
+
+    def apply(self, reading: NodeReading, now: float) -> bool:
+        """Record reading unless an equal or newer one from that node is already here.
+
+        Any reading, even a stale one, proves the node is alive.
+        """
+        self._heard[reading.node_id] = max(now, self._heard.get(reading.node_id, now))
+        current = self._readings.get(reading.node_id)
+        if current is not None and current.taken_at >= reading.taken_at:
+            return False
+        self._readings[reading.node_id] = reading
+        return True
+
+    def reading(self, node: NodeId) -> NodeReading | None:
+        return self._readings.get(node)
+
+    def readings(self) -> dict[NodeId, NodeReading]:
+        return dict(self._readings)
+
+    def last_heard(self, node: NodeId) -> float | None:
+        return self._heard.get(node)
+
+    def is_alive(self, node: NodeId, now: float) -> bool:
+        heard = self._heard.get(node)
+        return heard is not None and now - heard <= self.timeout_s
+
+    def live_nodes(self, now: float) -> frozenset[NodeId]:
+        return frozenset(node for node in self._heard if self.is_alive(node, now))
+
+    def silent_nodes(self, now: float) -> frozenset[NodeId]:
+        return frozenset(node for node in self._heard if not self.is_alive(node, now))
+
+    def forget(self, node: NodeId) -> None:
+        self._readings.pop(node, None)
+        self._heard.pop(node, None)
+
+    def capacities(self, nodes: Sequence[NodeId], now: float) -> list[NodeCapacity]:
+        """Placement capacities of the live nodes among `nodes` that have reported."""
+        return [self._readings[n].capacity() for n in nodes
+                if n in self._readings and self.is_alive(n, now)]
+
+
+# -- reading this node ------------------------------------------------------------------------
+
+
+def read_node(node_id: NodeId, data_dir: Path, name: str = "",
+              addresses: Sequence[str] = (), backends: Sequence[str] = ()) -> NodeReading:
+    """This machine's readings now (blocking for at most a few milliseconds without a GPU)."""
+    memory = psutil.virtual_memory()
+    disk = psutil.disk_usage(str(_existing_parent(data_dir)))
+    return NodeReading(
+        node_id=node_id, taken_at=time.time(), name=name, addresses=tuple(addresses),
+        memory_total=memory.total, memory_available=memory.available,
+        # interval=None: the usage since the previous call, without sleeping.
+        cpu_percent=psutil.cpu_percent(interval=None), cpu_count=psutil.cpu_count() or 1,
+        disk_total=disk.total, disk_free=disk.free, gpus=gpu_readings(),
+        backends=tuple(backends))
+
+
+def gpu_readings() -> tuple[GpuReading, ...]:
+    """Memory of each GPU torch sees; () when there is none.
+
+    torch is used only if already imported, or importable on a machine with a GPU device
+    file: on a CPU-only node the node process never pays for importing it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        if not any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+            return ()
+        if importlib.util.find_spec("torch") is None:
+            return ()
+        import torch
+    try:
+        if not torch.cuda.is_available():
+            return ()
+        gpus = []
+        for index in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(index)
+            gpus.append(GpuReading(index=index, name=torch.cuda.get_device_name(index),
+                                   memory_total=int(total), memory_available=int(free)))
+        return tuple(gpus)
+    except RuntimeError as error:  # a driver problem must not stop telemetry
+        log.warning("cannot read GPU memory: %s", error)
+        return ()
+
+
+def _existing_parent(path: Path) -> Path:
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+class Telemetry:
+    """Publishes this node's reading every interval and keeps every node's in `table`."""
+
+    def __init__(self, transport: Transport, config: TelemetryConfig | None = None, *,
+                 read: Callable[[], NodeReading]) -> None:
+        self._transport = transport
+        self.config = config or TelemetryConfig()
+        self.table = TelemetryTable(self.config.timeout_s)
+        self._read = read
+        self._task: asyncio.Task[None] | None = None
+        self._subscription: Subscription | None = None
+
+    async def start(self) -> None:
+        self._subscription = self._transport.subscribe(Topic.TELEMETRY, self._on_reading)
+        self._task = asyncio.create_task(self._run(), name="telemetry")
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+        await cancel_and_wait([self._task])
+        self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                # A reading blocks (psutil, CUDA): off the loop, and bounded. asyncio.timeout,
+                # not wait_for: on 3.11 wait_for can swallow a cancel racing the result.
+                async with asyncio.timeout(self.config.interval_s):
+                    reading = await asyncio.to_thread(self._read)
+                self._transport.publish(Topic.TELEMETRY, reading.model_dump(mode="json"))
+            except TimeoutError:
+                log.warning("reading this node's telemetry took over %gs; skipped",
+                            self.config.interval_s)
+            except (OSError, pydantic.ValidationError) as error:
+                log.warning("cannot read this node's telemetry: %s", error)
+            await asyncio.sleep(self.config.interval_s)
+
+    def _on_reading(self, message: Any) -> None:
+        try:
+            reading = NodeReading.model_validate(message)
+        except pydantic.ValidationError as error:
+            log.warning("malformed telemetry reading dropped: %s", error)
+            return
+        self.table.apply(reading, time.monotonic())

@@ -1,0 +1,87 @@
+"""ModelFacts from a GGUF header or a config.json, without loading weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from shoal.cluster.model_facts import model_facts_from_source
+from shoal.engine.config import ModelSource
+from shoal.engine.errors import UnsupportedModel
+
+
+def write_gguf(path, *, kv_heads: int | None = 2, key_length: int | None = None) -> None:
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_uint32("qwen2.block_count", 6)
+    writer.add_uint32("qwen2.embedding_length", 96)
+    writer.add_uint32("qwen2.feed_forward_length", 256)
+    writer.add_uint32("qwen2.attention.head_count", 6)
+    if kv_heads is not None:
+        writer.add_uint32("qwen2.attention.head_count_kv", kv_heads)
+    if key_length is not None:
+        writer.add_uint32("qwen2.attention.key_length", key_length)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 96), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_header_gives_the_facts(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    facts = model_facts_from_source(ModelSource(model_id="m", format="gguf", path=path))
+    assert (facts.model, facts.n_layers, facts.n_heads, facts.n_kv_heads) == ("m", 6, 6, 2)
+    assert facts.head_dim == 96 // 6 and facts.intermediate_size == 256
+    assert facts.weight_bytes == path.stat().st_size
+
+
+def test_gguf_defaults_kv_heads_to_heads_and_honours_key_length(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, kv_heads=None, key_length=32)
+    facts = model_facts_from_source(ModelSource(model_id="m", format="gguf", path=path))
+    assert facts.n_kv_heads == 6 and facts.head_dim == 32
+
+
+def test_reading_facts_does_not_import_torch(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    code = ("import sys; from pathlib import Path; "
+            "from shoal.cluster.model_facts import model_facts_from_source; "
+            "from shoal.engine.config import ModelSource; "
+            f"model_facts_from_source(ModelSource('m', 'gguf', Path({str(path)!r}))); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_safetensors_config_gives_the_facts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128}))
+    (tmp_path / "model-1.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 234)
+    facts = model_facts_from_source(ModelSource(model_id="org/m", format="safetensors",
+                                                path=tmp_path))
+    assert (facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.head_dim) == (4, 8, 4, 8)
+    assert facts.weight_bytes == 1234 and facts.intermediate_size == 128
+
+
+def test_multimodal_config_reads_the_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {
+        "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}}))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    facts = model_facts_from_source(ModelSource(model_id="m", format="safetensors", path=tmp_path))
+    assert (facts.n_layers, facts.n_kv_heads, facts.head_dim) == (3, 4, 32)
+
+
+def test_incomplete_config_is_unsupported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(UnsupportedModel, match="num_attention_heads"):
+        model_facts_from_source(ModelSource(model_id="m", format="safetensors", path=tmp_path))

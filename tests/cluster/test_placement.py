@@ -1,0 +1,232 @@
+"""Placement: memory model, single / pipeline / tensor, constraints, widening, previews."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from state_builders import GIB, facts
+
+from shoal.cluster.instances import PlacementRequest
+from shoal.cluster.placement import (
+    NodeCapacity,
+    Placement,
+    PlacementError,
+    PlacementPolicy,
+    kv_heads_per_rank,
+    load_refusal,
+    place,
+    place_exact,
+    previews,
+    shard_bytes,
+    split_layers,
+    widen,
+)
+
+# Round numbers so expectations can be worked out by hand: weights x 1.25, KV for 1024
+# tokens in bf16, no floor unless a test sets one.
+POLICY = PlacementPolicy(overhead_factor=1.25, kv_reservation_tokens=1024, kv_element_bytes=2,
+                         floor_bytes=0)
+MODEL = facts(weight_bytes=8 * GIB, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128)
+# KV per token per layer: 2 (K and V) * 8 heads * 128 * 2 bytes = 4 KiB; x 1024 tokens = 4 MiB.
+KV_PER_LAYER = 4 * 2**20
+
+
+def nodes(**usable_gib: float) -> list[NodeCapacity]:
+    return [NodeCapacity(node_id=name, usable_bytes=int(gib * GIB))
+            for name, gib in usable_gib.items()]
+
+
+def request(**fields) -> PlacementRequest:
+    return PlacementRequest(facts=fields.pop("model", MODEL), **fields)
+
+
+def test_shard_bytes_follows_the_memory_model():
+    assert shard_bytes(MODEL, 32, 1, POLICY) == 10 * GIB + 32 * KV_PER_LAYER
+    assert shard_bytes(MODEL, 8, 1, POLICY) == 10 * GIB // 4 + 8 * KV_PER_LAYER
+    # Tensor rank of 4: a quarter of the weights and of the 8 KV heads.
+    assert shard_bytes(MODEL, 32, 4, POLICY) == 10 * GIB // 4 + 32 * KV_PER_LAYER // 4
+    floored = PlacementPolicy(overhead_factor=1.25, kv_reservation_tokens=1024, floor_bytes=GIB)
+    assert shard_bytes(MODEL, 32, 1, floored) == shard_bytes(MODEL, 32, 1, POLICY) + GIB
+
+
+def test_kv_heads_split_or_replicate():
+    assert kv_heads_per_rank(8, 4) == 2
+    assert kv_heads_per_rank(2, 4) == 1  # each KV head replicated on two ranks
+    with pytest.raises(ValueError):
+        kv_heads_per_rank(4, 3)
+
+
+def test_single_node_when_it_fits_prefers_most_memory():
+    result = place(request(), nodes(a=12, b=16, c=11), POLICY)
+    assert isinstance(result, Placement) and result.sharding == "single"
+    (shard,) = result.shards
+    assert (shard.node_id, shard.layer_start, shard.layer_end) == ("b", 0, 32)
+    instance = result.to_instance("inst-1")
+    assert instance.ranks[0].runner_id == "inst-1.r0" and instance.model == "tiny"
+
+
+def test_auto_falls_back_to_the_narrowest_pipeline():
+    result = place(request(), nodes(a=7, b=5, c=2), POLICY)
+    assert isinstance(result, Placement) and result.sharding == "pipeline"
+    assert [s.node_id for s in result.shards] == ["a", "b"]
+    # Layers in proportion to memory: 7:5 of 32 layers is 18.67:13.33.
+    assert [(s.layer_start, s.layer_end) for s in result.shards] == [(0, 19), (19, 32)]
+    for shard in result.shards:
+        assert shard.needed_bytes <= shard.usable_bytes
+    assert result.to_instance("i").ranks[1].layers == (19, 32)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_layers_sums_and_is_proportional(seed):
+    rng = random.Random(seed)
+    n_layers = rng.randint(2, 80)
+    weights = [rng.randint(1, 100) * GIB for _ in range(rng.randint(1, min(8, n_layers)))]
+    shares = split_layers(n_layers, weights)
+    assert sum(shares) == n_layers and min(shares) >= 1
+    total = sum(weights)
+    for share, weight in zip(shares, weights, strict=True):
+        # Largest remainder keeps each share within one layer of its ideal (or at 1).
+        assert abs(share - n_layers * weight / total) < 1 or share == 1
+
+
+def test_split_layers_gives_every_rank_a_layer_even_when_tiny():
+    assert split_layers(4, [1000, 1, 1]) == (2, 1, 1)
+    with pytest.raises(ValueError):
+        split_layers(2, [1, 1, 1])
+
+
+def test_explicit_pipeline_respects_min_nodes_even_when_one_node_would_do():
+    result = place(request(sharding="pipeline", min_nodes=3), nodes(a=64, b=32, c=32), POLICY)
+    assert isinstance(result, Placement) and result.width == 3
+    assert [s.layer_end - s.layer_start for s in result.shards] == [16, 8, 8]
+
+
+def test_explicit_split_that_fits_one_node_is_single():
+    for sharding in ("pipeline", "tensor"):
+        result = place(request(sharding=sharding), nodes(a=64, b=64), POLICY)
+        assert isinstance(result, Placement)
+        assert (result.sharding, result.width) == ("single", 1)
+
+
+def test_auto_with_min_nodes_skips_single():
+    result = place(request(min_nodes=2), nodes(a=64, b=64), POLICY)
+    assert isinstance(result, Placement)
+    assert (result.sharding, result.width) == ("pipeline", 2)
+
+
+def test_tensor_splits_evenly():
+    result = place(request(sharding="tensor", min_nodes=2), nodes(a=8, b=8, c=1), POLICY)
+    assert isinstance(result, Placement) and result.sharding == "tensor"
+    assert [(s.tp_rank, s.tp_size, s.layer_start, s.layer_end) for s in result.shards] == [
+        (0, 2, 0, 32), (1, 2, 0, 32)]
+    instance = result.to_instance("t")
+    assert [r.tp_rank for r in instance.ranks] == [0, 1]
+
+
+def test_tensor_needs_divisible_heads():
+    model = facts(n_heads=14, n_kv_heads=2, intermediate_size=4864)
+    result = place_exact(request(model=model, sharding="tensor"), nodes(a=64, b=64, c=64, d=64),
+                         "tensor", 4, POLICY)
+    assert isinstance(result, PlacementError) and "14 attention heads" in result.reason
+
+
+def test_tensor_replicates_kv_heads_when_width_is_a_multiple():
+    model = facts(n_heads=16, n_kv_heads=2, intermediate_size=4096)
+    result = place_exact(request(model=model), nodes(a=64, b=64, c=64, d=64), "tensor", 4, POLICY)
+    assert isinstance(result, Placement) and result.width == 4
+
+
+def test_tensor_refuses_kv_heads_that_neither_split_nor_replicate():
+    model = facts(n_heads=12, n_kv_heads=4, intermediate_size=3072)
+    result = place_exact(request(model=model), nodes(a=64, b=64, c=64), "tensor", 3, POLICY)
+    assert isinstance(result, PlacementError) and "KV heads" in result.reason
+
+
+def test_tensor_refuses_an_mlp_width_that_does_not_divide():
+    model = facts(n_heads=16, n_kv_heads=8, intermediate_size=1000 * 3 + 1)
+    result = place_exact(request(model=model), nodes(a=64, b=64), "tensor", 2, POLICY)
+    assert isinstance(result, PlacementError) and "MLP width" in result.reason
+
+
+def test_excluded_nodes_are_never_used():
+    result = place(request(excluded_nodes=("big",)), nodes(big=64, a=12, b=11), POLICY)
+    assert isinstance(result, Placement)
+    assert [s.node_id for s in result.shards] == ["a"]
+
+
+def test_all_nodes_excluded_or_too_few_give_reasons():
+    everyone = place(request(excluded_nodes=("a", "b")), nodes(a=64, b=64), POLICY)
+    assert isinstance(everyone, PlacementError) and "excluded" in everyone.reason
+    few = place(request(min_nodes=3, excluded_nodes=("c",)), nodes(a=64, b=64, c=64), POLICY)
+    assert isinstance(few, PlacementError)
+    assert "min_nodes is 3" in few.reason and "excluding c" in few.reason
+
+
+def test_impossible_placement_explains_itself():
+    result = place(request(), nodes(a=3, b=3), POLICY)
+    assert isinstance(result, PlacementError) and not result.pending
+    assert "single" in result.reason and "pipeline" in result.reason
+    assert "GiB" in result.reason and "'tiny'" in result.reason
+
+
+def test_no_memory_reports_yet_is_pending():
+    result = place(request(), [], POLICY)
+    assert isinstance(result, PlacementError) and result.pending
+
+
+def test_widen_one_node_at_a_time_bounded_by_the_cluster():
+    base = request()
+    wider = widen(base, refused_width=1, cluster_size=3)
+    assert wider is not None and wider.min_nodes == 2 and wider.facts == base.facts
+    assert widen(base, refused_width=3, cluster_size=3) is None
+    assert widen(request(sharding="single"), refused_width=1, cluster_size=3) is None
+    # Keeps a larger min_nodes and the exclusions.
+    kept = widen(request(min_nodes=3, excluded_nodes=("x",)), refused_width=1, cluster_size=5)
+    assert kept.min_nodes == 3 and kept.excluded_nodes == ("x",)
+
+
+def test_refuse_and_replace_loop_ends_within_cluster_size():
+    cluster = nodes(a=64, b=64, c=64)
+    current = request()
+    widths = []
+    while current is not None:
+        result = place(current, cluster, POLICY)
+        if isinstance(result, PlacementError):
+            break
+        widths.append(result.width)
+        current = widen(current, result.width, len(cluster))  # every load "refuses"
+    assert widths == [1, 2, 3]
+
+
+def test_previews_list_every_option_with_fit_or_reason():
+    options = previews(request(), nodes(a=12, b=4, c=4), POLICY)
+    table = {(p.sharding, p.width): p for p in options}
+    assert set(table) == {("single", 1), ("pipeline", 2), ("pipeline", 3),
+                          ("tensor", 2), ("tensor", 3)}
+    assert table[("single", 1)].placement is not None
+    assert table[("pipeline", 3)].placement is not None
+    assert table[("tensor", 3)].error is not None and "heads" in table[("tensor", 3)].error
+    assert table[("tensor", 2)].error is not None and "GiB" in table[("tensor", 2)].error
+
+
+def test_node_capacity_prefers_device_memory_and_caps_ram():
+    ram = NodeCapacity.from_memory("a", memory_total=100, memory_available=95)
+    assert ram.usable_bytes == 90
+    gpu = NodeCapacity.from_memory("b", memory_total=100, memory_available=95,
+                                   device_memory_total=80 * GIB,
+                                   device_memory_available=70 * GIB)
+    assert gpu.usable_bytes == 70 * GIB
+
+
+def test_load_refusal_uses_the_same_memory_model_with_a_tolerance():
+    placed = place(request(), nodes(a=7, b=5), POLICY)
+    instance = placed.to_instance("i")
+    need_b = shard_bytes(MODEL, 13, 1, POLICY)
+    assert load_refusal(instance, "b", need_b, POLICY) is None
+    # Live memory a little below the need is jitter; far below is a refusal.
+    assert load_refusal(instance, "b", int(need_b * 0.95), POLICY, tolerance=0.10) is None
+    reason = load_refusal(instance, "b", need_b // 2, POLICY, tolerance=0.10)
+    assert reason is not None and "rank 1" in reason and "'tiny'" in reason
+    with pytest.raises(ValueError):
+        load_refusal(instance, "zz", GIB, POLICY)
