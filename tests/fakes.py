@@ -4,7 +4,9 @@ Behaviour is steered by the model id (load) and by markers in the prompt (step):
   model ids:  fake-fail-load (raises UnsupportedModel), fake-exit-on-load (os._exit),
               fake-slow-load (takes ~1 s with progress)
   prompt:     RAISE (step raises once), KILLME (the runner SIGKILLs itself),
-              FOREVER (ignores the natural stop), SLOW (0.2 s per step)
+              FOREVER (ignores the natural stop), SLOW (0.2 s per step),
+              TOOLCALL (writes the text "Let me check." and a tagged get_weather call,
+              TOOL_CALL_PIECES, then stops)
 Otherwise each step yields one token "w<i> " per request and a request stops after 8 tokens.
 """
 
@@ -18,16 +20,21 @@ from dataclasses import dataclass, field
 
 from shoal.engine.errors import UnsupportedModel, check_context
 from shoal.engine.sampling import InvalidParameter
+from shoal.engine.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate
 from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 128
 NATURAL_LENGTH = 8
+# What a TOOLCALL request writes, one piece per step (the tag is split across pieces).
+TOOL_CALL_PIECES = ("Let me check. <tool", '_call>\n{"name": "get_weather", ',
+                    '"arguments": {"city": "Paris"}}\n</tool', "_call>")
 
 
 class FakeTokenizer:
     has_chat_template = True
     eos_token_ids = frozenset({1})
+    chat_template = ChatTemplate(CHATML_TEMPLATE)  # no tool support: tools go in a system turn
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # one token per whitespace-separated word; markers survive as their own words
@@ -74,14 +81,14 @@ class FakeEngine:
     def render_chat(self, messages, tools=None) -> str:
         return " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
 
-    def add_request(self, request_id, prompt_token_ids, params) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, grammar=None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         params.check_vocab(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
-        markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW")
+        markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW", "TOOLCALL")
                    if self.tokenizer.encode(name)[0] in prompt_token_ids}
         self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers)
 
@@ -119,6 +126,8 @@ class FakeEngine:
         token = 100 + len(request.generated)
         request.generated.append(token)
         piece = f"w{len(request.generated)} "
+        if "TOOLCALL" in request.markers:
+            piece = TOOL_CALL_PIECES[len(request.generated) - 1]
         request.text += piece
         params = request.params
         logprobs = ()
@@ -131,10 +140,13 @@ class FakeEngine:
                 cut = request.text.index(stop)
                 start = len(request.text) - len(piece)
                 visible = request.text[start:cut] if cut > start else ""
-                return self._finish(request_id, "stop", visible, (token,), logprobs)
+                return self._finish(request_id, "stop", visible, (token,), logprobs,
+                                    stop_string=stop)
         count = len(request.generated)
         if params.max_tokens is not None and count >= params.max_tokens:
             return self._finish(request_id, "length", piece, (token,), logprobs)
+        if "TOOLCALL" in request.markers and count == len(TOOL_CALL_PIECES):
+            return self._finish(request_id, "stop", piece, (token,), logprobs)
         if count >= NATURAL_LENGTH and "FOREVER" not in request.markers:
             return self._finish(request_id, "stop", piece, (token,), logprobs)
         if len(request.prompt_ids) + count >= self.max_model_len:
@@ -143,12 +155,13 @@ class FakeEngine:
                              logprobs=logprobs, prompt_tokens=len(request.prompt_ids),
                              completion_tokens=count)
 
-    def _finish(self, request_id, reason, text, token_ids, logprobs=()) -> RequestOutput:
+    def _finish(self, request_id, reason, text, token_ids, logprobs=(),
+                stop_string=None) -> RequestOutput:
         request = self._requests.pop(request_id)
         return RequestOutput(request_id=request_id, text=text, token_ids=tuple(token_ids),
                              finished=True, finish_reason=reason, logprobs=logprobs,
                              prompt_tokens=len(request.prompt_ids),
-                             completion_tokens=len(request.generated))
+                             completion_tokens=len(request.generated), stop_string=stop_string)
 
 
 def make_fake_engine(config, progress=None) -> FakeEngine:
@@ -184,3 +197,50 @@ def fake_supervisor_options(**overrides):
                   restart_backoff_s=(0.1, 0.2, 0.3), shutdown_grace_s=2.0)
     values.update(overrides)
     return SupervisorOptions(**values)
+
+
+# ---- an in-process router for API adapter tests --------------------------------------------
+
+class ScriptedRouter:
+    """Stands in for shoal.router.Router in API tests that need no runner: records every
+    GenerationRequest it is given and answers with the chunks script(request) returns
+    (AcceptedChunk first). The default script says "hello world" and stops."""
+
+    def __init__(self, script=None) -> None:
+        self.requests = []
+        self.supervisors = []
+        self.script = script or (lambda request: scripted_reply(request, ["hello", " world"]))
+
+    async def submit(self, request):
+        self.requests.append(request)
+        for chunk in self.script(request):
+            yield chunk
+
+    def canonical_id(self, name: str) -> str:
+        return name
+
+
+def scripted_reply(request, pieces, tool_calls=(), finish_reason=None, prompt_tokens=5,
+                   stop_sequence=None):
+    """Accepted, one TokenChunk per piece, one ToolCallChunk per (name, arguments JSON), Finish."""
+    from shoal.protocol import (
+        AcceptedChunk,
+        FinishChunk,
+        TokenChunk,
+        ToolCall,
+        ToolCallChunk,
+        Usage,
+    )
+
+    rid = request.request_id
+    chunks = [AcceptedChunk(request_id=rid, prompt_tokens=prompt_tokens)]
+    chunks += [TokenChunk(request_id=rid, text=piece, token_ids=(100 + i,))
+               for i, piece in enumerate(pieces)]
+    chunks += [ToolCallChunk(request_id=rid, index=i,
+                             call=ToolCall(id=f"call_{i}", name=name, arguments=arguments))
+               for i, (name, arguments) in enumerate(tool_calls)]
+    reason = finish_reason or ("tool_calls" if tool_calls else "stop")
+    chunks.append(FinishChunk(request_id=rid, finish_reason=reason, stop_sequence=stop_sequence,
+                              usage=Usage(prompt_tokens=prompt_tokens,
+                                          completion_tokens=len(pieces) + len(tool_calls))))
+    return chunks

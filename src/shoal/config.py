@@ -6,6 +6,7 @@ validated in __post_init__ with a ValueError that names it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,36 @@ def parse_size(text: str) -> int:
         raise ValueError(f"invalid size {text!r}: use a number with an optional unit "
                          f"such as 512MiB, 2GiB or 4GB")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0}
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds in a number (seconds) or a duration such as "300", "5m", "1h30m", "-1";
+    ValueError otherwise. A negative result means "indefinitely" to keep-alive callers."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid duration {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip()
+        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+        try:
+            seconds = sign * float(body)
+        except ValueError:
+            parts = _DURATION_PART.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"invalid duration {value!r}: use seconds or a duration "
+                                 f"such as 30s, 5m, 1h30m (negative: forever)") from None
+            seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    else:
+        raise ValueError(f"invalid duration {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"invalid duration {value!r}")
+    return seconds
 
 
 def default_data_dir() -> Path:
@@ -93,10 +124,15 @@ class NodeConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     engine: EngineDefaults = field(default_factory=EngineDefaults)
     runner: RunnerLimits = field(default_factory=RunnerLimits)
+    # Seconds a model loaded on demand stays loaded after its last request; None keeps it
+    # loaded. Models in `models` stay loaded unless a request's keep_alive says otherwise.
+    keep_alive_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if any(not m.strip() for m in self.models):
             raise ValueError("model names must not be empty")
+        if self.keep_alive_s is not None and self.keep_alive_s < 0:
+            raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
 
     def engine_config(self, source: ModelSource) -> EngineConfig:
         return EngineConfig(source=source, dtype=self.engine.dtype,  # type: ignore[arg-type]
@@ -135,6 +171,7 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       models: Sequence[str] = (), data_dir: str | None = None,
                       dtype: str | None = None, threads: int | None = None,
                       kv_cache_memory: str | None = None, max_model_len: int | None = None,
+                      keep_alive: str | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment."""
     env = os.environ if env is None else env
@@ -155,6 +192,9 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         or 600.0,
         max_in_flight=_as_int(env.get("SHOAL_MAX_IN_FLIGHT") or None, "SHOAL_MAX_IN_FLIGHT")
         or 256)
+    keep_alive_value = _pick(keep_alive, env, "SHOAL_KEEP_ALIVE")
+    keep_alive_s = 300.0 if keep_alive_value is None else parse_duration(keep_alive_value)
     return NodeConfig(server=server, models=tuple(models) or tuple(env_models),
                       data_dir=Path(directory).expanduser() if directory else default_data_dir(),
-                      engine=engine, runner=runner)
+                      engine=engine, runner=runner,
+                      keep_alive_s=None if keep_alive_s < 0 else keep_alive_s)

@@ -47,7 +47,7 @@ def make_router(config: NodeConfig, options: SupervisorOptions | None = None,
                                            max_in_flight=config.runner.max_in_flight)
     return Router(lambda source: RunnerSupervisor(config.engine_config(source), options,
                                                   on_progress),
-                  resolve=resolve)
+                  resolve=resolve, keep_alive_s=config.keep_alive_s)
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shoal.engine.sampling import SamplingParams
 
@@ -76,6 +76,9 @@ class GenerationRequest(WireModel):
     # How long the model stays loaded after this request, in seconds: None is the server's
     # default, 0 unloads it once idle, a negative value keeps it loaded indefinitely.
     keep_alive_s: float | None = None
+    # Tokenize the prompt and answer AcceptedChunk(prompt_tokens) then FinishChunk, generating
+    # nothing: token counting, and loading a model (Ollama's empty prompt) through submit().
+    count_only: bool = False
 
 
 class Usage(WireModel):
@@ -131,6 +134,7 @@ class FinishChunk(WireModel):
     request_id: str
     finish_reason: Literal["stop", "length", "abort", "tool_calls"]
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended generation, if one did
 
 
 ErrorCode = Literal[
@@ -153,8 +157,43 @@ class ErrorChunk(WireModel):
     param: str | None = None
 
 
+class EmbeddingRequest(WireModel):
+    """Embed a batch of inputs: exactly one of texts or token_ids is set. An empty batch
+    only loads the model (Ollama's way of preloading an embedding model)."""
+
+    request_id: str
+    model: str
+    texts: tuple[str, ...] | None = None
+    token_ids: tuple[tuple[int, ...], ...] | None = None  # used as given, no special tokens
+    # Cut inputs longer than the model's context instead of failing the request.
+    truncate: bool = False
+    priority: int = 0
+    keep_alive_s: float | None = None  # as in GenerationRequest
+
+    @model_validator(mode="after")
+    def _one_kind_of_input(self) -> EmbeddingRequest:
+        if (self.texts is None) == (self.token_ids is None):
+            raise ValueError("exactly one of texts or token_ids must be set")
+        return self
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids or ())
+
+
+class EmbeddingResult(WireModel):
+    """The terminal chunk of an EmbeddingRequest: one vector per input, in input order."""
+
+    kind: Literal["embedding"] = "embedding"
+    request_id: str
+    embeddings: tuple[tuple[float, ...], ...]
+    prompt_tokens: int
+    # Seconds this request waited for the model to load (0 when it was loaded already).
+    load_duration_s: float = 0.0
+
+
 Chunk = Annotated[
-    Union[AcceptedChunk, TokenChunk, ToolCallChunk, FinishChunk, ErrorChunk],
+    Union[AcceptedChunk, TokenChunk, ToolCallChunk, FinishChunk, ErrorChunk, EmbeddingResult],
     Field(discriminator="kind")
 ]
 

@@ -101,6 +101,8 @@ def test_stop_string_ends_the_request_and_is_not_shown(fast_engine):
         temperature=0.0, max_tokens=30, ignore_eos=True, stop=(stop,)))})["stop"]
     assert stopped["reason"] == "stop"
     assert stopped["text"] == text[: text.index(stop)]
+    assert stopped["outputs"][-1].stop_string == stop  # Anthropic reports which one matched
+    assert free["outputs"][-1].stop_string is None
 
 
 def test_prefix_cache_skips_the_shared_prefix(fast_engine):

@@ -21,7 +21,7 @@ PER_TOKEN = 2 * 30 * 3 * 64 * 2
 
 @dataclass
 class Loaded:
-    compute_dtype: torch.dtype = torch.bfloat16
+    cache_dtype: torch.dtype = torch.bfloat16
 
 
 @pytest.fixture()
@@ -36,6 +36,13 @@ def test_explicit_budget_sets_block_count_and_context(source):
     plan = plan_kv_cache(config, CONFIG, Loaded())
     assert plan.num_blocks == 100
     assert plan.max_model_len == 1600  # the pool holds fewer tokens than the model's 8192
+
+
+def test_budget_counts_the_cache_dtype_not_the_compute_dtype(source):
+    # On CPU a bf16 model keeps its cache in float32: the same bytes hold half the blocks.
+    config = EngineConfig(source=source, kv_cache_bytes=100 * 16 * PER_TOKEN)
+    plan = plan_kv_cache(config, CONFIG, Loaded(cache_dtype=torch.float32))
+    assert plan.num_blocks == 50
 
 
 def test_default_budget_is_a_share_of_available_memory_capped_by_need(source):

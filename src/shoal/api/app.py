@@ -1,4 +1,5 @@
-"""The node's FastAPI application: OpenAI routes, /health, errors in OpenAI's shape."""
+"""The node's FastAPI application: OpenAI, Ollama and Anthropic routes, /health, and errors
+in the dialect of the route that failed."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from shoal.api.errors import install_error_handlers
-from shoal.api.openai import chat, completions, models
+from shoal.api.anthropic import errors as anthropic_errors
+from shoal.api.anthropic import messages as anthropic_messages
+from shoal.api.errors import install_error_handlers, register_error_dialect
+from shoal.api.ollama import embed as ollama_embed
+from shoal.api.ollama import errors as ollama_errors
+from shoal.api.ollama import generate as ollama_generate
+from shoal.api.ollama import models as ollama_models
+from shoal.api.ollama import pull as ollama_pull
+from shoal.api.openai import chat, completions, embeddings, models, responses
 
 
 def _catalog_entries() -> Sequence[Any]:
@@ -31,7 +39,16 @@ def create_app(router: Any, keepalive_s: float = 15.0,
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(embeddings.router)
     app.include_router(models.router)
+    register_error_dialect(app, "/api/", ollama_errors.render)
+    app.include_router(ollama_generate.router)
+    app.include_router(ollama_embed.router)
+    app.include_router(ollama_models.router)
+    app.include_router(ollama_pull.router)
+    app.include_router(responses.router)
+    register_error_dialect(app, "/v1/messages", anthropic_errors.render)
+    app.include_router(anthropic_messages.router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -1,11 +1,14 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+"""API errors, rendered in the dialect of the route that failed.
 
-Every failure the API reports goes through here, so status codes stay consistent:
-bad input 400, unknown model 404, overload 429, unavailable 503, never a 500 for bad input.
+Every failure the API reports is an APIError, so status codes stay consistent: bad input 400,
+unknown model 404, overload 429, unavailable 503, never a 500 for bad input. Routes under a
+registered path prefix (Ollama's /api/, Anthropic's /v1/messages) render it in their own
+dialect; everything else gets OpenAI's body {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -46,6 +49,13 @@ class APIError(Exception):
         return cls(status, chunk.message, param=chunk.param, code=chunk.code,
                    error_type=error_type)
 
+    def described(self) -> str:
+        """The message, led by the parameter it blames when it does not name it already
+        (for dialects whose error body has no field for the parameter)."""
+        if self.status != 400 or not self.param or self.param in self.message:
+            return self.message
+        return f"{self.param}: {self.message}"
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type,
                           "param": self.param, "code": self.code}}
@@ -71,17 +81,34 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
                     code="invalid_parameter")
 
 
+ErrorRenderer = Callable[[APIError], JSONResponse]
+
+
+def register_error_dialect(app: FastAPI, path_prefix: str, render: ErrorRenderer) -> None:
+    """Render errors of requests whose path starts with path_prefix with render."""
+    app.state.error_dialects.append((path_prefix, render))
+
+
+def _render(request: Request, error: APIError) -> JSONResponse:
+    for prefix, render in request.app.state.error_dialects:
+        if request.url.path.startswith(prefix):
+            return render(error)
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.state.error_dialects = []
+
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, error: APIError) -> JSONResponse:
-        return error.response()
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return _render(request, error)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_request: Request,
+    async def _request_validation(request: Request,
                                   error: RequestValidationError) -> JSONResponse:
-        return _validation_error(list(error.errors())).response()
+        return _render(request, _validation_error(list(error.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return APIError(error.status_code, str(error.detail), code=code).response()
+        return _render(request, APIError(error.status_code, str(error.detail), code=code))

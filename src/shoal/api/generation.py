@@ -1,7 +1,8 @@
 """Running one generation for an HTTP request, whatever the dialect.
 
 The request's internal stream is opened and its first chunk awaited (so validation errors get
-a proper status code before any body is sent); then the body is streamed (SSE) or collected.
+a proper status code before any body is sent); then the body is streamed (SSE or NDJSON, as
+the dialect's Responder says) or collected.
 A client that goes away cancels its request in the runner: streaming through Starlette's
 disconnect listener cancelling the body iterator, non-streaming by polling is_disconnected().
 """
@@ -11,14 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shoal.api.errors import APIError
-from shoal.api.sse import with_keepalive
-from shoal.protocol import GenerationRequest
+from shoal.api.sse import KEEPALIVE, with_keepalive
+from shoal.protocol import (
+    AcceptedChunk,
+    FinishChunk,
+    GenerationRequest,
+    LogprobItem,
+    ToolCall,
+)
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
@@ -47,9 +55,9 @@ async def until_disconnect(http_request: Request, awaitable: Awaitable[T]) -> T:
                 await task
 
 
-async def open_stream(http_request: Request, router: Any,
-                      internal: GenerationRequest) -> AsyncIterator[Any]:
-    """The request's chunk stream after its AcceptedChunk; APIError if it was refused."""
+async def open_stream(http_request: Request, router: Any, internal: GenerationRequest
+                      ) -> tuple[AcceptedChunk, AsyncIterator[Any]]:
+    """The request's AcceptedChunk and its chunk stream after it; APIError if it was refused."""
     stream = router.submit(internal)
     try:
         first = await until_disconnect(http_request, anext(stream))
@@ -62,31 +70,94 @@ async def open_stream(http_request: Request, router: Any,
     if first.kind == "error":
         await stream.aclose()
         raise APIError.from_chunk(first)
-    return stream
+    if first.kind != "accepted":
+        await stream.aclose()
+        raise APIError(500, f"the request began with a {first.kind} chunk, not accepted",
+                       code="internal", error_type="internal_error")
+    return first, stream
 
 
 class Responder(Protocol):
-    """A dialect's view of one request: its model name, JSON body and SSE events."""
+    """A dialect's view of one request: its JSON body and its streamed events.
+
+    respond() sets model (the canonical id) and prompt_tokens before reading either.
+    """
 
     model: str
+    prompt_tokens: int
+    media_type: str  # of the streamed body
+
+    def keepalive_event(self) -> str:
+        """What to send when the stream has been silent for a while."""
+        ...
 
     async def to_json(self, chunks: AsyncIterator[Any]) -> dict[str, Any]: ...
 
-    def to_sse(self, chunks: AsyncIterator[Any]) -> AsyncIterator[str]: ...
+    def to_stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[str]: ...
+
+
+class SSEResponder:
+    """Defaults for dialects that stream server-sent events."""
+
+    media_type = "text/event-stream"
+
+    def keepalive_event(self) -> str:
+        return KEEPALIVE
+
+
+@dataclass
+class Reply:
+    """A whole generation, collected for a non-streaming answer."""
+
+    text: str
+    logprobs: list[LogprobItem]
+    tool_calls: list[ToolCall]
+    finish: FinishChunk
+
+
+async def collect_reply(chunks: AsyncIterator[Any]) -> Reply:
+    """Every chunk after AcceptedChunk gathered into one Reply; APIError on an error chunk."""
+    text: list[str] = []
+    logprobs: list[LogprobItem] = []
+    tool_calls: list[ToolCall] = []
+    async for chunk in chunks:
+        if chunk.kind == "error":
+            raise APIError.from_chunk(chunk)
+        if chunk.kind == "token":
+            text.append(chunk.text)
+            logprobs.extend(chunk.logprobs)
+        elif chunk.kind == "tool_call":
+            tool_calls.append(chunk.call)
+        elif chunk.kind == "finish":
+            return Reply("".join(text), logprobs, tool_calls, chunk)
+    raise APIError(500, "the runner ended the stream without finishing", code="internal",
+                   error_type="internal_error")
+
+
+async def count_prompt_tokens(http_request: Request, router: Any,
+                              internal: GenerationRequest) -> int:
+    """The prompt's token count as the model sees it (chat template applied); loads the model
+    if needed. Raises APIError like a generation would, ClientGone if the client left."""
+    accepted, stream = await open_stream(
+        http_request, router, internal.model_copy(update={"count_only": True, "stream": False}))
+    await stream.aclose()
+    return accepted.prompt_tokens
 
 
 async def respond(http_request: Request, router: Any, internal: GenerationRequest,
                   responder: Responder, keepalive_s: float) -> Response:
     try:
-        stream = await open_stream(http_request, router, internal)
+        accepted, stream = await open_stream(http_request, router, internal)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     # Only now is the name resolved: answer with the canonical id, not the alias asked for.
     responder.model = router.canonical_id(internal.model)
-    to_json, to_sse = responder.to_json, responder.to_sse
+    responder.prompt_tokens = accepted.prompt_tokens
+    to_json, to_stream = responder.to_json, responder.to_stream
     if internal.stream:
-        return StreamingResponse(with_keepalive(_closing(to_sse(stream), stream), keepalive_s),
-                                 media_type="text/event-stream",
+        events = with_keepalive(_closing(to_stream(stream), stream), keepalive_s,
+                                responder.keepalive_event())
+        return StreamingResponse(events, media_type=responder.media_type,
                                  headers={"Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
     try:

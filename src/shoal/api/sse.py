@@ -1,4 +1,4 @@
-"""Server-sent events: framing and keep-alive comments on silent streams."""
+"""Streamed bodies: server-sent events, newline-delimited JSON, keep-alives on silent streams."""
 
 from __future__ import annotations
 
@@ -12,13 +12,24 @@ DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n\n"
 
 
-def sse_event(data: Any) -> str:
-    """One `data:` event holding data as compact JSON."""
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def compact_json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(',', ':'))
 
 
-async def with_keepalive(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
-    """Pass events through, adding a comment line whenever interval_s pass without one.
+def sse_event(data: Any, event: str | None = None) -> str:
+    """One `data:` event holding data as compact JSON, named by an `event:` line if given."""
+    name = f"event: {event}\n" if event else ""
+    return f"{name}data: {compact_json(data)}\n\n"
+
+
+def ndjson_line(data: Any) -> str:
+    """One line of newline-delimited JSON."""
+    return compact_json(data) + "\n"
+
+
+async def with_keepalive(events: AsyncIterator[str], interval_s: float,
+                         keepalive: str = KEEPALIVE) -> AsyncIterator[str]:
+    """Pass events through, adding keepalive whenever interval_s pass without an event.
 
     Proxies and clients drop idle connections; a comment keeps them open while a model loads
     or a long prompt is prefilled. Closing this iterator closes events.
@@ -31,7 +42,7 @@ async def with_keepalive(events: AsyncIterator[str], interval_s: float) -> Async
                 pending = asyncio.ensure_future(anext(iterator))
             done, _ = await asyncio.wait({pending}, timeout=interval_s)
             if not done:
-                yield KEEPALIVE
+                yield keepalive
                 continue
             task, pending = pending, None
             try:

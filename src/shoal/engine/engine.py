@@ -15,6 +15,8 @@ import torch
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import check_context
+from shoal.engine.grammar import Constraint, GrammarCompiler
+from shoal.engine.grammar_spec import GrammarSpec
 from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
@@ -38,6 +40,7 @@ class _OutputState:
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
     generator: torch.Generator | None
+    constraint: Constraint | None = None  # the grammar the output must follow, if any
     reported_tokens: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -75,6 +78,8 @@ class Engine:
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
         self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
+                                        self.tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._states: dict[str, _OutputState] = {}
         self._aborted: list[str] = []
@@ -90,14 +95,18 @@ class Engine:
                                                   tools=tools)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Queue a request; raises InvalidParameter or ContextLengthExceeded."""
+                    params: SamplingParams, grammar: GrammarSpec | None = None) -> None:
+        """Queue a request; raises InvalidParameter, ContextLengthExceeded or InvalidGrammar.
+
+        With a grammar, every sampled token is one the grammar accepts, and the request ends
+        ("stop") as soon as the grammar is complete."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         params.check_vocab(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        constraint = self.grammars.compile(grammar) if grammar is not None else None
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params)
         self.scheduler.add(request)
@@ -106,6 +115,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop),
             generator=_generator_for(params.seed, self.config.device),
+            constraint=constraint,
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -125,9 +135,10 @@ class Engine:
             return outputs
         logits = self.runner.execute(scheduled)  # [num_sampled, vocab] float32
         sampled_chunks = [c for c in scheduled.chunks if c.needs_sample]
-        rows = [self._sampling_row(c.request_id) for c in sampled_chunks]
+        rows = self._sampling_rows([c.request_id for c in sampled_chunks], logits.device)
         result = self.sampler(logits, rows)
         sampled = {c.request_id: tok for c, tok in zip(sampled_chunks, result.token_ids)}
+        self._advance_constraints(sampled)
         for chunk, lp in zip(sampled_chunks, result.logprobs):
             if lp is not None:
                 self._states[chunk.request_id].pending_logprobs.append(self._to_logprob(lp))
@@ -152,12 +163,30 @@ class Engine:
         aborted, self._aborted = self._aborted, []
         return [rid for rid in aborted if rid in self._requests]
 
-    def _sampling_row(self, request_id: str) -> SamplingRow:
-        request = self._requests[request_id]
-        return SamplingRow(params=request.params,
-                           prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=request.output_token_ids,
-                           generator=self._states[request_id].generator)
+    def _sampling_rows(self, request_ids: list[str], device: torch.device) -> list[SamplingRow]:
+        constrained = [rid for rid in request_ids if self._states[rid].constraint is not None]
+        masks: dict[str, torch.Tensor] = {}
+        if constrained:  # unconstrained batches never get here
+            allowed = self.grammars.allowed_tokens(
+                [self._states[rid].constraint for rid in constrained]).to(device)  # [C, V]
+            masks = dict(zip(constrained, allowed))
+        rows = []
+        for request_id in request_ids:
+            request = self._requests[request_id]
+            rows.append(SamplingRow(params=request.params,
+                                    prompt_token_ids=request.prompt_token_ids,
+                                    output_token_ids=request.output_token_ids,
+                                    generator=self._states[request_id].generator,
+                                    allowed_tokens=masks.get(request_id)))
+        return rows
+
+    def _advance_constraints(self, sampled: dict[str, int]) -> None:
+        for request_id, token_id in sampled.items():
+            constraint = self._states[request_id].constraint
+            if constraint is not None and not constraint.advance(token_id):
+                # Cannot happen for a masked token; the request then ends as complete.
+                log.error("request %s: grammar rejected token %d: %s", request_id, token_id,
+                          constraint.error)
 
     def _to_logprob(self, sampled) -> TokenLogprob:
         text = self.tokenizer.token_text
@@ -181,6 +210,10 @@ class Engine:
             text += piece
             if stopped:
                 break
+        if not stopped and not finished and state.constraint is not None \
+                and state.constraint.is_complete:
+            finished = True  # the grammar admits nothing more: the output is whole
+            self.scheduler.finish(request_id, "stop")
         if stopped and not finished:
             self.scheduler.finish(request_id, "stop")
         if stopped or finished:
@@ -201,7 +234,8 @@ class Engine:
         state = self._states.pop(request_id)
         return RequestOutput(request_id=request_id, text=text, token_ids=token_ids,
                              finished=True, finish_reason=reason,
-                             logprobs=tuple(state.pending_logprobs), **self._usage(request))
+                             logprobs=tuple(state.pending_logprobs),
+                             stop_string=state.stop_checker.stop_string, **self._usage(request))
 
     @staticmethod
     def _usage(request: Request) -> dict:

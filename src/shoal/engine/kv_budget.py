@@ -43,7 +43,7 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
     """
     from shoal.engine.models.loader import kv_bytes_per_token
 
-    per_token = kv_bytes_per_token(model_config, loaded.compute_dtype)
+    per_token = kv_bytes_per_token(model_config, loaded.cache_dtype)
     per_block = per_token * config.block_size
     context = model_config.max_position
     if config.max_model_len is not None:

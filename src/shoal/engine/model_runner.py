@@ -51,7 +51,7 @@ class ModelRunner:
         self.device = torch.device(device)
         start, end = loaded.layer_range
         self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
-                                           loaded.compute_dtype, self.device)
+                                           loaded.cache_dtype, self.device)
         self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
 
     @torch.inference_mode()
@@ -127,16 +127,17 @@ class ModelRunner:
         query_len = len(members[0].token_ids)
         ctx = [c.context_len for c in members]
         tables = self._block_tables(members)
-        if len(members) == 1 and members[0].start_position == 0 and query_len > 1:
+        single = members[0].block_ids if len(members) == 1 else None
+        if single is not None and members[0].start_position == 0 and query_len > 1:
             # A fresh prefill attends only to its own new keys: no gather needed.
             full = AttentionView(gather=None, mask=None, is_causal=True)
         else:
-            full = self._view(tables, _KeyWindow([0] * len(ctx), ctx), query_len, None)
+            full = self._view(tables, _KeyWindow([0] * len(ctx), ctx), query_len, None, single)
         sliding = None
         window = self.config.sliding_window
         if window is not None and max(ctx) > window:
             lo = [max(0, c - query_len - window + 1) for c in ctx]
-            sliding = self._view(tables, _KeyWindow(lo, ctx), query_len, window)
+            sliding = self._view(tables, _KeyWindow(lo, ctx), query_len, window, single)
         return AttentionGroup(token_start=row, batch=len(members), query_len=query_len,
                               full=full, sliding=sliding)
 
@@ -147,8 +148,18 @@ class ModelRunner:
         rows = [list(c.block_ids[:n]) + [0] * (width - n) for c, n in zip(members, needed)]
         return torch.tensor(rows, dtype=torch.long)
 
+    def _span(self, block_ids, lo: int, ctx: int) -> tuple[int, int] | None:
+        """Slots [first, end) of key positions [lo, ctx) when their blocks are consecutive."""
+        size = self.block_size
+        blocks = block_ids[lo // size:-(-ctx // size)]
+        if any(b != blocks[0] + i for i, b in enumerate(blocks)):
+            return None
+        first = blocks[0] * size + lo % size
+        return first, first + ctx - lo
+
     def _view(self, tables: torch.Tensor, keys: _KeyWindow, query_len: int,
-              window: int | None) -> AttentionView:
+              window: int | None, single_blocks=None) -> AttentionView:
+        """single_blocks: the block ids of a one-request group (which may slice the cache)."""
         size = self.block_size
         lo = torch.tensor(keys.lo, dtype=torch.long)[:, None]
         ctx = torch.tensor(keys.ctx, dtype=torch.long)[:, None]
@@ -166,4 +177,7 @@ class ModelRunner:
             mask = torch.zeros(allowed.shape, dtype=self.mask_dtype)
             mask.masked_fill_(~allowed, float("-inf"))
             mask = mask.unsqueeze(1).to(self.device)                     # [B, 1, Tq, L]
-        return AttentionView(gather=gather.flatten().to(self.device), mask=mask)
+        span = None
+        if single_blocks is not None:
+            span = self._span(single_blocks, keys.lo[0], keys.ctx[0])
+        return AttentionView(gather=gather.flatten().to(self.device), mask=mask, span=span)

@@ -42,3 +42,4 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    stop_string: str | None = None  # set on the last output when a stop string ended it

@@ -2,7 +2,7 @@
 
 Order of operations per row (matching HF and OpenAI semantics):
   1. repetition penalty (HF: over prompt + output), presence / frequency penalties (OpenAI:
-     over output), logit_bias, and the min_tokens ban on end tokens;
+     over output), logit_bias, the min_tokens ban on end tokens, and a grammar's token mask;
   2. log-probabilities are taken here (after penalties, before temperature and filters);
   3. greedy rows take the argmax; other rows divide by temperature, apply top_k, top_p and
      min_p, and draw from the remaining distribution.
@@ -33,6 +33,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    # bool [V]: the tokens a grammar allows next (None: unconstrained).
+    allowed_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ class Sampler:
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
         params = row.params
-        return (params.greedy and not _wants_logprobs(params) and not params.logit_bias
+        return (params.greedy and row.allowed_tokens is None and not _wants_logprobs(params)
+                and not params.logit_bias
                 and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
                 and params.frequency_penalty == 0.0 and not self._bans_end_tokens(row))
 
@@ -110,6 +113,9 @@ class Sampler:
                 banned.extend(self.eos_token_ids)
             if banned:
                 logits[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+        if row.allowed_tokens is not None:
+            # Never empty: a grammar that allows only the end token has already ended the request.
+            logits.masked_fill_(~row.allowed_tokens, float("-inf"))
 
     # ---- step 2: log-probabilities ------------------------------------------------------
 

@@ -25,22 +25,27 @@ from typing import Any
 from pydantic import ValidationError
 
 from shoal.engine.errors import ContextLengthExceeded
+from shoal.engine.grammar_spec import InvalidGrammar
 from shoal.engine.outputs import RequestOutput, TokenLogprob
 from shoal.engine.sampling import InvalidParameter
 from shoal.protocol import (
     AcceptedChunk,
+    EmbeddingRequest,
+    EmbeddingResult,
     ErrorChunk,
     FinishChunk,
     GenerationRequest,
     LogprobItem,
     TokenChunk,
+    ToolCallChunk,
     TopLogprobItem,
     Usage,
 )
-from shoal.runner.framing import FrameError, recv_frame, send_frame
+from shoal.runner.framing import FrameError, FrameTooLarge, recv_frame, send_frame
 from shoal.runner.messages import (
     Cancel,
     ChunkMessage,
+    Embed,
     Failed,
     Load,
     ModelInfo,
@@ -50,6 +55,15 @@ from shoal.runner.messages import (
     Submit,
     parse_to_runner,
     to_wire,
+)
+from shoal.runner.tool_stream import IndexedCall, ToolCallStream
+from shoal.runner.tool_use import (
+    TemplateToolSupport,
+    chat_prompt,
+    check_tools,
+    grammar_param,
+    offered_tools,
+    output_grammar,
 )
 
 log = logging.getLogger("shoal.runner")
@@ -97,10 +111,16 @@ class SupervisorGone(Exception):
     """The socket closed: nobody is left to serve."""
 
 
-def resolve_factory(spec: str | None) -> Callable[..., Any]:
-    """The engine constructor: the real Engine, or "module:callable" injected by tests."""
+def resolve_factory(spec: str | None, task: str = "generate") -> Callable[..., Any]:
+    """The engine constructor: the real Engine (or EmbeddingEngine for an embedding model),
+    or "module:callable" injected by tests."""
     if spec is None:
-        from shoal.engine.engine import Engine  # heavy (torch); imported only in the runner
+        # heavy (torch); imported only in the runner
+        if task == "embed":
+            from shoal.engine.embedding import EmbeddingEngine
+
+            return EmbeddingEngine
+        from shoal.engine.engine import Engine
 
         return Engine
     module_name, _, attribute = spec.partition(":")
@@ -125,14 +145,33 @@ def build_engine(load: Load, channel: Channel) -> Any:
                                 progress=min(max(float(fraction), 0.0), 1.0)))
 
     channel.send(Status(state="loading", stage="starting", progress=0.0))
-    return resolve_factory(load.engine_factory)(config, progress)
+    return resolve_factory(load.engine_factory, config.source.task)(config, progress)
+
+
+def engine_task(engine: Any) -> str:
+    return getattr(engine, "task", "generate")
 
 
 def model_info(engine: Any) -> ModelInfo:
     tokenizer = engine.tokenizer
+    embeds = engine_task(engine) == "embed"
     return ModelInfo(model_id=engine.model_id, max_model_len=engine.max_model_len,
                      vocab_size=engine.vocab_size,
-                     has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)))
+                     has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
+                     task="embed" if embeds else "generate",
+                     embedding_dimensions=engine.dimensions if embeds else None,
+                     size_bytes=_memory_bytes(engine))
+
+
+def _memory_bytes(engine: Any) -> int | None:
+    """Weights plus KV cache, as reserved at load; None when the engine cannot tell."""
+    if callable(getattr(engine, "weight_bytes", None)):
+        return int(engine.weight_bytes())
+    loaded, runner = getattr(engine, "loaded", None), getattr(engine, "runner", None)
+    if loaded is None:
+        return None
+    caches = getattr(runner, "kv_caches", None) or []
+    return int(loaded.weight_bytes + sum(t.numel() * t.element_size() for t in caches))
 
 
 def _logprob_items(logprobs: tuple[TokenLogprob, ...]) -> tuple[LogprobItem, ...]:
@@ -150,15 +189,22 @@ class RunnerLoop:
         self.engine = engine
         self.channel = channel
         self.in_flight: set[str] = set()
+        self.embeds = engine_task(engine) == "embed"
+        self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
+        self._tool_support: TemplateToolSupport | None = None
 
     def run(self) -> None:
         while True:
-            block = not self.engine.has_unfinished_requests()
+            block = not self.has_work()
             for raw in self.channel.receive(block):
                 if not self.handle(raw):
                     return
-            if self.engine.has_unfinished_requests():
+            if self.has_work():
                 self.step()
+
+    def has_work(self) -> bool:
+        # An embedding engine answers each request at once; it never has work left over.
+        return not self.embeds and self.engine.has_unfinished_requests()
 
     def handle(self, raw: Any) -> bool:
         """Apply one incoming message; False means stop serving."""
@@ -171,8 +217,11 @@ class RunnerLoop:
             return True
         if isinstance(message, Submit):
             self.submit(message.request)
+        elif isinstance(message, Embed):
+            self.embed(message.request)
         elif isinstance(message, Cancel):
-            self.engine.abort_request(message.request_id)
+            if not self.embeds:  # embeddings finish within handle(): nothing to abort
+                self.engine.abort_request(message.request_id)
         elif isinstance(message, Shutdown):
             return False
         else:
@@ -199,8 +248,7 @@ class RunnerLoop:
                                                   f"vocabulary (size {self.engine.vocab_size})")
             return ids
         if request.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in request.messages]
-            text = self.engine.render_chat(messages)
+            text = chat_prompt(request, self.tool_support, self.engine.render_chat)
             return tokenizer.encode(text, add_special_tokens=True)
         if request.prompt is not None:
             return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
@@ -208,9 +256,20 @@ class RunnerLoop:
 
     def submit(self, request: GenerationRequest) -> None:
         request_id = request.request_id
+        if self.embeds:
+            self._error(request_id, "invalid_request", f"model {self.engine.model_id!r} is an "
+                        f"embedding model; it cannot generate text", "model")
+            return
         try:
+            check_tools(request)
             ids = self.prompt_token_ids(request)
-            self.engine.add_request(request_id, ids, request.sampling)
+            if not request.count_only:
+                grammar = output_grammar(request, self.tool_support.call_format)
+                self.engine.add_request(request_id, ids, request.sampling, grammar=grammar)
+        except InvalidGrammar as error:
+            param = grammar_param(request)
+            self._error(request_id, "invalid_request",
+                        f"{param}: the schema cannot be enforced: {error}", param)
         except InvalidParameter as error:
             self._error(request_id, "invalid_request", str(error), error.param)
         except ContextLengthExceeded as error:
@@ -222,8 +281,56 @@ class RunnerLoop:
             log.error("submit %s failed:\n%s", request_id, traceback.format_exc())
             self._error(request_id, "internal", f"{type(error).__name__}: {error}")
         else:
+            if request.count_only:
+                self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
+                self.send_chunk(FinishChunk(request_id=request_id, finish_reason="stop",
+                                            usage=Usage(prompt_tokens=len(ids),
+                                                        completion_tokens=0)))
+                return
             self.in_flight.add(request_id)
+            if offered_tools(request):
+                self.tool_streams[request_id] = ToolCallStream(
+                    [tool.name for tool in offered_tools(request)])
             self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
+
+    @property
+    def tool_support(self) -> TemplateToolSupport:
+        if self._tool_support is None:
+            template = self.engine.tokenizer.chat_template
+            self._tool_support = TemplateToolSupport.of(template.source, template.uses_tools)
+        return self._tool_support
+
+    # ---- embed ----------------------------------------------------------------------------
+
+    def embed(self, request: EmbeddingRequest) -> None:
+        """Answer at once: one EmbeddingResult or ErrorChunk (the batch runs synchronously)."""
+        request_id = request.request_id
+        if not self.embeds:
+            self._error(request_id, "invalid_request", f"model {self.engine.model_id!r} "
+                        f"generates text; it does not produce embeddings", "model")
+            return
+        try:
+            if request.texts is not None:
+                ids = self.engine.tokenize(request.texts, request.truncate)
+            else:
+                ids = self.engine.check_token_ids(request.token_ids or (), request.truncate)
+            vectors = self.engine.embed(ids) if ids else None  # [B, dimensions] float32
+        except InvalidParameter as error:
+            self._error(request_id, "invalid_request", str(error), error.param)
+        except ContextLengthExceeded as error:
+            self._error(request_id, "context_length_exceeded", str(error), "input")
+        except Exception as error:  # noqa: BLE001 - a bug must not take the runner down
+            log.error("embed %s failed:\n%s", request_id, traceback.format_exc())
+            self._error(request_id, "internal", f"{type(error).__name__}: {error}")
+        else:
+            rows = () if vectors is None else tuple(map(tuple, vectors.tolist()))
+            try:
+                self.send_chunk(EmbeddingResult(request_id=request_id, embeddings=rows,
+                                                prompt_tokens=sum(len(i) for i in ids)))
+            except FrameTooLarge as error:  # raised before anything is written
+                self._error(request_id, "invalid_request", f"the embeddings of this batch are "
+                            f"too large to return ({error.size} bytes encoded, limit "
+                            f"{error.limit}); send fewer inputs per request", "input")
 
     # ---- step -----------------------------------------------------------------------------
 
@@ -252,19 +359,37 @@ class RunnerLoop:
     def send_output(self, output: RequestOutput) -> None:
         request_id = output.request_id
         if request_id not in self.in_flight:
+            self.tool_streams.pop(request_id, None)
             return  # cancelled by the supervisor, or already failed
-        if output.text or output.token_ids:
+        tool_stream = self.tool_streams.get(request_id)
+        if tool_stream is not None:
+            self._send_with_tool_calls(request_id, tool_stream, output)
+        elif output.text or output.token_ids:
             self.send_chunk(TokenChunk(request_id=request_id, text=output.text,
                                        token_ids=output.token_ids,
                                        logprobs=_logprob_items(output.logprobs)))
         if output.finished:
             self.in_flight.discard(request_id)
+            finish_reason = output.finish_reason or "stop"
+            if tool_stream is not None:
+                finish_reason = tool_stream.finish_reason(finish_reason)
+                del self.tool_streams[request_id]
             usage = Usage(prompt_tokens=output.prompt_tokens,
                           completion_tokens=output.completion_tokens,
                           cached_tokens=output.cached_tokens)
-            self.send_chunk(FinishChunk(request_id=request_id,
-                                        finish_reason=output.finish_reason or "stop",
-                                        usage=usage))
+            self.send_chunk(FinishChunk(request_id=request_id, finish_reason=finish_reason,
+                                        usage=usage, stop_sequence=output.stop_string))
+
+    def _send_with_tool_calls(self, request_id: str, stream: ToolCallStream,
+                              output: RequestOutput) -> None:
+        for piece in stream.feed(output):
+            if isinstance(piece, IndexedCall):
+                self.send_chunk(ToolCallChunk(request_id=request_id, index=piece.index,
+                                              call=piece.call))
+            else:
+                self.send_chunk(TokenChunk(request_id=request_id, text=piece.text,
+                                           token_ids=piece.token_ids,
+                                           logprobs=_logprob_items(piece.logprobs)))
 
     def _error(self, request_id: str, code: str, message: str, param: str | None = None) -> None:
         self.send_chunk(ErrorChunk(request_id=request_id, code=code, message=message,

@@ -1,6 +1,6 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
-supervisor -> runner: Load, Submit, Cancel, Shutdown
+supervisor -> runner: Load, Submit, Embed, Cancel, Shutdown
 runner -> supervisor: Status, ChunkMessage, Failed
 Each travels as one msgpack frame (see framing.py): model_dump() out, validate on arrival.
 """
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shoal.engine.config import EngineConfig
-from shoal.protocol import Chunk, GenerationRequest
+from shoal.protocol import Chunk, EmbeddingRequest, GenerationRequest
 
 
 class RunnerMessage(BaseModel):
@@ -33,6 +33,13 @@ class Submit(RunnerMessage):
     request: GenerationRequest
 
 
+class Embed(RunnerMessage):
+    """Embed a batch; answered by one EmbeddingResult or ErrorChunk."""
+
+    type: Literal["embed"] = "embed"
+    request: EmbeddingRequest
+
+
 class Cancel(RunnerMessage):
     type: Literal["cancel"] = "cancel"
     request_id: str
@@ -47,6 +54,9 @@ class ModelInfo(RunnerMessage):
     max_model_len: int
     vocab_size: int
     has_chat_template: bool
+    task: Literal["generate", "embed"] = "generate"
+    embedding_dimensions: int | None = None  # set for embedding models
+    size_bytes: int | None = None  # memory the loaded weights (and KV cache) take
 
 
 class Status(RunnerMessage):
@@ -70,14 +80,14 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Union[Load, Submit, Cancel, Shutdown], Field(discriminator="type")]
+ToRunner = Annotated[Union[Load, Submit, Embed, Cancel, Shutdown], Field(discriminator="type")]
 FromRunner = Annotated[Union[Status, ChunkMessage, Failed], Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)
 
 
-def parse_to_runner(raw: dict[str, Any]) -> Load | Submit | Cancel | Shutdown:
+def parse_to_runner(raw: dict[str, Any]) -> Load | Submit | Embed | Cancel | Shutdown:
     return _to_runner.validate_python(raw)
 
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shoal.engine.config import EngineConfig
-from shoal.protocol import ErrorChunk, GenerationRequest
-from shoal.runner.framing import read_frame, write_frame
+from shoal.protocol import EmbeddingRequest, EmbeddingResult, ErrorChunk, GenerationRequest
+from shoal.runner.framing import FrameTooLarge, read_frame, write_frame
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.process import stop_process
 from shoal.runner.messages import (
     Cancel,
     ChunkMessage,
+    Embed,
     Failed,
     Load,
     ModelInfo,
@@ -76,6 +77,9 @@ class RunnerSupervisor:
         self.model_info: ModelInfo | None = None
         self.last_error: str | None = None
         self.restarts = 0
+        # Wall-clock time (unix seconds) the router will stop this runner if it stays idle;
+        # None when it is kept loaded indefinitely. Set by the router's keep-alive.
+        self.expires_at: float | None = None
         self._process: _Process | None = None
         self._pending: dict[str, _Pending] = {}
         self._crash_times: list[float] = []
@@ -142,6 +146,30 @@ class RunnerSupervisor:
             if not pending.finished:
                 self._send(Cancel(request_id=request_id))
 
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
+        """The request's vectors, or an ErrorChunk; bounded like submit (ready_wait_s to
+        start, chunk_timeout_s for the answer). Cancelling the await cancels the request."""
+        request_id = request.request_id
+        refusal = await self._admit(request_id)
+        if refusal is not None:
+            return refusal
+        pending = _Pending(asyncio.Queue(maxsize=1))
+        self._pending[request_id] = pending
+        try:
+            try:
+                self._send(Embed(request=request))
+            except FrameTooLarge as error:
+                pending.finished = True  # never reached the runner
+                return ErrorChunk(request_id=request_id, code="invalid_request", param="input",
+                                  message=f"the request is too large ({error.size} bytes "
+                                          f"encoded, limit {error.limit}); send fewer or "
+                                          f"shorter inputs per request")
+            return await self._next_chunk(request_id, pending)
+        finally:
+            self._pending.pop(request_id, None)
+            if not pending.finished:
+                self._send(Cancel(request_id=request_id))
+
     async def cancel(self, request_id: str) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.finished:
@@ -168,9 +196,13 @@ class RunnerSupervisor:
         self._set_state("stopped")
 
     def describe(self) -> dict[str, Any]:
+        info = self.model_info
         return {"model": self.model_id, "state": self.state, "pid": self.pid,
                 "in_flight": self.num_in_flight, "restarts": self.restarts,
-                "error": self.last_error}
+                "error": self.last_error,
+                "task": info.task if info else self.config.source.task,
+                "size_bytes": info.size_bytes if info else None,
+                "expires_at": self.expires_at}
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -204,7 +236,7 @@ class RunnerSupervisor:
         pending = self._pending.get(chunk.request_id)
         if pending is None or pending.finished:
             return  # cancelled or already failed; the runner may still report it
-        if chunk.kind in ("finish", "error"):
+        if chunk.kind in ("finish", "error", "embedding"):
             self._terminate(pending, chunk)
             return
         try:

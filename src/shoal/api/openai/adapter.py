@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shoal.api.errors import APIError, invalid_parameter
+from shoal.api.generation import SSEResponder, collect_reply
+from shoal.api.sampling import build_sampling_params, stop_strings
 from shoal.api.sse import DONE, sse_event
 from shoal.api.openai.schemas import (
     ChatCompletionRequest,
@@ -16,7 +18,17 @@ from shoal.api.openai.schemas import (
     CompletionRequest,
     SamplingFields,
 )
-from shoal.engine.sampling import InvalidParameter, SamplingParams
+from shoal.api.openai.tool_fields import (
+    check_tool_call_id,
+    internal_response_format,
+    internal_tool_calls,
+    internal_tool_choice,
+    internal_tools,
+    tool_call_delta,
+    tool_call_json,
+)
+from shoal.api.tools import limit_tool_calls
+from shoal.engine.sampling import SamplingParams
 from shoal.protocol import ChatMessage, GenerationRequest, LogprobItem, Usage
 
 # OpenAI's documented default for the legacy completions endpoint.
@@ -43,12 +55,6 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return bias
 
 
-def _stop(raw: str | list[str] | None) -> tuple[str, ...]:
-    if raw is None:
-        return ()
-    return (raw,) if isinstance(raw, str) else tuple(raw)
-
-
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: bool,
                     top_logprobs: int) -> SamplingParams:
     """SamplingParams from the shared fields; APIError(400) naming the bad parameter."""
@@ -59,14 +65,11 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: bool
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "seed", "min_tokens",
                      "ignore_eos")
-        if getattr(body, name) is not None
     }
-    try:
-        return SamplingParams(max_tokens=max_tokens, stop=_stop(body.stop),
-                              logit_bias=_logit_bias(body.logit_bias), logprobs=logprobs,
-                              top_logprobs=top_logprobs, **values)
-    except InvalidParameter as error:
-        raise invalid_parameter(error.param, str(error)) from None
+    return build_sampling_params({**values, "max_tokens": max_tokens,
+                                  "stop": stop_strings(body.stop),
+                                  "logit_bias": _logit_bias(body.logit_bias),
+                                  "logprobs": logprobs, "top_logprobs": top_logprobs})
 
 
 def _message_text(message: ChatMessageIn, index: int) -> str:
@@ -82,17 +85,24 @@ def _message_text(message: ChatMessageIn, index: int) -> str:
 
 
 def chat_to_internal(body: ChatCompletionRequest, request_id: str) -> GenerationRequest:
-    if body.tools:
-        raise invalid_parameter("tools", "tool calling is not supported yet")
     if body.top_logprobs and not body.logprobs:
         raise invalid_parameter("top_logprobs", "top_logprobs needs logprobs=true")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = sampling_params(body, max_tokens, bool(body.logprobs), body.top_logprobs or 0)
-    messages = tuple(ChatMessage(role=m.role, content=_message_text(m, i), name=m.name)
-                     for i, m in enumerate(body.messages))
+    messages = tuple(_chat_message(m, i) for i, m in enumerate(body.messages))
+    tools = internal_tools(body)
     return GenerationRequest(request_id=request_id, model=body.model, messages=messages,
-                             sampling=params, stream=body.stream)
+                             sampling=params, stream=body.stream, tools=tools,
+                             tool_choice=internal_tool_choice(body, tools),
+                             response_format=internal_response_format(body.response_format))
+
+
+def _chat_message(message: ChatMessageIn, index: int) -> ChatMessage:
+    check_tool_call_id(message, index)
+    return ChatMessage(role=message.role, content=_message_text(message, index),
+                       name=message.name, tool_calls=internal_tool_calls(message, index),
+                       tool_call_id=message.tool_call_id)
 
 
 def completion_to_internal(body: CompletionRequest, request_id: str) -> GenerationRequest:
@@ -145,7 +155,7 @@ def completion_logprobs(items: list[LogprobItem] | tuple[LogprobItem, ...],
 
 
 @dataclass
-class OpenAIResponder:
+class OpenAIResponder(SSEResponder):
     """Turns one request's internal chunks into OpenAI JSON or SSE events."""
 
     dialect: Dialect
@@ -154,6 +164,8 @@ class OpenAIResponder:
     want_logprobs: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: int = 0
+    parallel_tool_calls: bool = True  # False: only the first call is returned
 
     @property
     def object_name(self) -> str:
@@ -172,37 +184,31 @@ class OpenAIResponder:
 
     async def to_json(self, chunks: AsyncIterator[Any]) -> dict[str, Any]:
         """The whole response; APIError if the stream ends in an error."""
-        text, logprobs, finish = [], [], None
-        async for chunk in chunks:
-            if chunk.kind == "error":
-                raise APIError.from_chunk(chunk)
-            if chunk.kind == "token":
-                text.append(chunk.text)
-                logprobs.extend(chunk.logprobs)
-            elif chunk.kind == "finish":
-                finish = chunk
-        if finish is None:
-            raise APIError(500, "the runner ended the stream without finishing", code="internal",
-                           error_type="internal_error")
-        content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(logprobs),
+        reply = await collect_reply(limit_tool_calls(chunks, self.parallel_tool_calls))
+        finish = reply.finish
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(reply.logprobs),
                                   "finish_reason": finish.finish_reason}
         if self.dialect == "chat":
-            choice["message"] = {"role": "assistant", "content": content}
+            choice["message"] = {"role": "assistant", "content": reply.text}
+            if reply.tool_calls:
+                choice["message"] = {"role": "assistant", "content": reply.text or None,
+                                     "tool_calls": [tool_call_json(c) for c in reply.tool_calls]}
         else:
-            choice["text"] = content
+            choice["text"] = reply.text
         return {**self._envelope(self.object_name), "choices": [choice],
                 "usage": usage_json(finish.usage)}
 
-    async def to_sse(self, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def to_stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
         """SSE events: deltas, a final finish_reason, optional usage, then [DONE]."""
         offset = 0
         if self.dialect == "chat":
             yield self._sse_chunk({"role": "assistant", "content": ""}, None, None)
-        async for chunk in chunks:
+        async for chunk in limit_tool_calls(chunks, self.parallel_tool_calls):
             if chunk.kind == "token":
                 yield self._sse_chunk(chunk.text, self._logprobs(chunk.logprobs, offset), None)
                 offset += len(chunk.text)
+            elif chunk.kind == "tool_call":
+                yield self._sse_chunk(tool_call_delta(chunk.index, chunk.call), None, None)
             elif chunk.kind == "finish":
                 yield self._sse_chunk("", None, chunk.finish_reason)
                 if self.include_usage:

@@ -19,5 +19,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     responder = OpenAIResponder(
         dialect="chat", request_id=internal.request_id,
         model=body.model, want_logprobs=bool(body.logprobs),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        parallel_tool_calls=body.parallel_tool_calls is not False)
     return await respond(request, state.router, internal, responder, state.keepalive_s)

@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from shoal.api.model_list import listed_models
+
 router = APIRouter()
 
 
@@ -16,15 +18,7 @@ def _card(model_id: str, created: int, **extra: Any) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = request.app.state
-    created = state.started_at
-    data = []
-    for supervisor in state.router.supervisors:
-        info = supervisor.model_info
-        data.append(_card(supervisor.model_id, created, state=supervisor.state,
-                          max_model_len=info.max_model_len if info else None))
-    served = {entry["id"] for entry in data}
-    for entry in state.list_available():
-        if entry.available and entry.id not in served:
-            data.append(_card(entry.id, created, state="available",
-                              max_model_len=entry.context_length))
+    data = [_card(model.id, state.started_at, state=model.state,
+                  max_model_len=model.max_model_len)
+            for model in listed_models(state)]
     return {"object": "list", "data": data}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class OpenAIModel(BaseModel):
@@ -21,10 +21,58 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCallIn(OpenAIModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] | None = None  # JSON text (some clients send an object)
+
+
+class ToolCallIn(OpenAIModel):
+    """A call an earlier assistant turn made."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None takes no arguments
+    strict: bool | None = None  # shoal always enforces the schema when it constrains a call
+
+
+class ToolIn(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # shoal enforces the schema either way
+
+
+class ResponseFormatIn(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -55,7 +103,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormatIn | None = None
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _one_tool_choice(cls, value: Any, handler: Any) -> Any:
+        # One plain message: a union's error would name its members in the parameter path.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}') from None
 
 
 class CompletionRequest(SamplingFields):

@@ -1,8 +1,10 @@
-"""Paged KV cache tensors: per layer one tensor [num_blocks * block_size, 2 * H_kv, D].
+"""Paged KV cache tensors: per layer one tensor [2 * H_kv, num_blocks * block_size, D].
 
-Heads 0 .. H_kv - 1 of a slot hold its keys and heads H_kv .. 2 H_kv - 1 its values, so a
-layer writes a token's k and v with one index_copy_ and reads them with one index_select
-(half the small ops of separate K and V tensors, which matters at batch-1 decode).
+Rows 0 .. H_kv - 1 hold keys and rows H_kv .. 2 H_kv - 1 values, so a layer writes a token's
+k and v with one index_copy_ and reads them with one index_select (half the small ops of
+separate K and V tensors, which matters at batch-1 decode). Head-major: each head's keys
+over consecutive slots are one contiguous [L, D] slab, which attention reads fastest (about
+twice as fast at batch-1 decode as a slot-major [slots, 2 * H_kv, D] cache).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from shoal.engine.models.config import ModelConfig
 def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu",
                       ) -> list[torch.Tensor]:
-    """One [slots, 2 * H_kv, D] tensor per local layer; slot = block_id * block_size + offset."""
+    """One [2 * H_kv, slots, D] tensor per local layer; slot = block_id * block_size + offset."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError("num_blocks and block_size must be >= 1")
-    shape = (num_blocks * block_size, 2 * config.num_kv_heads, config.head_dim)
+    shape = (2 * config.num_kv_heads, num_blocks * block_size, config.head_dim)
     return [_lazy_cache(shape, dtype, device) for _ in range(num_layers)]
 
 
@@ -30,5 +32,5 @@ def _lazy_cache(shape: tuple[int, int, int], dtype: torch.dtype,
     read has been written first. torch.zeros would commit the whole budget at start-up.
     """
     cache = torch.empty(shape, dtype=dtype, device=device)
-    cache[0].zero_()
+    cache[:, 0].zero_()
     return cache

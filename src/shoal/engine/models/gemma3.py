@@ -57,7 +57,7 @@ class Gemma3Model(LlamaModel):
         return self.config.hidden_size ** 0.5
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple]:
-        dtype = self.plan.compute_dtype
+        dtype = self.attention_dtype
         return {"global": self.rotary.lookup(positions, dtype),
                 "local": self.local_rotary.lookup(positions, dtype)}
 

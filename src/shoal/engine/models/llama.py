@@ -17,7 +17,8 @@ from shoal.engine.models.layers.attention import (
     SelfAttention,
     attention_dtype_for,
 )
-from shoal.engine.models.layers.embedding import Embedding, build_head
+from shoal.engine.models.layers.embedding import Embedding
+from shoal.engine.models.layers.head import build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -25,11 +26,12 @@ from shoal.engine.models.layers.rotary import RotaryTable
 from shoal.engine.weights.quant import RawTensor
 
 Weights = dict[str, RawTensor]
-KVCache = torch.Tensor  # [slots, 2 * H_kv, D]: keys then values (kv/tensors.py)
+KVCache = torch.Tensor  # [2 * H_kv, slots, D]: key heads then value heads (kv/tensors.py)
 
 
-def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan) -> RMSNorm:
-    weight = raw.dequantize().to(device=plan.device, dtype=plan.compute_dtype)
+def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan,
+              dtype: torch.dtype | None = None) -> RMSNorm:
+    weight = raw.dequantize().to(device=plan.device, dtype=dtype or plan.compute_dtype)
     return RMSNorm(weight, config.rms_eps)
 
 
@@ -39,9 +41,10 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
     parts = [weights[prefix + p + ".weight"] for p in "qkv"]
     biases = [weights[prefix + p + ".bias"] for p in "qkv"] if config.qkv_bias else None
     q_norm = k_norm = None
-    if config.qk_norm:
-        q_norm = make_norm(weights[prefix + "q_norm.weight"], config, plan)
-        k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan)
+    if config.qk_norm:  # applied to q / k in the attention dtype
+        dtype = attention_dtype_for(plan.device, plan.compute_dtype)
+        q_norm = make_norm(weights[prefix + "q_norm.weight"], config, plan, dtype)
+        k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan, dtype)
     return SelfAttention(
         qkv=build_linear(parts, biases, plan),
         o=build_linear([weights[prefix + "o.weight"]], None, plan),
@@ -114,6 +117,8 @@ class LlamaModel(nn.Module):
             self.head = build_head(head_raw, plan, self.embedding if tied else None)
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position,
                                   config.rope_scaling_factor)
+        # q and k are rotated in the attention dtype (float32 on CPU).
+        self.attention_dtype = attention_dtype_for(plan.device, plan.compute_dtype)
 
     def embedding_scale(self) -> float | None:
         return None
@@ -122,7 +127,7 @@ class LlamaModel(nn.Module):
         return tables["global"]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple]:
-        return {"global": self.rotary.lookup(positions, self.plan.compute_dtype)}
+        return {"global": self.rotary.lookup(positions, self.attention_dtype)}
 
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:

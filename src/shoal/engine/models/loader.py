@@ -11,6 +11,7 @@ from torch import nn
 
 from shoal.engine.config import ModelSource
 from shoal.engine.models.config import ModelConfig
+from shoal.engine.models.layers.attention import attention_dtype_for
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.registry import model_class
 from shoal.engine.weights.names import check_layer_range
@@ -23,6 +24,11 @@ class LoadedModel:
     compute_dtype: torch.dtype
     weight_bytes: int
     layer_range: tuple[int, int] = (0, 0)
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: compute_dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.compute_dtype
 
 
 def open_checkpoint(source: ModelSource):
@@ -79,7 +85,8 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
         module = model_class(config.architecture)(config, (start, end), weights, plan, progress)
     module.eval()
     return LoadedModel(module=module, config=config, compute_dtype=compute_dtype,
-                       weight_bytes=module.weight_bytes(), layer_range=(start, end))
+                       weight_bytes=module.weight_bytes(), layer_range=(start, end),
+                       kv_dtype=attention_dtype_for(torch_device, compute_dtype))
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | str,

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -95,10 +95,15 @@ class ChatTemplate:
             raise ValueError("chat template must be a non-empty string")
         self.source = source
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        environment = _make_environment()
         try:
-            self._template = _make_environment().from_string(source)
+            self._template = environment.from_string(source)
+            variables = meta.find_undeclared_variables(environment.parse(source))
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template does not compile: {error}") from error
+        # Templates written for tool calling read the `tools` variable (HF convention); the
+        # others never see the tool list, so callers describe tools in a system message.
+        self.uses_tools = "tools" in variables
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:

@@ -104,14 +104,18 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------
 
+    @property
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate(self._chat_source, self._special_tokens)
+        return self._chat_template
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text for a conversation; encode it with encode(text)."""
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate(self._chat_source, self._special_tokens)
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                          tools=tools)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
 
     def _id_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)

@@ -126,6 +126,22 @@ def int4_pack(parts: list[RawTensor],
     return packed, scales_and_zeros.to(compute_dtype)
 
 
+def int4_from_dense(weight: torch.Tensor,
+                    compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization of a float weight [N, K] in groups of 32 along K,
+    packed for _weight_int4pack_mm_for_cpu (see int4_pack for the scale / zero form)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)            # [N, K/32]
+    scale = ((high - low) / 15.0).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    packed = torch._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32).view(rows, cols).contiguous(), 2)
+    zero = low + 8.0 * scale  # torch computes (q - 8) * scale + zero
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+    return packed, scales_and_zeros.to(compute_dtype)
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 quantization of a float weight [N, K] -> (q int8, scale [N])."""
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
-from shoal.engine.models.registry import canonical_architecture
+from shoal.engine.models.registry import canonical_architecture, is_embedding_family
 from shoal.engine.weights.names import LayerRange, in_stage
 from shoal.engine.weights.quant import RawTensor
 
@@ -66,6 +66,21 @@ class SafetensorsCheckpoint:
                     yield canonical, RawTensor(tuple(tensor.shape), "dense", tensor)
 
 
+def read_tensors(directory: Path) -> Iterator[tuple[str, RawTensor]]:
+    """Every tensor in a directory's *.safetensors files under its stored name (encoders,
+    whose names need no mapping to the decoder layout)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModel(f"{directory} has no .safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                yield name, RawTensor(tuple(tensor.shape), "dense", tensor)
+
+
 def _canonical(name: str, parts: dict[str, str]) -> tuple[str | None, int | None]:
     if name in _GLOBAL:
         return _GLOBAL[name], None
@@ -81,6 +96,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     hf = hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
     names = hf.get("architectures") or [hf.get("model_type", "")]
     family = canonical_architecture(names[0])
+    if is_embedding_family(family):
+        raise UnsupportedModel(f"{names[0]} is an embedding model; it cannot generate text")
     heads = hf["num_attention_heads"]
     rope = _rope_parameters(hf)
     common = dict(

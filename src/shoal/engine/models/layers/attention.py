@@ -25,6 +25,8 @@ class AttentionView:
 
     gather: [B * L] KV slots to read, row-major [B, L] (padding repeats a real slot and is
     masked), or None to use the group's own new k/v (a prefill chunk starting at position 0).
+    span: (first, end) when those slots are one consecutive run (one request whose blocks
+    are consecutive): the cache is sliced, a view, instead of gathered.
     mask: [B, 1, Tq, L] additive (0 = attend, -inf = masked) in the attention dtype, built
     once per step so no layer converts it; None when every key is visible (or is_causal).
     """
@@ -32,6 +34,7 @@ class AttentionView:
     gather: torch.Tensor | None
     mask: torch.Tensor | None
     is_causal: bool = False
+    span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -60,10 +63,11 @@ class AttentionMetadata:
 
 
 def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention scores and masks use on this device.
+    """The dtype of the KV cache, RoPE, attention scores and masks on this device.
 
     torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
-    queries, so on CPU attention runs in float32 whatever the cache dtype.
+    queries, so on CPU attention runs in float32; the cache is kept in float32 too (twice
+    the bytes of bfloat16), which saves a cast of every gathered key and value per layer.
     """
     return torch.float32 if device.type == "cpu" else compute_dtype
 
@@ -71,7 +75,7 @@ def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> tor
 class SelfAttention(nn.Module):
     """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection.
 
-    The KV cache of a layer is one tensor [slots, 2 * H_kv, D]: keys then values per slot.
+    The KV cache of a layer is one tensor [2 * H_kv, slots, D]: key heads, then value heads.
     """
 
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
@@ -79,7 +83,7 @@ class SelfAttention(nn.Module):
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                  attention_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.attention_dtype = attention_dtype  # None: attend in the cache dtype
+        self.attention_dtype = attention_dtype  # None: attend in the compute dtype
         self.qkv, self.o = qkv, o
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -92,6 +96,9 @@ class SelfAttention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(tokens, heads + 2 * kv_heads, dim)
+        if self.attention_dtype is not None:
+            # One cast of the few new rows; the cache, RoPE and attention all use this dtype.
+            qkv = qkv.to(self.attention_dtype)
         if self.q_norm is not None:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, H|H_kv, D]
             q = apply_rotary(self.q_norm(q), *rope)
@@ -100,9 +107,7 @@ class SelfAttention(nn.Module):
             # Rotate q and k heads in place, so k sits beside v: new_kv is a view.
             apply_rotary_(qkv[:, :heads + kv_heads], *rope)
             q, new_kv = qkv[:, :heads], qkv[:, heads:]  # [T, H, D], [T, 2 H_kv, D]
-        kv_cache.index_copy_(0, meta.slot_mapping, new_kv)
-        if self.attention_dtype is not None:
-            q = q.to(self.attention_dtype)
+        kv_cache.index_copy_(1, meta.slot_mapping, new_kv.transpose(0, 1))
         outputs = [self._attend(q, new_kv, kv_cache, group) for group in meta.groups]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self.o(out.to(x.dtype))
@@ -115,11 +120,15 @@ class SelfAttention(nn.Module):
         rows = slice(group.token_start, group.token_end)
         # q: [B, H, Tq, D]
         q = q[rows].view(batch, query_len, heads, dim).transpose(1, 2)
-        # kv: [B * L, 2 H_kv, D], the group's own new k/v or gathered from the cache
-        kv = new_kv[rows] if view.gather is None else kv_cache.index_select(0, view.gather)
-        if self.attention_dtype is not None:
-            kv = kv.to(self.attention_dtype)
-        kv = kv.view(batch, -1, 2 * kv_heads, dim).transpose(1, 2)  # [B, 2 H_kv, L, D]
+        # kv: [B, 2 H_kv, L, D]: a slice of the cache, a gather from it, or the group's own
+        # new k/v (the cache is [2 H_kv, slots, D], new_kv [T, 2 H_kv, D])
+        if view.span is not None:
+            kv = kv_cache[:, view.span[0]:view.span[1]].unsqueeze(0)
+        elif view.gather is not None:
+            kv = kv_cache.index_select(1, view.gather).view(2 * kv_heads, batch, -1, dim)
+            kv = kv.transpose(0, 1)
+        else:
+            kv = new_kv[rows].view(batch, -1, 2 * kv_heads, dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)

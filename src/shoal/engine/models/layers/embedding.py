@@ -1,4 +1,4 @@
-"""Token embedding and output head (possibly tied to the embedding)."""
+"""Token embedding (the output head, possibly tied to it, is in head.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.engine.models.layers.linear import DenseLinear, WeightPlan, build_linear
+from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.weights.quant import RawTensor, q8_blocks
 
 
@@ -39,9 +39,3 @@ class Embedding(nn.Module):
         tensors = (self.weight,) if self.weight is not None else (self.q8, self.q8_scale)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-
-def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None) -> nn.Module:
-    """Output projection [vocab, hidden]; a dense tied head shares the embedding's tensor."""
-    if embedding is not None and embedding.weight is not None:
-        return DenseLinear(embedding.weight)
-    return build_linear([raw], None, plan)

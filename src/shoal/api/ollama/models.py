@@ -1,0 +1,147 @@
+"""Ollama's model endpoints: GET /api/tags, GET /api/ps, POST /api/show, GET /api/version,
+and the liveness answer on GET / and HEAD /.
+
+/api/tags lists exactly what /v1/models lists (shoal.api.model_list); /api/ps the models with
+a runner. Ollama's model "digest" is a content hash of its manifest; shoal has no manifests,
+so its digest fingerprints the local weights (id, path, size, modification time) instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from shoal.api.errors import APIError
+from shoal.api.model_list import ListedModel, find_listed, listed_models
+from shoal.api.ollama.adapter import model_name
+from shoal.api.ollama.schemas import ModelNameRequest
+
+router = APIRouter()
+
+# The Ollama API version whose request and response shapes shoal follows; clients read it to
+# decide which features (tools, structured outputs) they may use.
+OLLAMA_API_VERSION = "0.12.0"
+
+
+@functools.cache
+def _builtin_catalog() -> tuple[Any, ...]:
+    from shoal.catalog.cards import load_builtin_catalog
+
+    return load_builtin_catalog()  # package data: it cannot change while shoal runs
+
+
+def _card(model_id: str) -> Any | None:
+    """The catalogue card (family, parameters, quantization) of a model, if it has one."""
+    from shoal.catalog.resolve import find_card
+
+    return find_card(model_id, _builtin_catalog())
+
+
+def _weights_path(model: ListedModel) -> Path | None:
+    if model.entry is not None and model.entry.path is not None:
+        return Path(model.entry.path)
+    if model.supervisor is not None:
+        return Path(model.supervisor.config.source.path)
+    return None
+
+
+def _size(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _parameter_size(parameters: int) -> str:
+    if parameters >= 1_000_000_000:
+        return f"{parameters / 1e9:.1f}B"
+    return f"{parameters / 1e6:.0f}M" if parameters else ""
+
+
+def details_json(model: ListedModel) -> dict[str, Any]:
+    card = _card(model.id)
+    family = card.family if card else ""
+    weights_format = card.format if card else (
+        model.supervisor.config.source.format if model.supervisor else "")
+    return {"parent_model": "", "format": weights_format, "family": family,
+            "families": [family] if family else None,
+            "parameter_size": _parameter_size(card.parameters) if card else "",
+            "quantization_level": card.quantization if card else ""}
+
+
+def model_json(model: ListedModel) -> dict[str, Any]:
+    """One model as /api/tags and /api/ps describe it."""
+    path = _weights_path(model)
+    size = _size(path)
+    modified = path.stat().st_mtime if path is not None and path.exists() else 0.0
+    fingerprint = f"{model.id}\0{path}\0{size}\0{modified}".encode()
+    return {"name": model.id, "model": model.id,
+            "modified_at": datetime.fromtimestamp(modified, UTC).isoformat(),
+            "size": size, "digest": hashlib.sha256(fingerprint).hexdigest(),
+            "details": details_json(model)}
+
+
+def _expires_at(supervisor: Any) -> str | None:
+    """When the keep-alive unloads the model (epoch seconds set by the router); null while it
+    is in use or kept loaded indefinitely."""
+    if supervisor.expires_at is None:
+        return None
+    return datetime.fromtimestamp(supervisor.expires_at, UTC).isoformat()
+
+
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def liveness() -> PlainTextResponse:
+    return PlainTextResponse("Ollama is running")
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_API_VERSION}
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> dict[str, Any]:
+    return {"models": [model_json(model) for model in listed_models(request.app.state)]}
+
+
+@router.get("/api/ps")
+async def running(request: Request) -> dict[str, Any]:
+    models = []
+    for model in listed_models(request.app.state):
+        if model.supervisor is None or model.state in ("stopped", "failed"):
+            continue
+        models.append({**model_json(model), "expires_at": _expires_at(model.supervisor),
+                       "size_vram": 0, "context_length": model.max_model_len})
+    return {"models": models}
+
+
+@router.post("/api/show")
+async def show(body: ModelNameRequest, request: Request) -> dict[str, Any]:
+    name = model_name(body.model_name)
+    if not name:
+        raise APIError(400, "model is required", param="model", code="invalid_parameter")
+    model = find_listed(request.app.state, name)
+    if model is None:
+        raise APIError(404, f"model {name!r} not found", param="model",
+                       code="model_not_found", error_type="invalid_request_error")
+    card = _card(model.id)
+    details = details_json(model)
+    family = details["family"] or "unknown"
+    info: dict[str, Any] = {"general.architecture": family}
+    if card is not None:
+        info["general.parameter_count"] = card.parameters
+    if model.max_model_len:
+        info[f"{family}.context_length"] = model.max_model_len
+    kind = card.kind if card else "chat"
+    described = model_json(model)
+    return {"modelfile": f"# served by shoal\nFROM {_weights_path(model) or model.id}\n",
+            "parameters": "", "template": "", "details": details, "model_info": info,
+            "capabilities": ["embedding"] if kind == "embedding" else ["completion"],
+            "modified_at": described["modified_at"]}
