@@ -85,3 +85,59 @@ def test_openai_responses_client(server):  # noqa: F811
         client.responses.create(**{**request, "model": "no-such-model"})
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**{**request, "top_p": 7})
+
+
+CITY = {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30},
+                       "country": {"type": "string", "maxLength": 30}},
+        "required": ["city", "country"]}
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather in a city",
+                "input_schema": {"type": "object",
+                                 "properties": {"city": {"type": "string", "maxLength": 30}},
+                                 "required": ["city"]}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def test_ollama_client_structured_tools_embeddings_and_pull(server):  # noqa: F811
+    import json
+
+    import jsonschema
+
+    client = ollama.Client(host=server, timeout=120)
+    reply = client.chat(model="smollm2", messages=[{"role": "user",
+                                                    "content": "Name a city and its country."}],
+                        format=CITY, options={"temperature": 0, "num_predict": 60})
+    jsonschema.validate(json.loads(reply.message.content), CITY)
+    tool = {"type": "function", "function": {"name": WEATHER_TOOL["name"],
+                                             "description": WEATHER_TOOL["description"],
+                                             "parameters": WEATHER_TOOL["input_schema"]}}
+    called = client.chat(model="smollm2", messages=WEATHER_QUESTION, tools=[tool],
+                         options={"temperature": 0, "num_predict": 60})
+    for call in called.message.tool_calls or ():  # "auto": the model may answer in text
+        assert call.function.name == "get_weather"
+        jsonschema.validate(call.function.arguments, WEATHER_TOOL["input_schema"])
+    embedded = client.embed(model="all-minilm", input=["a shoal of fish", "a school of fish"])
+    assert len(embedded.embeddings) == 2 and len(embedded.embeddings[0]) == 384
+    statuses = [part.status for part in client.pull("smollm2", stream=True)]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    with pytest.raises(ollama.ResponseError) as error:
+        client.pull("no-such-model")
+    assert error.value.status_code == 404
+
+
+def test_anthropic_client_forced_tool_call_parses(server):  # noqa: F811
+    import jsonschema
+
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=120)
+    message = client.messages.create(
+        model="smollm2", max_tokens=60, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    [block] = [b for b in message.content if b.type == "tool_use"]
+    assert block.name == "get_weather" and block.id
+    jsonschema.validate(block.input, WEATHER_TOOL["input_schema"])
+    with client.messages.stream(model="smollm2", max_tokens=60, messages=WEATHER_QUESTION,
+                                tools=[WEATHER_TOOL], tool_choice={"type": "any"}) as stream:
+        final = stream.get_final_message()
+    [block] = [b for b in final.content if b.type == "tool_use"]
+    jsonschema.validate(block.input, WEATHER_TOOL["input_schema"])
