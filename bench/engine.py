@@ -90,8 +90,8 @@ def free_port() -> int:
 
 
 def start_server(model: str, threads: int, port: int, data_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(port), "--model", model,
-           "--threads", str(threads), "--data-dir", str(data_dir)]
+    cmd = [sys.executable, "-m", "shoal.cli.app", "serve", "--standalone", "--port", str(port),
+           "--model", model, "--threads", str(threads), "--data-dir", str(data_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

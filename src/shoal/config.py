@@ -117,6 +117,29 @@ class RunnerLimits:
 
 
 @dataclass(frozen=True)
+class ClusterSettings:
+    """How this node joins a cluster.
+
+    standalone: no network at all, a cluster of this node alone. Otherwise a Zenoh peer
+    session: listen on `listen` (Zenoh picks when empty), dial `peers`, and discover nodes
+    by multicast scouting when `discovery` is on (by default: unless peers are given).
+    `secret` isolates clusters; it is never logged or shown.
+    """
+
+    standalone: bool = False
+    listen: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
+    secret: str = field(default="", repr=False)
+    force_master: bool = False
+    discovery: bool | None = None
+    name: str = ""  # shown in GET /cluster; the host name when empty
+
+    def __post_init__(self) -> None:
+        if self.standalone and (self.listen or self.peers or self.discovery):
+            raise ValueError("a standalone node neither listens, dials peers nor discovers")
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # Model ids, aliases or paths preloaded at start; empty means the catalogue default.
@@ -127,10 +150,15 @@ class NodeConfig:
     # Seconds a model loaded on demand stays loaded after its last request; None keeps it
     # loaded. Models in `models` stay loaded unless a request's keep_alive says otherwise.
     keep_alive_s: float | None = 300.0
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    # False: load nothing at start (not even the default model); models load on first use.
+    preload: bool = True
 
     def __post_init__(self) -> None:
         if any(not m.strip() for m in self.models):
             raise ValueError("model names must not be empty")
+        if self.models and not self.preload:
+            raise ValueError("models to load at start were named, but preloading is off")
         if self.keep_alive_s is not None and self.keep_alive_s < 0:
             raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
 
@@ -167,11 +195,53 @@ def _as_float(value, what: str) -> float | None:
         raise ValueError(f"{what} must be a number, not {value!r}") from None
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _as_bool(value, what: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{what} must be true or false, not {value!r}")
+
+
+def _as_list(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(part.strip() for item in items for part in str(item).split(",")
+                 if part.strip())
+
+
+def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers=None,
+                           secret: str | None = None, force_master: bool | None = None,
+                           discovery: bool | None = None, name: str | None = None,
+                           env: Mapping[str, str] | None = None) -> ClusterSettings:
+    """Cluster settings from flags (None = not given) and SHOAL_* variables."""
+    env = os.environ if env is None else env
+    return ClusterSettings(
+        standalone=bool(_as_bool(_pick(standalone, env, "SHOAL_STANDALONE"),
+                                 "SHOAL_STANDALONE")),
+        listen=_as_list(_pick(listen or None, env, "SHOAL_LISTEN")),
+        peers=_as_list(_pick(peers or None, env, "SHOAL_PEERS")),
+        secret=_pick(secret, env, "SHOAL_CLUSTER_SECRET") or "",
+        force_master=bool(_as_bool(_pick(force_master, env, "SHOAL_FORCE_MASTER"),
+                                   "SHOAL_FORCE_MASTER")),
+        discovery=_as_bool(_pick(discovery, env, "SHOAL_DISCOVERY"), "SHOAL_DISCOVERY"),
+        name=_pick(name, env, "SHOAL_NODE_NAME") or "")
+
+
 def build_node_config(*, host: str | None = None, port: int | None = None,
                       models: Sequence[str] = (), data_dir: str | None = None,
                       dtype: str | None = None, threads: int | None = None,
                       kv_cache_memory: str | None = None, max_model_len: int | None = None,
-                      keep_alive: str | None = None,
+                      keep_alive: str | None = None, preload: bool | None = None,
+                      cluster: ClusterSettings | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment."""
     env = os.environ if env is None else env
@@ -194,7 +264,10 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         or 256)
     keep_alive_value = _pick(keep_alive, env, "SHOAL_KEEP_ALIVE")
     keep_alive_s = 300.0 if keep_alive_value is None else parse_duration(keep_alive_value)
+    preload_value = _as_bool(_pick(preload, env, "SHOAL_PRELOAD"), "SHOAL_PRELOAD")
     return NodeConfig(server=server, models=tuple(models) or tuple(env_models),
                       data_dir=Path(directory).expanduser() if directory else default_data_dir(),
                       engine=engine, runner=runner,
-                      keep_alive_s=None if keep_alive_s < 0 else keep_alive_s)
+                      keep_alive_s=None if keep_alive_s < 0 else keep_alive_s,
+                      cluster=cluster or build_cluster_settings(env=env),
+                      preload=True if preload_value is None else preload_value)

@@ -1,7 +1,8 @@
-"""Wires one node: config -> router (runner supervisors) -> FastAPI app -> uvicorn.
+"""Wires one node: config -> pool and router -> cluster membership -> FastAPI app -> uvicorn.
 
-SIGINT / SIGTERM stop the HTTP server, then every runner (Shutdown -> SIGTERM -> SIGKILL).
-BackgroundNode runs the same thing on a thread, for `shoal run` and for tests.
+SIGINT / SIGTERM stop the HTTP server, then the node's part in the cluster, then every
+runner (Shutdown -> SIGTERM -> SIGKILL). BackgroundNode runs the same thing on a thread, for
+`shoal run` and for tests.
 """
 
 from __future__ import annotations
@@ -70,29 +71,55 @@ async def serve(config: NodeConfig, router: Router | None = None,
                 stop: asyncio.Event | None = None,
                 on_listening: Callable[[str], None] | None = None,
                 list_available: Callable[[], Any] | None = None) -> None:
-    """Run the node until stop is set (or SIGINT/SIGTERM arrives on the main thread)."""
-    router = router or make_router(config)
+    """Run the node until stop is set (or SIGINT/SIGTERM arrives on the main thread).
+
+    With no router given, the node builds its own and joins the cluster its config names;
+    a router given by the caller (tests) serves alone, without cluster routes."""
     stop = stop or asyncio.Event()
     _install_signal_handlers(stop)
+    addresses: list[str] = []
+    cluster = None
+    if router is None:
+        router = make_router(config)
+        cluster = await _join_cluster(config, router, addresses)
     try:
-        await _preload(router, default_models(config), stop)
+        if config.preload:
+            await _preload(router, default_models(config), stop)
         if stop.is_set():
             return
         app = create_app(router, keepalive_s=config.server.keepalive_s,
-                         list_available=list_available)
+                         list_available=list_available, cluster=cluster)
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                         log_level="warning", lifespan="off"))
         server_task = asyncio.ensure_future(server.serve())
         await _wait_started(server, server_task)
+        url = _bound_url(server)
+        addresses.append(url.removeprefix("http://"))
         if on_listening is not None:
-            on_listening(_bound_url(server))
+            on_listening(url)
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({server_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         server.should_exit = True
         await server_task
     finally:
+        if cluster is not None:
+            await cluster.stop()
         await router.shutdown()
+
+
+async def _join_cluster(config: NodeConfig, router: Router, addresses: list[str]) -> Any:
+    from shoal.cluster.setup import open_cluster
+    from shoal.cluster.transport.base import TransportError
+
+    try:
+        cluster = await open_cluster(config.cluster, config.data_dir, router.pool,
+                                     lambda: tuple(addresses))
+    except (TransportError, ValueError, OSError) as error:
+        await router.shutdown()
+        raise NodeStartError(f"cannot join the cluster: {error}") from error
+    router.cluster = cluster
+    return cluster
 
 
 async def _preload(router: Router, models: tuple[str, ...], stop: asyncio.Event) -> None:

@@ -1,306 +1,118 @@
-"""Maps a model id (or alias, or path) to the runner supervisor that serves it.
+"""Which runner serves a request: this node's pool, or an instance on another node.
 
-A model named by a request is resolved through the catalogue (shoal.catalog.resolve); if no
-supervisor serves it yet and on-demand loading is on, one is started (bounded by its load
-timeout). Concurrent first requests for one model share a single start.
-
-Keep-alive: each request holds its model while it runs. When a model's last request ends,
-a timer starts; if no request arrives before it runs out, the runner is stopped and the next
-request loads the model again. A request's keep_alive_s sets that time (0 unloads at once,
-negative never); without one, models named at start (preload) stay loaded and models loaded
-on demand get the server default.
+A model this node runs (loaded, loading, or hosted for a cluster instance) is served here.
+Otherwise, when the cluster has an instance of the model whose serving rank is on another
+node, the request travels there as a task and its chunks stream back over the data plane.
+Failing both, the pool loads the model here on first use. Embeddings are always served by
+the local pool.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from shoal.engine.config import ModelSource, ModelTask
+from shoal.engine.config import ModelTask
+from shoal.pool.pool import (
+    DEFAULT_KEEP_ALIVE_S,
+    ModelPool,
+    ModelUnavailable,
+    Resolver,
+    SupervisorFactory,
+    WrongModelTask,
+)
 from shoal.protocol import EmbeddingRequest, EmbeddingResult, ErrorChunk, GenerationRequest
-from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
+from shoal.runner.supervisor import RunnerSupervisor
 
-log = logging.getLogger("shoal.router")
-
-SupervisorFactory = Callable[[ModelSource], RunnerSupervisor]
-Resolver = Callable[[str], ModelSource]
-
-# How long a model loaded on demand stays loaded after its last request, by default.
-DEFAULT_KEEP_ALIVE_S = 300.0
+__all__ = ["ModelUnavailable", "RemoteServing", "Router", "WrongModelTask"]
 
 
-class ModelUnavailable(RuntimeError):
-    """The model is known but cannot serve (loading failed, crashed too often)."""
+class RemoteServing(Protocol):
+    """What the router needs of the cluster (shoal.cluster.service.ClusterService)."""
 
+    def remote_instance_for(self, model_id: str) -> str | None:
+        """The id of an instance of model_id served by another node, or None."""
+        ...
 
-class WrongModelTask(ValueError):
-    """A text request named an embedding model, or an embedding request a text model."""
+    def model_named(self, name: str) -> str | None:
+        """The model id of a cluster instance a client's name means, or None."""
+        ...
 
-
-def _default_resolver(name: str) -> ModelSource:
-    from shoal.catalog.resolve import resolve_model
-
-    return resolve_model(name)
-
-
-def _not_found_types() -> tuple[type[BaseException], ...]:
-    from shoal.catalog.resolve import ModelNotFound
-
-    return (ModelNotFound,)
-
-
-@dataclass
-class _Residency:
-    """Keep-alive bookkeeping of one model id (kept across unloads)."""
-
-    pinned: bool = False  # named at start: stays loaded unless a request asks otherwise
-    active: int = 0  # requests holding the model, from resolving it to their last chunk
-    keep_alive_s: float | None = None  # set by the latest request; None keeps it loaded
-    timer: asyncio.Task | None = None
-
-
-@dataclass(frozen=True)
-class _Lease:
-    model_id: str
-    supervisor: RunnerSupervisor
-    load_duration_s: float  # how long this request waited for the model to start
+    def submit_remote(self, request: GenerationRequest,
+                      instance_id: str) -> AsyncIterator[Any]:
+        """request's chunks from instance_id, ending with one FinishChunk or ErrorChunk."""
+        ...
 
 
 class Router:
     def __init__(self, make_supervisor: SupervisorFactory, resolve: Resolver | None = None,
                  load_on_demand: bool = True,
                  keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
-                 clock: Callable[[], float] = time.time) -> None:
-        if keep_alive_s is not None and keep_alive_s < 0:
-            raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
-        self._make_supervisor = make_supervisor
-        self._resolve = resolve or _default_resolver
-        self.load_on_demand = load_on_demand
-        self.keep_alive_s = keep_alive_s  # the server default for models loaded on demand
-        self._clock = clock
-        self._supervisors: dict[str, RunnerSupervisor] = {}  # by canonical model id
-        self._names: dict[str, str] = {}  # any name a client used (lower case) -> model id
-        self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
-        self._residency: dict[str, _Residency] = {}
-        self._starting: dict[str, asyncio.Task] = {}
-        self._stopping: dict[str, asyncio.Task] = {}
-        self._lock = asyncio.Lock()
+                 clock: Callable[[], float] = time.time,
+                 cluster: RemoteServing | None = None) -> None:
+        self.pool = ModelPool(make_supervisor, resolve=resolve, load_on_demand=load_on_demand,
+                              keep_alive_s=keep_alive_s, clock=clock)
+        self.cluster = cluster
 
     @property
     def supervisors(self) -> list[RunnerSupervisor]:
-        """The runners that exist now (loaded, loading or failed), not the ones unloaded."""
-        return list(self._supervisors.values())
+        return self.pool.supervisors
 
     async def preload(self, names: Sequence[str]) -> None:
-        """Start every named model and keep it loaded; raises ModelNotFound /
-        ModelUnavailable on the first failure."""
-        for name in names:
-            model_id, source = await self._identify(name, None)
-            self._residency.setdefault(model_id, _Residency()).pinned = True
-            await self._running(model_id, name, source, start=True)
+        await self.pool.preload(names)
 
     async def supervisor_for(self, name: str, start: bool | None = None) -> RunnerSupervisor:
-        """The supervisor serving name, starting it if allowed; ModelNotFound if unknown."""
-        model_id, source = await self._identify(name, None)
-        return await self._running(model_id, name, source, start)
-
-    # ---- requests -------------------------------------------------------------------------
+        return await self.pool.supervisor_for(name, start)
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The request's chunks; an unknown or broken model yields one ErrorChunk."""
+        remote = await self._remote_instance(request.model)
+        if remote is None:
+            stream = self.pool.submit(request)
+        else:
+            model_id, instance_id = remote
+            stream = self.cluster.submit_remote(  # type: ignore[union-attr]
+                request.model_copy(update={"model": model_id}), instance_id)
         try:
-            lease = await self._acquire(request.model, "generate", request.keep_alive_s)
-        except Exception as error:  # noqa: BLE001 - _refusal re-raises what it cannot map
-            yield _refusal(request.request_id, error)
-            return
-        try:
-            stream = lease.supervisor.submit(request)
-            try:
-                async for chunk in stream:
-                    yield chunk
-            finally:
-                await stream.aclose()
+            async for chunk in stream:
+                yield chunk
         finally:
-            self._release(lease.model_id)
+            await stream.aclose()
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
-        """The request's vectors, or one ErrorChunk. An empty batch just loads the model."""
-        try:
-            lease = await self._acquire(request.model, "embed", request.keep_alive_s)
-        except Exception as error:  # noqa: BLE001 - _refusal re-raises what it cannot map
-            return _refusal(request.request_id, error)
-        try:
-            if request.num_inputs == 0:
-                return EmbeddingResult(request_id=request.request_id, embeddings=(),
-                                       prompt_tokens=0, load_duration_s=lease.load_duration_s)
-            result = await lease.supervisor.embed(request)
-        finally:
-            self._release(lease.model_id)
-        if isinstance(result, EmbeddingResult):
-            return result.model_copy(update={"load_duration_s": lease.load_duration_s})
-        return result
+        return await self.pool.embed(request)
 
     async def load(self, name: str, keep_alive_s: float | None = None) -> bool:
-        """Apply a keep-alive with no request to run (Ollama's empty request): load the model
-        unless keep_alive_s is 0, which unloads a loaded model once idle. True if loaded
-        afterwards (or stopping after its keep-alive)."""
-        if keep_alive_s == 0:
-            model_id, _ = await self._identify(name, None)
-            if model_id not in self._supervisors:
-                return False
-        lease = await self._acquire(name, None, keep_alive_s)
-        self._release(lease.model_id)
-        return True
+        return await self.pool.load(name, keep_alive_s)
 
     def canonical_id(self, name: str) -> str:
-        return self._names.get(name.lower(), name)
+        canonical = self.pool.canonical_id(name)
+        if canonical == name and self.cluster is not None:
+            return self.cluster.model_named(name) or name
+        return canonical
 
     def task_of(self, name: str) -> ModelTask | None:
-        """What a model already resolved does ("generate" / "embed"); None if not yet known."""
-        model_id = self._names.get(name.lower())
-        return None if model_id is None else self._tasks.get(model_id)
+        return self.pool.task_of(name)
 
     async def shutdown(self) -> None:
-        for residency in self._residency.values():
-            if residency.timer is not None:
-                residency.timer.cancel()
-        for task in list(self._starting.values()):
-            task.cancel()
-        await asyncio.gather(*(s.shutdown() for s in self._supervisors.values()),
-                             *self._stopping.values(), return_exceptions=True)
+        await self.pool.shutdown()
 
-    # ---- resolving and starting -----------------------------------------------------------
+    async def _remote_instance(self, name: str) -> tuple[str, str] | None:
+        """(model id, instance id) when another node should serve name, else None."""
+        if self.cluster is None:
+            return None
+        from shoal.catalog.resolve import ModelNotFound
 
-    async def _identify(self, name: str, task: ModelTask | None
-                        ) -> tuple[str, ModelSource | None]:
-        """(canonical model id, its source if resolved just now); WrongModelTask when the
-        model does not do task, ModelNotFound when it is unknown."""
-        model_id = self._names.get(name.lower())
-        source = None
-        if model_id is None:
-            source = await asyncio.to_thread(self._resolve, name)  # may hash or assemble files
-            model_id = source.model_id
-            self._names[name.lower()] = model_id
-            self._names[model_id.lower()] = model_id
-            self._tasks[model_id] = source.task
-        actual = self._tasks.get(model_id, "generate")
-        if task is not None and actual != task:
-            if actual == "embed":
-                raise WrongModelTask(f"model {model_id!r} is an embedding model; it cannot "
-                                     f"generate text")
-            raise WrongModelTask(f"model {model_id!r} generates text; it does not produce "
-                                 f"embeddings (use an embedding model such as "
-                                 f"all-minilm-l6-v2)")
-        return model_id, source
-
-    async def _running(self, model_id: str, name: str, source: ModelSource | None,
-                       start: bool | None) -> RunnerSupervisor:
-        supervisor = self._supervisors.get(model_id)
-        if supervisor is not None and supervisor.state != "stopped":
-            return supervisor
-        if not (self.load_on_demand if start is None else start):
-            raise ModelUnavailable(f"model {name!r} is not loaded on this node")
-        return await self._start(model_id, source or await asyncio.to_thread(self._resolve, name))
-
-    async def _start(self, model_id: str, source: ModelSource) -> RunnerSupervisor:
-        async with self._lock:
-            task = self._starting.get(model_id)
-            if task is None:
-                task = asyncio.get_running_loop().create_task(self._start_one(model_id, source))
-                self._starting[model_id] = task
-                task.add_done_callback(lambda _t: self._starting.pop(model_id, None))
-        return await asyncio.shield(task)
-
-    async def _start_one(self, model_id: str, source: ModelSource) -> RunnerSupervisor:
-        stopping = self._stopping.get(model_id)
-        if stopping is not None:  # the previous runner is still shutting down (bounded)
-            await asyncio.shield(stopping)
-        supervisor = self._supervisors.get(model_id)
-        if supervisor is None:
-            supervisor = self._make_supervisor(source)
-            self._supervisors[model_id] = supervisor
-        log.info("starting model %s from %s", model_id, source.path)
         try:
-            await supervisor.start()
-        except RunnerUnavailable as error:
-            raise ModelUnavailable(str(error)) from error
-        return supervisor
-
-    # ---- keep-alive -----------------------------------------------------------------------
-
-    async def _acquire(self, name: str, task: ModelTask | None,
-                       keep_alive_s: float | None) -> _Lease:
-        """Hold the model (no unload while held) and make sure it runs; release with
-        _release. Raises what _identify and _running raise."""
-        model_id, source = await self._identify(name, task)
-        residency = self._residency.setdefault(model_id, _Residency())
-        residency.active += 1  # before any await: the idle timer must not fire from here on
-        if residency.timer is not None:
-            residency.timer.cancel()
-            residency.timer = None
-        residency.keep_alive_s = self._keep_alive_for(keep_alive_s, residency)
-        try:
-            supervisor = self._supervisors.get(model_id)
-            waited = supervisor is None or supervisor.state != "ready"
-            started = time.monotonic()
-            supervisor = await self._running(model_id, name, source, None)
-        except BaseException:
-            self._release(model_id)
-            raise
-        load_s = time.monotonic() - started if waited else 0.0
-        self._stamp_expiry(supervisor, residency.keep_alive_s)
-        return _Lease(model_id, supervisor, load_s)
-
-    def _keep_alive_for(self, requested: float | None, residency: _Residency) -> float | None:
-        """Seconds to stay loaded once idle; None means indefinitely."""
-        if requested is None:
-            return None if residency.pinned else self.keep_alive_s
-        return None if requested < 0 else float(requested)
-
-    def _stamp_expiry(self, supervisor: RunnerSupervisor, keep_alive_s: float | None) -> None:
-        supervisor.expires_at = None if keep_alive_s is None else self._clock() + keep_alive_s
-
-    def _release(self, model_id: str) -> None:
-        residency = self._residency[model_id]
-        residency.active -= 1
-        supervisor = self._supervisors.get(model_id)
-        if residency.active or supervisor is None:
-            return
-        keep = residency.keep_alive_s
-        self._stamp_expiry(supervisor, keep)
-        if keep is not None:
-            residency.timer = asyncio.get_running_loop().create_task(
-                self._expire(model_id, supervisor, keep))
-
-    async def _expire(self, model_id: str, supervisor: RunnerSupervisor, after_s: float) -> None:
-        await asyncio.sleep(after_s)
-        residency = self._residency[model_id]
-        if residency.active or self._supervisors.get(model_id) is not supervisor:
-            return
-        residency.timer = None
-        log.info("unloading model %s: idle for %.0f s", model_id, after_s)
-        del self._supervisors[model_id]  # from now on a request starts a fresh runner
-        stop = asyncio.get_running_loop().create_task(supervisor.shutdown())
-        self._stopping[model_id] = stop
-        stop.add_done_callback(lambda _t: self._forget_stop(model_id, stop))
-
-    def _forget_stop(self, model_id: str, stop: asyncio.Task) -> None:
-        if self._stopping.get(model_id) is stop:
-            del self._stopping[model_id]
-
-
-def _refusal(request_id: str, error: BaseException) -> ErrorChunk:
-    """The ErrorChunk for a request whose model could not be found, started or used."""
-    if isinstance(error, _not_found_types()):
-        return ErrorChunk(request_id=request_id, code="model_not_found", message=str(error),
-                          param="model")
-    if isinstance(error, ModelUnavailable):
-        return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
-    if isinstance(error, ValueError):  # WrongModelTask, an empty or malformed name
-        return ErrorChunk(request_id=request_id, code="invalid_request", message=str(error),
-                          param="model")
-    raise error
+            model_id = await self.pool.identify(name)
+        except ModelNotFound:
+            # Not resolvable here (a path on another machine, say): a cluster instance
+            # of that name can still serve it; otherwise the pool reports the 404.
+            model_id = self.cluster.model_named(name)
+        except ValueError:
+            return None  # a malformed name: the pool reports it
+        if model_id is None or self.pool.is_resident(model_id):
+            return None
+        instance_id = self.cluster.remote_instance_for(model_id)
+        return None if instance_id is None else (model_id, instance_id)

@@ -5,53 +5,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from serve_process import start_serve
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    data_dir = tmp_path_factory.mktemp("shoal-data")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(port), "--model",
-         "smollm2", "--data-dir", str(data_dir), "--threads", "2",
-         "--kv-cache-memory", "256MiB"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"shoal serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("shoal serve did not become healthy in 180 s")
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    node = start_serve(["--standalone", "--model", "smollm2", "--threads", "2",
+                        "--kv-cache-memory", "256MiB"], tmp_path_factory.mktemp("shoal-data"))
+    yield node.url
+    assert node.stop() == 0, node.log_tail()
 
 
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Name three colours."}],

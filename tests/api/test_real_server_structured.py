@@ -4,16 +4,11 @@ by the official openai client: every answer parses and validates, streamed or no
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
+from serve_process import start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -38,41 +33,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(port), "--model",
-         "smollm2", "--data-dir", str(tmp_path_factory.mktemp("shoal-data")), "--threads", "2",
-         "--kv-cache-memory", "128MiB"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"shoal serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("shoal serve did not become healthy in 180 s")
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    node = start_serve(["--standalone", "--model", "smollm2", "--threads", "2",
+                        "--kv-cache-memory", "128MiB"], tmp_path_factory.mktemp("shoal-data"))
+    yield openai.OpenAI(base_url=node.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    node.stop()
 
 
 def _streamed(stream) -> tuple[str, dict[int, dict], str | None]:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from shoal.api import admin
 from shoal.api.anthropic import errors as anthropic_errors
 from shoal.api.anthropic import messages as anthropic_messages
 from shoal.api.errors import install_error_handlers, register_error_dialect
@@ -29,10 +30,12 @@ def _catalog_entries() -> Sequence[Any]:
 
 def create_app(router: Any, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
-               lifespan: Any = None) -> FastAPI:
-    """The HTTP app over router (shoal.router.Router or anything with its interface)."""
+               lifespan: Any = None, cluster: Any = None) -> FastAPI:
+    """The HTTP app over router (shoal.router.Router or anything with its interface), with
+    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     app.state.router = router
+    app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s
     app.state.list_available = list_available or _catalog_entries
     app.state.started_at = int(time.time())
@@ -49,6 +52,8 @@ def create_app(router: Any, keepalive_s: float = 15.0,
     app.include_router(responses.router)
     register_error_dialect(app, "/v1/messages", anthropic_errors.render)
     app.include_router(anthropic_messages.router)
+    if cluster is not None:
+        app.include_router(admin.router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from shoal.cli.table import print_table
+
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("models", help="list catalogue models and local availability")
@@ -23,7 +25,5 @@ def run_models(_args: argparse.Namespace) -> int:
         local = "yes" if entry.available else (entry.install_hint or "no")
         rows.append((name, entry.kind, entry.format, _size(entry.size_bytes),
                      str(entry.context_length), local))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print_table(rows)
     return 0

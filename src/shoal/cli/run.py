@@ -15,7 +15,14 @@ from collections.abc import Iterator
 import httpx
 
 from shoal.cli.serve import add_engine_flags
-from shoal.config import DEFAULT_HOST, DEFAULT_PORT, NodeConfig, ServerConfig, build_node_config
+from shoal.config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ClusterSettings,
+    NodeConfig,
+    ServerConfig,
+    build_node_config,
+)
 
 _TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=5.0)
 
@@ -145,7 +152,9 @@ def _start_local_node(args: argparse.Namespace, model: str):
 
     base = build_node_config(models=[model], data_dir=args.data_dir, dtype=args.dtype,
                              threads=args.threads, kv_cache_memory=args.kv_cache_memory)
+    # A node for this command alone: no network, no cluster to join.
     config = NodeConfig(server=ServerConfig(host="127.0.0.1", port=0), models=base.models,
-                        data_dir=base.data_dir, engine=base.engine, runner=base.runner)
+                        data_dir=base.data_dir, engine=base.engine, runner=base.runner,
+                        cluster=ClusterSettings(standalone=True))
     print(f"no shoal server answers; starting one for {model}", file=sys.stderr)
     return BackgroundNode(config)

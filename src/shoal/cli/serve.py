@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from shoal.config import DEFAULT_PORT, build_node_config
+from shoal.config import DEFAULT_PORT, build_cluster_settings, build_node_config
 from shoal.node import NodeStartError, serve
 
 
@@ -28,18 +28,51 @@ def add_parser(commands) -> None:
                         help=f"port (SHOAL_PORT; {DEFAULT_PORT})")
     parser.add_argument("--model", action="append", default=[], metavar="ID_OR_PATH",
                         help="model to load at start; repeat for several (SHOAL_MODELS)")
+    parser.add_argument("--no-preload", dest="preload", action="store_false", default=None,
+                        help="load nothing at start, not even the default model "
+                             "(SHOAL_PRELOAD=false)")
     parser.add_argument("--keep-alive", default=None, metavar="DURATION",
                         help="how long a model loaded on demand stays loaded after its last "
                              "request, e.g. 300, 5m, -1 for ever (SHOAL_KEEP_ALIVE; 5m)")
     add_engine_flags(parser)
+    add_cluster_flags(parser)
     parser.set_defaults(handler=run_serve)
 
 
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--listen", action="append", default=[], metavar="ENDPOINT",
+                       help="cluster endpoint to listen on, e.g. tcp/0.0.0.0:7447; repeat "
+                            "or comma-separate (SHOAL_LISTEN; Zenoh picks one)")
+    group.add_argument("--peers", action="append", default=[], metavar="ENDPOINTS",
+                       help="cluster endpoints of other nodes to dial, e.g. "
+                            "tcp/192.168.1.5:7447 (SHOAL_PEERS)")
+    group.add_argument("--cluster-secret", default=None, metavar="SECRET",
+                       help="only nodes with the same secret form a cluster "
+                            "(SHOAL_CLUSTER_SECRET)")
+    group.add_argument("--force-master", action="store_true", default=None,
+                       help="this node wins every master election (SHOAL_FORCE_MASTER)")
+    group.add_argument("--discovery", dest="discovery", action="store_true", default=None,
+                       help="find nodes by multicast scouting (SHOAL_DISCOVERY; on unless "
+                            "--peers is given)")
+    group.add_argument("--no-discovery", dest="discovery", action="store_false",
+                       help="do not scout for nodes; only --peers are dialled")
+    group.add_argument("--standalone", action="store_true", default=None,
+                       help="join no cluster and open no cluster port (SHOAL_STANDALONE)")
+    group.add_argument("--name", default=None,
+                       help="this node's name in the cluster (SHOAL_NODE_NAME; host name)")
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    cluster = build_cluster_settings(
+        standalone=args.standalone, listen=args.listen, peers=args.peers,
+        secret=args.cluster_secret, force_master=args.force_master, discovery=args.discovery,
+        name=args.name)
     config = build_node_config(host=args.host, port=args.port, models=args.model,
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
                                kv_cache_memory=args.kv_cache_memory,
-                               keep_alive=args.keep_alive)
+                               keep_alive=args.keep_alive, preload=args.preload,
+                               cluster=cluster)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

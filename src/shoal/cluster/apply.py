@@ -16,6 +16,7 @@ from shoal.cluster.events import (
     InstanceDeleted,
     NodeJoined,
     NodeLeft,
+    PlacementFailed,
     RunnerStatusChanged,
     SessionStarted,
     TaskCancelled,
@@ -88,6 +89,10 @@ def _instance_deleted(state: ClusterState, event: InstanceDeleted) -> ClusterSta
     return state.model_copy(update={"instances": instances, "runners": runners})
 
 
+def _placement_failed(state: ClusterState, event: PlacementFailed) -> ClusterState:
+    return state  # logged for whoever asked; nothing was placed
+
+
 def _runner_status_changed(state: ClusterState, event: RunnerStatusChanged) -> ClusterState:
     status = event.status
     instance = state.instances.get(status.instance_id)
@@ -124,6 +129,7 @@ _APPLIERS: dict[type, Callable[[ClusterState, Event], ClusterState]] = {
     NodeLeft: _node_left,
     InstanceCreated: _instance_created,
     InstanceDeleted: _instance_deleted,
+    PlacementFailed: _placement_failed,
     RunnerStatusChanged: _runner_status_changed,
     TaskCreated: _task_created,
     TaskCancelled: _task_cancelled,

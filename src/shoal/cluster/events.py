@@ -3,8 +3,8 @@
 Both are tagged unions of frozen, strict pydantic models, discriminated by `kind`. They
 travel as msgpack of model_dump(mode="json") and come back with the parse_* helpers.
 
-  commands        api/worker -> master   PlaceInstance, DeleteInstance, RefusePlacement,
-                                         SubmitTask, CancelTask
+  commands        api/worker -> master   PlaceInstance, AdoptInstance, DeleteInstance,
+                                         RefusePlacement, SubmitTask, CancelTask
   local events    worker -> master       RunnerStatusChanged, TaskFinished, TaskFailed
   global events   master -> all          IndexedEvent(idx, event), idx contiguous from 0
 """
@@ -27,6 +27,14 @@ class PlaceInstance(Frozen):
     kind: Literal["place_instance"] = "place_instance"
     command_id: CommandId
     request: PlacementRequest
+
+
+class AdoptInstance(Frozen):
+    """A node reports a model its own pool runs (a local instance), to be listed and served."""
+
+    kind: Literal["adopt_instance"] = "adopt_instance"
+    command_id: CommandId
+    instance: Instance
 
 
 class DeleteInstance(Frozen):
@@ -69,7 +77,8 @@ class CancelTask(Frozen):
 
 
 Command = Annotated[
-    Union[PlaceInstance, DeleteInstance, RefusePlacement, SubmitTask, CancelTask],
+    Union[PlaceInstance, AdoptInstance, DeleteInstance, RefusePlacement, SubmitTask,
+          CancelTask],
     Field(discriminator="kind"),
 ]
 
@@ -103,6 +112,16 @@ class NodeLeft(Frozen):
 class InstanceCreated(Frozen):
     kind: Literal["instance_created"] = "instance_created"
     instance: Instance
+    command_id: CommandId | None = None  # the PlaceInstance / AdoptInstance it answers
+
+
+class PlacementFailed(Frozen):
+    """A PlaceInstance could not be carried out; the state does not change."""
+
+    kind: Literal["placement_failed"] = "placement_failed"
+    command_id: CommandId
+    model: str
+    reason: str
 
 
 class InstanceDeleted(Frozen):
@@ -144,7 +163,8 @@ class TaskFailed(Frozen):
 
 Event = Annotated[
     Union[SessionStarted, NodeJoined, NodeLeft, InstanceCreated, InstanceDeleted,
-          RunnerStatusChanged, TaskCreated, TaskCancelled, TaskFinished, TaskFailed],
+          PlacementFailed, RunnerStatusChanged, TaskCreated, TaskCancelled, TaskFinished,
+          TaskFailed],
     Field(discriminator="kind"),
 ]
 # What a worker may publish on local_events for the master to index.

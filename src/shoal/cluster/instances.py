@@ -17,6 +17,10 @@ from shoal.ids import InstanceId, ModelId, NodeId, RunnerId
 
 Sharding = Literal["single", "pipeline", "tensor"]
 RequestedSharding = Literal["auto", "single", "pipeline", "tensor"]
+# placed: the master put it there (POST /instances, or a re-placement); it stays until deleted
+# and is re-placed when its node leaves. local: a node reported a model its own pool loaded
+# (at start or on first use); that node's keep-alive ends it, and it dies with the node.
+InstanceOrigin = Literal["placed", "local"]
 
 
 class Frozen(BaseModel):
@@ -83,12 +87,19 @@ class Instance(Frozen):
     request: PlacementRequest
     sharding: Sharding
     ranks: tuple[Rank, ...]
+    origin: InstanceOrigin = "placed"
+    # For a local instance: which runner generation of the node's pool it mirrors.
+    generation: int | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Instance:
         ranks = self.ranks
         if not ranks:
             raise ValueError("an instance needs at least one rank")
+        if (self.origin == "local") != (self.generation is not None):
+            raise ValueError("a local instance names its pool generation; a placed one does not")
+        if self.origin == "local" and len(ranks) != 1:
+            raise ValueError("a local instance has exactly one rank")
         for index, rank in enumerate(ranks):
             if rank.rank != index or rank.world_size != len(ranks):
                 raise ValueError(f"rank {index} is numbered {rank.rank} of {rank.world_size}; "

@@ -27,6 +27,7 @@ from shoal.cluster.apply import apply
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.event_log import EventLog, EventsUnavailable
 from shoal.cluster.events import (
+    AdoptInstance,
     CancelTask,
     Command,
     DeleteInstance,
@@ -37,6 +38,7 @@ from shoal.cluster.events import (
     NodeJoined,
     NodeLeft,
     PlaceInstance,
+    PlacementFailed,
     RefusePlacement,
     SessionStarted,
     SubmitTask,
@@ -65,7 +67,7 @@ from shoal.cluster.sync import (
 from shoal.cluster.telemetry import TelemetryTable
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.cluster.transport.topics import Topic
-from shoal.ids import InstanceId, NodeId, new_instance_id
+from shoal.ids import CommandId, InstanceId, NodeId, new_instance_id
 
 log = logging.getLogger("shoal.cluster.master")
 
@@ -151,7 +153,10 @@ class Master:
     def handle_command(self, command: Command) -> list[IndexedEvent]:
         """The events command becomes (none when it is moot or cannot be carried out)."""
         if isinstance(command, PlaceInstance):
-            return self._place(command.request, why=f"command {command.command_id}")
+            return self._place(command.request, why=f"command {command.command_id}",
+                               command_id=command.command_id)
+        if isinstance(command, AdoptInstance):
+            return self._adopt(command)
         if isinstance(command, DeleteInstance):
             return self._delete_instance(command.instance_id, command.reason)
         if isinstance(command, RefusePlacement):
@@ -194,15 +199,28 @@ class Master:
                     owner_node=command.owner_node, request=command.request)
         return [self._index(TaskCreated(task=task))]
 
-    def _place(self, request: PlacementRequest, why: str) -> list[IndexedEvent]:
+    def _place(self, request: PlacementRequest, why: str,
+               command_id: CommandId | None = None) -> list[IndexedEvent]:
         result = place(request, self._capacities(), self.config.policy)
         if not isinstance(result, Placement):
             log.warning("cannot place model %s (%s): %s", request.model, why, result.reason)
-            return []
+            if command_id is None:
+                return []
+            return [self._index(PlacementFailed(command_id=command_id, model=request.model,
+                                                reason=result.reason))]
         instance = result.to_instance(new_instance_id())
         log.info("placing %s as %s over %s (%s)", request.model, instance.instance_id,
                  ", ".join(instance.node_ids), why)
-        return [self._index(InstanceCreated(instance=instance))]
+        return [self._index(InstanceCreated(instance=instance, command_id=command_id))]
+
+    def _adopt(self, command: AdoptInstance) -> list[IndexedEvent]:
+        """List a model a node's own pool runs; idempotent, and only for admitted nodes (the
+        node repeats the command until its instance appears)."""
+        instance = command.instance
+        if (instance.origin != "local" or instance.instance_id in self.state.instances
+                or instance.ranks[0].node_id not in self.state.nodes):
+            return []
+        return [self._index(InstanceCreated(instance=instance, command_id=command.command_id))]
 
     def _delete_instance(self, instance_id: InstanceId, reason: str) -> list[IndexedEvent]:
         instance = self.state.instances.get(instance_id)
@@ -263,6 +281,8 @@ class Master:
     def _replace_lost(self, instance: Instance, gone: Sequence[NodeId]) -> list[IndexedEvent]:
         reason = f"node {', '.join(gone)} left the cluster"
         events = self._delete_instance(instance.instance_id, reason)
+        if instance.origin == "local":
+            return events  # it was that node's own model, not the cluster's to re-place
         return events + self._place(instance.request, why=f"{instance.instance_id} lost {reason}")
 
     def _capacities(self) -> list[NodeCapacity]:

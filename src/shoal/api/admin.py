@@ -1,0 +1,121 @@
+"""Cluster administration: GET /cluster, instances (place, delete, preview), /state, /events.
+
+Errors use the OpenAI error body like every non-dialect route: 400 for a placement that
+cannot be made (the message says why), 404 for an unknown model or instance, 503 while
+cluster information is still arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shoal.api.errors import APIError, invalid_parameter
+from shoal.cluster.instances import PlacementRequest
+from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused, \
+    describe_instance
+
+router = APIRouter()
+
+
+class PlaceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    sharding: Literal["auto", "single", "pipeline", "tensor"] = "auto"
+    min_nodes: int = Field(default=1, ge=1)
+    excluded_nodes: list[str] = Field(default_factory=list)
+
+
+def _cluster(request: Request) -> ClusterService:
+    return request.app.state.cluster
+
+
+async def _placement_request(body: PlaceBody) -> PlacementRequest:
+    """The model resolved on this node and read (headers only) into a PlacementRequest."""
+    from shoal.catalog.resolve import ModelNotFound, resolve_model
+    from shoal.cluster.model_facts import model_facts_from_source
+    from shoal.engine.errors import UnsupportedModel
+
+    try:
+        source = await asyncio.to_thread(resolve_model, body.model)
+        facts = await asyncio.to_thread(model_facts_from_source, source)
+    except ModelNotFound as error:
+        raise APIError(404, str(error), param="model", code="model_not_found") from None
+    except (UnsupportedModel, ValueError) as error:
+        raise invalid_parameter("model", str(error)) from None
+    try:
+        return PlacementRequest(facts=facts, sharding=body.sharding, min_nodes=body.min_nodes,
+                                excluded_nodes=tuple(body.excluded_nodes))
+    except ValidationError as error:
+        raise invalid_parameter("sharding", error.errors()[0]["msg"]) from None
+
+
+@router.get("/cluster")
+async def cluster(request: Request) -> dict[str, Any]:
+    return _cluster(request).describe()
+
+
+@router.post("/instances", status_code=201)
+async def place_instance(body: PlaceBody, request: Request) -> JSONResponse:
+    service = _cluster(request)
+    placement = await _placement_request(body)
+    try:
+        instance = await service.place(placement)
+    except ClusterNotReady as error:
+        raise APIError(503, str(error), code="unavailable",
+                       error_type="service_unavailable") from None
+    except PlacementRefused as error:
+        raise APIError(400, str(error), param="model", code="placement_impossible") from None
+    return JSONResponse(describe_instance(service.state, instance), status_code=201)
+
+
+@router.delete("/instances/{instance_id}")
+async def delete_instance(instance_id: str, request: Request) -> dict[str, Any]:
+    if not _cluster(request).delete(instance_id):
+        raise APIError(404, f"no instance {instance_id!r} in the cluster", param="instance_id",
+                       code="instance_not_found")
+    return {"instance_id": instance_id, "deleted": True}
+
+
+@router.get("/instances/previews")
+async def instance_previews(request: Request,
+                            model: str = Query(min_length=1)) -> dict[str, Any]:
+    service = _cluster(request)
+    placement = await _placement_request(PlaceBody(model=model))
+    options = []
+    for preview in service.previews(placement):
+        shards = preview.placement.shards if preview.placement else ()
+        options.append({"sharding": preview.sharding, "width": preview.width,
+                        "fits": preview.placement is not None, "reason": preview.error,
+                        "ranks": [{"node_id": s.node_id, "layers": [s.layer_start, s.layer_end],
+                                   "needed_bytes": s.needed_bytes,
+                                   "usable_bytes": s.usable_bytes} for s in shards]})
+    return {"model": placement.model, "previews": options}
+
+
+@router.get("/instances")
+async def instances(request: Request) -> dict[str, Any]:
+    service = _cluster(request)
+    return {"instances": [describe_instance(service.state, i)
+                          for i in service.state.instances.values()]}
+
+
+@router.get("/state")
+async def state(request: Request) -> dict[str, Any]:
+    service = _cluster(request)
+    replica = service.plane.replica
+    return {"session": replica.session, "master_id": replica.master,
+            "state": service.state.model_dump(mode="json")}
+
+
+@router.get("/events")
+async def events(request: Request, since: int = Query(default=0, ge=0)) -> dict[str, Any]:
+    """The events this node applied recently (debugging; at most the last 1,000)."""
+    service = _cluster(request)
+    recent = [e.model_dump(mode="json") for e in service.recent if e.idx >= since]
+    return {"session": service.plane.replica.session, "events": recent}

@@ -1,0 +1,130 @@
+"""The data plane: token chunks from the node serving a task to the node holding its client.
+
+The serving node sends each chunk to data/<owner> as {"request_id", "seq", "chunk"} with seq
+counting from 0 per task. The owner reorders by seq, drops duplicates, and ends a stream
+with a clear error when its producer falls silent: the silence bound starts at the first
+chunk, because before it the task may wait for a model to load (that wait has its own bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import pydantic
+from pydantic import TypeAdapter
+
+from shoal.cluster.transport.base import Subscription, Transport
+from shoal.ids import NodeId
+from shoal.protocol import Chunk, ErrorChunk, ErrorCode, chunk_to_wire
+
+log = logging.getLogger("shoal.cluster.data")
+
+_chunks: TypeAdapter[Chunk] = TypeAdapter(Chunk)
+TERMINAL_KINDS = ("finish", "error", "embedding")
+
+
+def chunk_message(request_id: str, seq: int, chunk: Any) -> dict[str, Any]:
+    """The wire form of one chunk of a task."""
+    return {"request_id": request_id, "seq": seq, "chunk": chunk_to_wire(chunk)}
+
+
+class ChunkSender:
+    """Numbers one task's chunks and sends them to its owner."""
+
+    def __init__(self, transport: Transport, owner: NodeId, request_id: str) -> None:
+        self._transport = transport
+        self._owner = owner
+        self._request_id = request_id
+        self.seq = 0
+
+    def send(self, chunk: Any) -> None:
+        self._transport.send_data(self._owner, chunk_message(self._request_id, self.seq, chunk))
+        self.seq += 1
+
+
+class RemoteStream:
+    """One task's chunks in seq order. next() waits with the bounds given by its caller."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._next_seq = 0
+        self._early: dict[int, Any] = {}  # chunks that arrived ahead of a gap
+        self._ready: asyncio.Queue[Any] = asyncio.Queue()
+        self.first_chunk_at: float | None = None
+        self.finished = False  # a terminal chunk was queued
+        self.duplicates = 0
+
+    def push(self, seq: int, chunk: Any) -> None:
+        if self.finished or seq < self._next_seq or seq in self._early:
+            self.duplicates += 1
+            return
+        self._early[seq] = chunk
+        while (chunk := self._early.pop(self._next_seq, None)) is not None:
+            self._next_seq += 1
+            self._queue(chunk)
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        """End the stream with an error (the task failed, or its producer went silent)."""
+        if not self.finished:
+            self._queue(ErrorChunk(request_id=self.request_id, code=code, message=message))
+
+    def _queue(self, chunk: Any) -> None:
+        if self.finished:
+            return
+        if self.first_chunk_at is None:
+            self.first_chunk_at = time.monotonic()
+        self.finished = chunk.kind in TERMINAL_KINDS
+        self._ready.put_nowait(chunk)
+
+    async def next(self, timeout_s: float) -> Any:
+        """The next chunk in order; TimeoutError after timeout_s without one."""
+        async with asyncio.timeout(timeout_s):
+            return await self._ready.get()
+
+
+class RemoteStreams:
+    """The streams this node owns, fed from its data key."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._streams: dict[str, RemoteStream] = {}
+        self._subscription: Subscription | None = None
+        self.unknown = 0  # chunks for streams this node does not hold (late, or cancelled)
+
+    def start(self) -> None:
+        self._subscription = self._transport.subscribe_data(self._on_data)
+
+    def stop(self) -> None:
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+        for stream in self._streams.values():
+            stream.fail("unavailable", "this node is shutting down")
+
+    def open(self, request_id: str) -> RemoteStream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = self._streams[request_id] = RemoteStream(request_id)
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def get(self, request_id: str) -> RemoteStream | None:
+        return self._streams.get(request_id)
+
+    def _on_data(self, message: Any) -> None:
+        try:
+            request_id, seq = str(message["request_id"]), int(message["seq"])
+            chunk = _chunks.validate_python(message["chunk"])
+        except (TypeError, KeyError, ValueError, pydantic.ValidationError) as error:
+            log.warning("malformed data-plane message dropped: %s", error)
+            return
+        stream = self._streams.get(request_id)
+        if stream is None:
+            self.unknown += 1
+            return
+        stream.push(seq, chunk)

@@ -1,0 +1,311 @@
+"""One node's part in the cluster, as the router and the HTTP API see it.
+
+ClusterService runs the control plane (telemetry, replica, election, master role), the worker
+driver and the data plane on one transport, and offers:
+- to the router: which instance on another node serves a model, and submit_remote(), which
+  sends the request to the master as a task and yields its chunks as they stream back;
+- to the API: the cluster's description, placing and deleting instances, previews.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.cluster.control_plane import ControlPlane
+from shoal.cluster.data_plane import RemoteStream, RemoteStreams
+from shoal.cluster.events import (
+    CancelTask,
+    Command,
+    DeleteInstance,
+    IndexedEvent,
+    InstanceCreated,
+    PlaceInstance,
+    PlacementFailed,
+    SubmitTask,
+    TaskCreated,
+    TaskFailed,
+    WorkerEvent,
+)
+from shoal.cluster.instances import Instance, PlacementRequest
+from shoal.cluster.placement import Placement, PlacementPreview, place, previews
+from shoal.cluster.state import ClusterState
+from shoal.cluster.worker_driver import Pool, WorkerConfig, WorkerDriver
+from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
+from shoal.protocol import ErrorChunk, GenerationRequest
+
+log = logging.getLogger("shoal.cluster")
+
+
+class ClusterNotReady(RuntimeError):
+    """Cluster information is still arriving (no master yet, or no memory readings)."""
+
+
+class PlacementRefused(ValueError):
+    """The placement asked for is impossible; the message says why."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    # A task the master has not indexed by then is failed (it resends meanwhile).
+    accept_timeout_s: float = 10.0
+    resend_s: float = 2.0
+    # Before the first chunk the serving node may be loading the model.
+    first_chunk_timeout_s: float = 600.0
+    # After the first chunk, a producer silent this long has failed.
+    silence_timeout_s: float = 60.0
+    # The serving node gone from the transport's peers this long ends the stream.
+    peer_gone_s: float = 3.0
+    # How long POST /instances waits for the master's answer.
+    place_timeout_s: float = 10.0
+    recent_events: int = 1000
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("accept_timeout_s", "resend_s", "first_chunk_timeout_s",
+                     "silence_timeout_s", "peer_gone_s", "place_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cluster {name} must be positive")
+
+
+class ClusterService:
+    def __init__(self, plane: ControlPlane, pool: Pool, usable_memory: Callable[[], int],
+                 config: ServiceConfig | None = None) -> None:
+        self.plane = plane
+        self.config = config or ServiceConfig()
+        self.node_id: NodeId = plane.node_id
+        self.streams = RemoteStreams(plane.transport)
+        self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
+                                   self.config.worker)
+        self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
+        self._accepted: set[RequestId] = set()
+        self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
+
+    # --- life ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.plane.replica.on_event(self._on_event)
+        self.plane.replica.on_reset(lambda _state: self.worker.wake())
+        self.streams.start()
+        await self.plane.start()
+        await self.worker.start()
+
+    async def stop(self) -> None:
+        await self.worker.stop()
+        self.streams.stop()
+        await self.plane.stop()
+        await self.plane.transport.close()
+
+    # --- what the worker needs (ClusterLink) ---------------------------------------------------
+
+    @property
+    def state(self) -> ClusterState:
+        return self.plane.replica.state
+
+    def send_command(self, command: Command) -> None:
+        self.plane.send_command(command)
+
+    def send_worker_event(self, event: WorkerEvent) -> None:
+        self.plane.send_worker_event(event)
+
+    @property
+    def master_id(self) -> NodeId | None:
+        return self.plane.election.master
+
+    @property
+    def ready(self) -> bool:
+        """A master is known and this node follows its session."""
+        return self.master_id is not None and self.plane.replica.in_sync
+
+    def _on_event(self, indexed: IndexedEvent) -> None:
+        self.recent.append(indexed)
+        event = indexed.event
+        if isinstance(event, TaskCreated) and event.task.owner_node == self.node_id:
+            self._accepted.add(event.task.task_id)
+        elif isinstance(event, TaskFailed):
+            stream = self.streams.get(event.task_id)
+            if stream is not None:
+                stream.fail(event.code, event.message)
+        elif isinstance(event, (InstanceCreated, PlacementFailed)):
+            self._answer_placement(event)
+        self.worker.wake()
+
+    # --- serving for the router (RemoteServing) ------------------------------------------------
+
+    def remote_instance_for(self, model_id: str) -> str | None:
+        """A live instance of model_id served by another node: ready ones first, then the
+        least busy."""
+        state = self.state
+        peers = self.plane.transport.peers
+        candidates = []
+        for instance in state.instances_of(model_id):
+            server = instance.ranks[0].node_id
+            status = state.instance_status(instance.instance_id)
+            if server == self.node_id or server not in peers or status == "failed":
+                continue
+            candidates.append((status != "ready", len(state.tasks_of(instance.instance_id)),
+                               instance.instance_id))
+        return min(candidates)[2] if candidates else None
+
+    def model_named(self, name: str) -> str | None:
+        wanted = name.lower()
+        for instance in self.state.instances.values():
+            if instance.model.lower() == wanted:
+                return instance.model
+        return None
+
+    async def submit_remote(self, request: GenerationRequest,
+                            instance_id: str) -> AsyncIterator[Any]:
+        """request served by instance_id on another node: its chunks, ending with one Finish
+        or Error chunk. Every wait is bounded; closing the iterator early cancels the task."""
+        task_id = RequestId(request.request_id)
+        try:
+            stream = self.streams.open(task_id)
+        except ValueError as error:
+            yield ErrorChunk(request_id=task_id, code="invalid_request", message=str(error))
+            return
+        instance = self.state.instances.get(InstanceId(instance_id))
+        server = instance.ranks[0].node_id if instance is not None else None
+        submit = SubmitTask(command_id=new_command_id(), instance_id=InstanceId(instance_id),
+                            owner_node=self.node_id, request=request)
+        try:
+            async for chunk in self._receive(stream, submit, server):
+                yield chunk
+        finally:
+            self.streams.close(task_id)
+            self._accepted.discard(task_id)
+            if not stream.finished:
+                self.send_command(CancelTask(command_id=new_command_id(), task_id=task_id))
+
+    async def _receive(self, stream: RemoteStream, submit: SubmitTask,
+                       server: NodeId | None) -> AsyncIterator[Any]:
+        config = self.config
+        self.send_command(submit)
+        sent_at = last_sent = time.monotonic()
+        last_chunk_at: float | None = None
+        gone_since: float | None = None
+        while True:
+            try:
+                chunk = await stream.next(timeout_s=0.25)
+            except TimeoutError:
+                now = time.monotonic()
+                accepted = stream.request_id in self._accepted
+                gone_since = None if server in self.plane.transport.peers else (
+                    gone_since or now)
+                failure = self._stalled(now, sent_at, last_chunk_at, accepted, gone_since,
+                                        server)
+                if failure is not None:
+                    stream.fail(*failure)
+                elif not accepted and now - last_sent >= config.resend_s:
+                    self.send_command(submit)  # the master drops repeats of a task it has
+                    last_sent = now
+                continue
+            last_chunk_at = time.monotonic()
+            yield chunk
+            if stream.finished:
+                return
+
+    def _stalled(self, now: float, sent_at: float, last_chunk_at: float | None,
+                 accepted: bool, gone_since: float | None,
+                 server: NodeId | None) -> tuple[str, str] | None:
+        """(code, message) when a remote stream must end, else None."""
+        config = self.config
+        if gone_since is not None and now - gone_since >= config.peer_gone_s:
+            return ("unavailable", f"node {server} serving this request left the cluster")
+        if last_chunk_at is not None:
+            if now - last_chunk_at >= config.silence_timeout_s:
+                return ("timeout", f"node {server} serving this request fell silent for "
+                                   f"{config.silence_timeout_s:.0f} s")
+            return None
+        if not accepted and now - sent_at >= config.accept_timeout_s:
+            return ("unavailable", "the cluster master did not take the request within "
+                                   f"{config.accept_timeout_s:.0f} s; retry it")
+        if now - sent_at >= config.first_chunk_timeout_s:
+            return ("timeout", f"node {server} did not start answering within "
+                               f"{config.first_chunk_timeout_s:.0f} s")
+        return None
+
+    # --- administration for the API ------------------------------------------------------------
+
+    def capacities(self) -> list:
+        return self.plane.telemetry.table.capacities(list(self.state.nodes), time.monotonic())
+
+    async def place(self, request: PlacementRequest) -> Instance:
+        """Place an instance and return it once the master has created it.
+
+        ClusterNotReady while cluster information is still arriving; PlacementRefused when
+        no placement fits (the reason says why)."""
+        if not self.ready:
+            raise ClusterNotReady("the cluster is still forming (no master yet); retry shortly")
+        result = place(request, self.capacities(), self.plane.config.master.policy)
+        if not isinstance(result, Placement):
+            if result.pending:
+                raise ClusterNotReady(result.reason)
+            raise PlacementRefused(result.reason)
+        if result.width > 1:
+            raise PlacementRefused(
+                f"model {request.model!r} would need a {result.sharding} instance over "
+                f"{result.width} nodes; instances spanning several nodes are not supported "
+                "yet")
+        command = PlaceInstance(command_id=new_command_id(), request=request)
+        answer: asyncio.Future[Instance] = asyncio.get_running_loop().create_future()
+        self._placements[command.command_id] = answer
+        try:
+            self.send_command(command)
+            async with asyncio.timeout(self.config.place_timeout_s):
+                return await answer
+        except TimeoutError:
+            raise ClusterNotReady(f"the master did not answer within "
+                                  f"{self.config.place_timeout_s:.0f} s; retry") from None
+        finally:
+            self._placements.pop(command.command_id, None)
+
+    def _answer_placement(self, event: InstanceCreated | PlacementFailed) -> None:
+        answer = self._placements.get(event.command_id) if event.command_id else None
+        if answer is None or answer.done():
+            return
+        if isinstance(event, InstanceCreated):
+            answer.set_result(event.instance)
+        else:
+            answer.set_exception(PlacementRefused(event.reason))
+
+    def delete(self, instance_id: str, reason: str = "deleted by request") -> bool:
+        """Ask the master to delete an instance; False if the state has no such instance."""
+        if InstanceId(instance_id) not in self.state.instances:
+            return False
+        self.send_command(DeleteInstance(command_id=new_command_id(),
+                                         instance_id=InstanceId(instance_id), reason=reason))
+        return True
+
+    def previews(self, request: PlacementRequest) -> tuple[PlacementPreview, ...]:
+        return previews(request, self.capacities(), self.plane.config.master.policy)
+
+    def describe(self) -> dict[str, Any]:
+        """GET /cluster: this node, the master, the nodes with their readings, the instances."""
+        state, table = self.state, self.plane.telemetry.table
+        nodes = []
+        for node_id, info in sorted(state.nodes.items()):
+            reading = table.reading(node_id)
+            nodes.append({
+                "node_id": node_id, "name": info.name, "addresses": list(info.addresses),
+                "memory_total": reading.memory_total if reading else None,
+                "memory_available": reading.memory_available if reading else None,
+                "backends": list(reading.backends) if reading else [],
+                "last_seen": reading.taken_at if reading else None})
+        return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
+                "instances": [describe_instance(state, i) for i in state.instances.values()]}
+
+
+def describe_instance(state: ClusterState, instance: Instance) -> dict[str, Any]:
+    return {"instance_id": instance.instance_id, "model": instance.model,
+            "sharding": instance.sharding, "origin": instance.origin,
+            "ranks": [{"node_id": r.node_id, "rank": r.rank, "layers": list(r.layers),
+                       "phase": state.runners[r.runner_id].phase
+                       if r.runner_id in state.runners else None}
+                      for r in instance.ranks],
+            "status": state.instance_status(instance.instance_id)}

@@ -1,0 +1,97 @@
+"""Opening this node's cluster membership from its settings: node id, transport, services.
+
+The node id is kept in the data dir, so a restarted node is the same node to the others.
+A standalone node gets an in-memory transport of its own (a cluster of one, no network);
+otherwise one Zenoh peer session.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from shoal.cluster.control_plane import ClusterConfig, ControlPlane
+from shoal.cluster.election import ElectionConfig
+from shoal.cluster.master import MasterConfig
+from shoal.cluster.service import ClusterService
+from shoal.cluster.telemetry import NodeReading, read_node
+from shoal.cluster.transport.base import Transport
+from shoal.cluster.transport.memory import MemoryHub
+from shoal.cluster.transport.topics import check_node_id
+from shoal.cluster.worker_driver import Pool
+from shoal.config import ClusterSettings
+from shoal.ids import NodeId, new_node_id
+
+log = logging.getLogger("shoal.cluster")
+
+NODE_ID_FILE = "node_id"
+
+
+def load_node_id(data_dir: Path) -> NodeId:
+    """This node's id from data_dir, made and stored on first use."""
+    path = data_dir / NODE_ID_FILE
+    try:
+        return check_node_id(path.read_text().strip())
+    except FileNotFoundError:
+        pass
+    except ValueError as error:
+        raise ValueError(f"{path} holds an invalid node id ({error}); delete it to get a "
+                         "new one") from None
+    node_id = new_node_id()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(node_id + "\n")
+    return node_id
+
+
+def cluster_config(settings: ClusterSettings, data_dir: Path) -> ClusterConfig:
+    events = data_dir / "cluster" / "events"
+    if settings.standalone:
+        # Alone, a campaign has nobody to hear from and nobody can go silent.
+        return ClusterConfig(event_log_dir=events,
+                             election=ElectionConfig(campaign_s=0.05, force_master=True),
+                             master=MasterConfig(reconcile_s=0.2))
+    return ClusterConfig(event_log_dir=events,
+                         election=ElectionConfig(force_master=settings.force_master),
+                         master=MasterConfig(reconcile_s=0.5))
+
+
+async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transport:
+    if settings.standalone:
+        return MemoryHub().connect(node_id)
+    from shoal.cluster.transport.zenoh import ZenohConfig, ZenohTransport
+
+    return await ZenohTransport.open(node_id, ZenohConfig(
+        listen=settings.listen, connect=settings.peers,
+        multicast_scouting=settings.discovery, secret=settings.secret))
+
+
+async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: Pool,
+                       addresses: Callable[[], Sequence[str]]) -> ClusterService:
+    """Join (or form) the cluster and start this node's part in it.
+
+    addresses: this node's API endpoints (host:port), read at each telemetry reading so the
+    port can be known only once the HTTP server has bound it."""
+    node_id = load_node_id(data_dir)
+    name = settings.name or socket.gethostname()
+
+    def read() -> NodeReading:
+        reading = read_node(node_id, data_dir, name, tuple(addresses()))
+        backends = ("cpu", "cuda") if reading.gpus else ("cpu",)
+        return reading.model_copy(update={"backends": backends})
+
+    def usable_memory() -> int:
+        return read().capacity().usable_bytes
+
+    transport = await open_transport(settings, node_id)
+    plane = ControlPlane(transport, cluster_config(settings, data_dir), read)
+    service = ClusterService(plane, pool, usable_memory)
+    try:
+        await service.start()
+    except BaseException:
+        await transport.close()
+        raise
+    log.info("node %s (%s) joined the cluster%s", node_id, name,
+             " standalone" if settings.standalone else "")
+    return service
