@@ -1,262 +1,68 @@
-"""The router: loading on first use, sharing one load, task checks and keep-alive unloads,
-over in-memory supervisors (no subprocesses; keep-alive times of tens of milliseconds)."""
+"""The router: this node's pool when it runs the model, another node's instance when one
+serves it and this node does not, the pool again (loading on first use) otherwise."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-import pytest
+from memory_pool import embed, generate, loaded, make_router, run, sources  # noqa: F401
 
-from shoal.catalog.resolve import ModelNotFound
-from shoal.engine.config import EngineConfig, ModelSource
-from shoal.engine.sampling import SamplingParams
-from shoal.protocol import (
-    AcceptedChunk,
-    EmbeddingRequest,
-    EmbeddingResult,
-    FinishChunk,
-    GenerationRequest,
-    Usage,
-)
-from shoal.router import Router
-from shoal.runner.supervisor import RunnerUnavailable
-
-LOAD_S = 0.05
+from shoal.protocol import FinishChunk, Usage
 
 
-class MemorySupervisor:
-    """RunnerSupervisor's interface in memory: loads take LOAD_S; "broken" fails to load;
-    a prompt "hold:<seconds>" keeps its request running that long."""
+class FakeCluster:
+    """RemoteServing with one remote instance per model listed in `remote`."""
 
-    def __init__(self, source: ModelSource, events: list) -> None:
-        self.config = EngineConfig(source=source)
-        self.model_id = source.model_id
-        self.state = "stopped"
-        self.expires_at = None
-        self.events = events
+    def __init__(self, remote: dict[str, str]) -> None:
+        self.remote = remote
+        self.submitted = []
 
-    async def start(self) -> None:
-        self.events.append(("start", self.model_id))
-        self.state = "starting"
-        await asyncio.sleep(LOAD_S)
-        if self.model_id == "broken":
-            self.state = "failed"
-            raise RunnerUnavailable("loading 'broken' failed: bad weights")
-        self.state = "ready"
+    def remote_instance_for(self, model_id: str) -> str | None:
+        return self.remote.get(model_id)
 
-    async def shutdown(self) -> None:
-        self.events.append(("stop", self.model_id))
-        self.state = "stopped"
+    def model_named(self, name: str) -> str | None:
+        return name if name in self.remote else None
 
-    async def submit(self, request: GenerationRequest):
-        yield AcceptedChunk(request_id=request.request_id, prompt_tokens=1)
-        if request.prompt.startswith("hold:"):
-            await asyncio.sleep(float(request.prompt[5:]))
+    async def submit_remote(self, request, instance_id):
+        self.submitted.append((request.model, instance_id))
         yield FinishChunk(request_id=request.request_id, finish_reason="stop",
                           usage=Usage(prompt_tokens=1, completion_tokens=0))
 
-    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
-        return EmbeddingResult(request_id=request.request_id,
-                               embeddings=tuple((1.0, 0.0) for _ in request.texts),
-                               prompt_tokens=len(request.texts))
 
-
-@pytest.fixture
-def sources(tmp_path) -> dict[str, ModelSource]:
-    weights = tmp_path / "weights.gguf"
-    weights.write_bytes(b"fake")
-    directory = tmp_path / "encoder"
-    directory.mkdir()
-    return {"chat": ModelSource("chat", "gguf", weights),
-            "broken": ModelSource("broken", "gguf", weights),
-            "embedder": ModelSource("embedder", "safetensors", Path(directory), task="embed")}
-
-
-def make_router(sources, events, **options) -> Router:
-    def resolve(name: str) -> ModelSource:
-        if name not in sources:
-            raise ModelNotFound(f"model {name!r} not found")
-        return sources[name]
-
-    return Router(lambda source: MemorySupervisor(source, events), resolve=resolve, **options)
-
-
-def generate(name: str, prompt: str = "hi", keep_alive_s: float | None = None):
-    return GenerationRequest(request_id=f"g-{prompt}", model=name, prompt=prompt,
-                             sampling=SamplingParams(), keep_alive_s=keep_alive_s)
-
-
-def embed(name: str, keep_alive_s: float | None = None, texts=("a",)):
-    return EmbeddingRequest(request_id="e", model=name, texts=texts, keep_alive_s=keep_alive_s)
-
-
-async def run(router: Router, request: GenerationRequest) -> list:
-    return [chunk async for chunk in router.submit(request)]
-
-
-def loaded(router: Router) -> list[str]:
-    return sorted(s.model_id for s in router.supervisors)
-
-
-def test_models_load_on_first_use_and_concurrent_first_requests_share_one_load(sources):
+def test_a_model_served_elsewhere_goes_remote_unless_this_node_runs_it(sources):
     events = []
+    cluster = FakeCluster({"chat": "inst-remote", "far-away": "inst-far"})
 
     async def main():
-        router = make_router(sources, events)
-        assert router.supervisors == []
-        results = await asyncio.gather(*(router.embed(embed("embedder")) for _ in range(4)))
-        state = loaded(router), router.supervisors[0].expires_at
-        await router.shutdown()
-        return results, state
-
-    results, (names, expires_at) = asyncio.run(main())
-    assert events.count(("start", "embedder")) == 1
-    assert all(r.kind == "embedding" and r.embeddings == ((1.0, 0.0),) for r in results)
-    assert max(r.load_duration_s for r in results) >= LOAD_S * 0.9
-    assert names == ["embedder"] and expires_at is not None  # default keep-alive: 300 s
-
-
-def test_idle_models_unload_after_keep_alive_and_reload_on_next_use(sources):
-    events = []
-
-    async def main():
-        router = make_router(sources, events, keep_alive_s=0.1)
-        await router.embed(embed("embedder"))
-        still_loaded = loaded(router)
-        await asyncio.sleep(0.25)
-        after_idle = loaded(router)
-        again = await router.embed(embed("embedder"))
-        await router.shutdown()
-        return still_loaded, after_idle, again
-
-    still_loaded, after_idle, again = asyncio.run(main())
-    assert still_loaded == ["embedder"] and after_idle == []
-    assert again.kind == "embedding" and again.load_duration_s > 0
-    assert events[:3] == [("start", "embedder"), ("stop", "embedder"), ("start", "embedder")]
-
-
-def test_a_running_request_holds_its_model_past_the_keep_alive(sources):
-    events = []
-
-    async def main():
-        router = make_router(sources, events, keep_alive_s=0.05)
-        chunks = await run(router, generate("chat", prompt="hold:0.2"))
-        during = ("stop", "chat") in events
-        await asyncio.sleep(0.15)
-        await router.shutdown()
-        return chunks, during
-
-    chunks, stopped_during_request = asyncio.run(main())
-    assert [c.kind for c in chunks] == ["accepted", "finish"]
-    assert not stopped_during_request
-    assert events.count(("stop", "chat")) == 1  # by the keep-alive, not again at shutdown
-
-
-def test_request_keep_alive_overrides_the_default(sources):
-    events = []
-
-    async def main():
-        router = make_router(sources, events, keep_alive_s=0.05)
-        await run(router, generate("chat", keep_alive_s=0))
-        await asyncio.sleep(0.01)
-        unloaded_at_once = loaded(router)
-        await run(router, generate("chat", keep_alive_s=-1))
-        await asyncio.sleep(0.15)
-        kept = loaded(router), router.supervisors[0].expires_at
-        await router.shutdown()
-        return unloaded_at_once, kept
-
-    unloaded_at_once, (kept, expiry) = asyncio.run(main())
-    assert unloaded_at_once == []
-    assert kept == ["chat"] and expiry is None
-
-
-def test_preloaded_models_stay_loaded_unless_a_request_asks(sources):
-    events = []
-
-    async def main():
-        router = make_router(sources, events, keep_alive_s=0.01)
+        router = make_router(sources, events, cluster=cluster)
+        remote = await run(router, generate("chat"))
+        only_there = await run(router, generate("far-away"))  # unknown here, known there
+        canonical = router.canonical_id("far-away")
         await router.preload(["chat"])
-        await run(router, generate("chat"))
-        await asyncio.sleep(0.1)
-        pinned = loaded(router)
-        await run(router, generate("chat", keep_alive_s=0.02))
-        await asyncio.sleep(0.1)
-        asked = loaded(router)
-        await run(router, generate("chat"))  # loads again, pinned again
-        await asyncio.sleep(0.1)
-        reloaded = loaded(router)
-        await router.shutdown()
-        return pinned, asked, reloaded
-
-    pinned, asked, reloaded = asyncio.run(main())
-    assert pinned == ["chat"] and asked == [] and reloaded == ["chat"]
-
-
-def test_wrong_task_and_unknown_models_are_clear_errors(sources):
-    async def main():
-        router = make_router(sources, [])
-        as_text = await run(router, generate("embedder"))
-        as_vectors = await router.embed(embed("chat"))
-        unknown = await router.embed(embed("nope"))
-        broken = await router.embed(embed("broken"))  # "broken" generates: refused first
-        broken_text = await run(router, generate("broken"))
+        local = await run(router, generate("chat"))
+        vectors = await router.embed(embed("embedder"))  # embeddings stay local
         names = loaded(router)
         await router.shutdown()
-        return as_text, as_vectors, unknown, broken, broken_text, names
+        return remote, only_there, canonical, local, vectors, names
 
-    as_text, as_vectors, unknown, broken, broken_text, names = asyncio.run(main())
-    assert [c.kind for c in as_text] == ["error"]
-    assert as_text[0].code == "invalid_request" and as_text[0].param == "model"
-    assert "embedding model" in as_text[0].message
-    assert as_vectors.code == "invalid_request" and as_vectors.param == "model"
-    assert "does not produce embeddings" in as_vectors.message
-    assert unknown.code == "model_not_found" and unknown.param == "model"
-    assert broken.code == "invalid_request"
-    assert broken_text[0].code == "unavailable" and "bad weights" in broken_text[0].message
-    assert names == ["broken"]  # nothing was started for the refused requests
+    remote, only_there, canonical, local, vectors, names = asyncio.run(main())
+    assert [c.kind for c in remote] == ["finish"]  # straight from the fake remote
+    assert [c.kind for c in only_there] == ["finish"] and canonical == "far-away"
+    assert cluster.submitted == [("chat", "inst-remote"), ("far-away", "inst-far")]
+    assert [c.kind for c in local] == ["accepted", "finish"]
+    assert vectors.kind == "embedding" and names == ["chat", "embedder"]
 
 
-def test_load_and_unload_without_a_request(sources):
-    events = []
+def test_no_instance_anywhere_loads_here_and_unknown_names_stay_404(sources):
+    cluster = FakeCluster({})
 
     async def main():
-        router = make_router(sources, events)
-        not_loaded = await router.load("chat", keep_alive_s=0)
-        loaded_now = await router.load("chat")
-        names = loaded(router)
-        await router.load("chat", keep_alive_s=0)
-        await asyncio.sleep(0.01)
+        router = make_router(sources, [], cluster=cluster)
+        here = await run(router, generate("chat"))
+        unknown = await run(router, generate("nowhere"))
         await router.shutdown()
-        return not_loaded, loaded_now, names, loaded(router)
+        return here, unknown
 
-    not_loaded, loaded_now, names, after = asyncio.run(main())
-    assert not_loaded is False and loaded_now is True
-    assert names == ["chat"] and after == []
-    assert events == [("start", "chat"), ("stop", "chat")]
-
-
-def test_empty_embedding_request_only_loads_the_model(sources):
-    async def main():
-        router = make_router(sources, [])
-        result = await router.embed(embed("embedder", texts=()))
-        names = loaded(router)
-        await router.shutdown()
-        return result, names
-
-    result, names = asyncio.run(main())
-    assert result.kind == "embedding" and result.embeddings == () and names == ["embedder"]
-
-
-def test_shutdown_stops_every_runner_and_pending_timers(sources):
-    events = []
-
-    async def main():
-        router = make_router(sources, events, keep_alive_s=30)
-        await router.preload(["chat"])
-        await router.embed(embed("embedder"))
-        await router.shutdown()
-
-    asyncio.run(main())
-    assert sorted(e for e in events if e[0] == "stop") == [("stop", "chat"), ("stop", "embedder")]
+    here, unknown = asyncio.run(main())
+    assert [c.kind for c in here] == ["accepted", "finish"] and cluster.submitted == []
+    assert unknown[0].code == "model_not_found"

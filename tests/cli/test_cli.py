@@ -6,7 +6,13 @@ import pytest
 from fakes import fake_engine_config, fake_supervisor_options
 
 from shoal.cli.app import main
-from shoal.config import NodeConfig, ServerConfig, build_node_config, parse_size
+from shoal.config import (
+    NodeConfig,
+    ServerConfig,
+    build_cluster_settings,
+    build_node_config,
+    parse_size,
+)
 from shoal.node import BackgroundNode
 from shoal.router import Router
 from shoal.runner.supervisor import RunnerSupervisor
@@ -43,6 +49,26 @@ def test_flags_beat_env_beat_defaults(tmp_path):
 def test_bad_values_raise_value_errors(kwargs, env, message):
     with pytest.raises(ValueError, match=message):
         build_node_config(env=env, **kwargs)
+
+
+def test_cluster_settings_from_flags_and_env():
+    env = {"SHOAL_PEERS": "tcp/10.0.0.2:7447, tcp/10.0.0.3:7447",
+           "SHOAL_CLUSTER_SECRET": "hunter2",
+           "SHOAL_DISCOVERY": "off", "SHOAL_FORCE_MASTER": "yes", "SHOAL_NODE_NAME": "left"}
+    settings = build_cluster_settings(listen=["tcp/0.0.0.0:7447"], env=env)
+    assert settings.peers == ("tcp/10.0.0.2:7447", "tcp/10.0.0.3:7447")
+    assert settings.listen == ("tcp/0.0.0.0:7447",) and settings.name == "left"
+    assert settings.discovery is False and settings.force_master and not settings.standalone
+    assert settings.secret == "hunter2" and "hunter2" not in repr(settings)  # never shown
+    assert build_cluster_settings(env={}).discovery is None  # on unless peers are given
+    with pytest.raises(ValueError, match="SHOAL_DISCOVERY"):
+        build_cluster_settings(env={"SHOAL_DISCOVERY": "maybe"})
+    with pytest.raises(ValueError, match="standalone"):
+        build_cluster_settings(standalone=True, peers=["tcp/10.0.0.2:7447"], env={})
+    no_preload = build_node_config(preload=False, env={})
+    assert no_preload.preload is False
+    with pytest.raises(ValueError, match="preloading is off"):
+        build_node_config(models=["smollm2"], preload=False, env={})
 
 
 def test_bad_flag_exits_2_with_message(capsys):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.cluster.control_plane import ControlPlane
-from shoal.cluster.data_plane import RemoteStream, RemoteStreams
+from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
     CancelTask,
     Command,
@@ -75,13 +75,14 @@ class ServiceConfig:
 
 class ClusterService:
     def __init__(self, plane: ControlPlane, pool: Pool, usable_memory: Callable[[], int],
-                 config: ServiceConfig | None = None) -> None:
+                 config: ServiceConfig | None = None, **worker_options: Any) -> None:
+        """worker_options go to the WorkerDriver (tests give it a facts reader)."""
         self.plane = plane
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
         self.streams = RemoteStreams(plane.transport)
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
-                                   self.config.worker)
+                                   self.config.worker, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
@@ -207,7 +208,7 @@ class ClusterService:
                 continue
             last_chunk_at = time.monotonic()
             yield chunk
-            if stream.finished:
+            if chunk.kind in TERMINAL_KINDS:
                 return
 
     def _stalled(self, now: float, sent_at: float, last_chunk_at: float | None,

@@ -36,7 +36,7 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.cluster.instances import Instance, InstanceOrigin, PlacementRequest, Rank
-from shoal.cluster.model_facts import ModelFacts
+from shoal.cluster.model_facts import ModelFacts, model_facts_from_source
 from shoal.cluster.placement import load_refusal
 from shoal.cluster.state import ClusterState, RunnerPhase, RunnerStatus
 from shoal.cluster.transport.base import Transport
@@ -144,8 +144,10 @@ def local_instance_id(node_id: NodeId, model_id: str, generation: int) -> Instan
 
 class WorkerDriver:
     def __init__(self, node_id: NodeId, link: ClusterLink, transport: Transport, pool: Pool,
-                 usable_memory: Callable[[], int], config: WorkerConfig | None = None) -> None:
-        """usable_memory: bytes this node can give a model now (checked before hosting)."""
+                 usable_memory: Callable[[], int], config: WorkerConfig | None = None,
+                 read_facts: Callable[[Any], ModelFacts] = model_facts_from_source) -> None:
+        """usable_memory: bytes this node can give a model now (checked before hosting);
+        read_facts: a model source's ModelFacts (it reads the weight file's header)."""
         self.node_id = node_id
         self._link = link
         self._transport = transport
@@ -157,6 +159,7 @@ class WorkerDriver:
         self._forwarders: dict[RequestId, asyncio.Task] = {}
         self._facts: dict[str, ModelFacts | None] = {}
         self._facts_jobs: dict[str, asyncio.Task] = {}
+        self._read_facts_of = read_facts
         self._resends = _Resends()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -364,11 +367,9 @@ class WorkerDriver:
         return None
 
     async def _read_facts(self, model_id: str) -> None:
-        from shoal.cluster.model_facts import model_facts_from_source
-
         try:
             source = self._pool.source_of(model_id)
-            self._facts[model_id] = await asyncio.to_thread(model_facts_from_source, source)
+            self._facts[model_id] = await asyncio.to_thread(self._read_facts_of, source)
         except Exception as error:  # noqa: BLE001 - such a model is served but not listed
             log.warning("model %s cannot be listed in the cluster: %s", model_id, error)
             self._facts[model_id] = None

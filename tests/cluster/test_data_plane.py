@@ -1,0 +1,68 @@
+"""The data plane: chunks of one task arrive in order, once, and a failure ends the stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shoal.cluster.data_plane import ChunkSender, RemoteStreams, chunk_message
+from shoal.cluster.transport import MemoryHub
+from shoal.ids import NodeId
+from shoal.protocol import FinishChunk, TokenChunk, Usage
+
+
+def token(i: int) -> TokenChunk:
+    return TokenChunk(request_id="r", text=f"t{i}", token_ids=(i,))
+
+
+FINISH = FinishChunk(request_id="r", finish_reason="stop",
+                     usage=Usage(prompt_tokens=1, completion_tokens=3))
+
+
+def test_chunks_are_reordered_deduplicated_and_end_at_the_terminal_one():
+    async def main():
+        hub = MemoryHub()
+        owner, server = hub.connect("owner"), hub.connect("server")
+        streams = RemoteStreams(owner)
+        streams.start()
+        stream = streams.open("r")
+        messages = [chunk_message("r", seq, chunk)
+                    for seq, chunk in enumerate([token(0), token(1), token(2), FINISH])]
+        for message in (messages[2], messages[0], messages[0], messages[1], messages[3],
+                        messages[1], chunk_message("other", 0, token(9)),
+                        {"request_id": "r", "seq": "x"}):
+            server.send_data(NodeId("owner"), message)
+        got = [await stream.next(1.0) for _ in range(4)]
+        with pytest.raises(TimeoutError):
+            await stream.next(0.05)
+        return got, stream.duplicates, streams.unknown
+
+    got, duplicates, unknown = asyncio.run(main())
+    assert [c.kind for c in got] == ["token", "token", "token", "finish"]
+    assert [c.text for c in got[:3]] == ["t0", "t1", "t2"]
+    assert duplicates == 2 and unknown == 1
+
+
+def test_a_failed_stream_ends_with_one_error_and_ignores_later_chunks():
+    async def main():
+        hub = MemoryHub()
+        owner, server = hub.connect("owner"), hub.connect("server")
+        streams = RemoteStreams(owner)
+        streams.start()
+        stream = streams.open("r")
+        sender = ChunkSender(server, NodeId("owner"), "r")
+        sender.send(token(0))
+        first = await stream.next(1.0)
+        stream.fail("unavailable", "node server left")
+        stream.fail("timeout", "second failure is ignored")
+        sender.send(token(1))
+        await asyncio.sleep(0.01)
+        error = await stream.next(1.0)
+        with pytest.raises(ValueError):
+            streams.open("r")  # one stream per request id
+        return first, error, stream.finished
+
+    first, error, finished = asyncio.run(main())
+    assert first.text == "t0"
+    assert error.kind == "error" and error.code == "unavailable" and finished

@@ -1,0 +1,172 @@
+"""Three in-process nodes on the in-memory transport, each with a pool of in-memory runners:
+local models mirrored as instances, placed instances hosted and torn down, requests served
+across nodes with their chunks streamed back, cancellation, and a serving node vanishing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from cluster_waits import wait_until
+from memory_pool import generate, loaded, make_router, sources  # noqa: F401
+from state_builders import GIB, facts
+
+from shoal.cluster.control_plane import ClusterConfig, ControlPlane
+from shoal.cluster.election import ElectionConfig
+from shoal.cluster.instances import PlacementRequest
+from shoal.cluster.master import MasterConfig
+from shoal.cluster.replica import ReplicaConfig
+from shoal.cluster.service import ClusterService, ServiceConfig
+from shoal.cluster.telemetry import NodeReading, TelemetryConfig
+from shoal.cluster.transport import MemoryHub
+from shoal.cluster.worker_driver import WorkerConfig
+from shoal.ids import NodeId
+
+CONFIG = dict(election=ElectionConfig(campaign_s=0.1, heartbeat_s=0.03, master_timeout_s=0.3),
+              telemetry=TelemetryConfig(interval_s=0.03, timeout_s=0.2),
+              replica=ReplicaConfig(sync_timeout_s=0.1),
+              master=MasterConfig(settle_grace_s=0.3, reconcile_s=0.02))
+SERVICE = ServiceConfig(accept_timeout_s=2.0, resend_s=0.2, silence_timeout_s=2.0,
+                        peer_gone_s=0.2, place_timeout_s=2.0,
+                        worker=WorkerConfig(tick_s=0.05, resend_s=0.2))
+
+
+class Node:
+    def __init__(self, hub: MemoryHub, name: str, tmp: Path, model_sources) -> None:
+        self.name = NodeId(name)
+        self.events: list = []
+        transport = hub.connect(name)
+        plane = ControlPlane(transport, ClusterConfig(event_log_dir=tmp / name, **CONFIG),
+                             lambda: NodeReading(node_id=self.name, taken_at=time.time(),
+                                                 name=name, memory_total=64 * GIB,
+                                                 memory_available=64 * GIB))
+        self.router = make_router(model_sources, self.events)
+        self.service = ClusterService(
+            plane, self.router.pool, lambda: 64 * GIB, SERVICE,
+            read_facts=lambda source: facts(model=source.model_id, weight_bytes=GIB,
+                                            n_layers=4))
+        self.router.cluster = self.service
+
+    @property
+    def state(self):
+        return self.service.state
+
+    async def stop(self) -> None:
+        await self.service.stop()
+        await self.router.shutdown()
+
+
+async def start_cluster(tmp: Path, model_sources, names=("a", "b", "c")) -> dict[str, Node]:
+    hub = MemoryHub()
+    nodes = {name: Node(hub, name, tmp, model_sources) for name in names}
+    for node in nodes.values():
+        await node.service.start()
+    await wait_until(lambda: all(len(n.state.nodes) == len(names) and n.service.ready
+                                 for n in nodes.values()), what="cluster formed")
+    nodes["hub"] = hub  # type: ignore[assignment]
+    return nodes
+
+
+async def stop_cluster(nodes: dict) -> None:
+    for name, node in nodes.items():
+        if name != "hub":
+            await node.stop()
+
+
+def statuses(node: Node, model: str) -> list[tuple[str, str, str]]:
+    state = node.state
+    return [(i.origin, i.ranks[0].node_id, state.instance_status(i.instance_id))
+            for i in state.instances_of(model)]
+
+
+def test_a_local_model_is_mirrored_and_served_to_other_nodes(tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a, c = nodes["a"], nodes["c"]
+        try:
+            await c.router.preload(["chat"])
+            await wait_until(lambda: statuses(a, "chat") == [("local", "c", "ready")],
+                             what="chat mirrored as ready")
+            chunks = [chunk async for chunk in a.router.submit(generate("chat", "tokens:5:0"))]
+            served_by_a = loaded(a.router)
+            c.router.pool.unload("chat")
+            await wait_until(lambda: not a.state.instances, what="instance deleted")
+            await wait_until(lambda: not a.state.tasks, what="task finished")
+            return chunks, served_by_a
+        finally:
+            await stop_cluster(nodes)
+
+    chunks, served_by_a = asyncio.run(main())
+    assert [c.kind for c in chunks] == ["accepted"] + ["token"] * 5 + ["finish"]
+    assert "".join(c.text for c in chunks if c.kind == "token") == "t0 t1 t2 t3 t4 "
+    assert served_by_a == []  # node a never loaded the model
+
+
+def test_a_placed_instance_is_hosted_then_torn_down_on_delete(tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a, b, c = nodes["a"], nodes["b"], nodes["c"]
+        try:
+            request = PlacementRequest(facts=facts(model="chat", weight_bytes=GIB, n_layers=4),
+                                       excluded_nodes=(NodeId("a"), NodeId("b")))
+            instance = await a.service.place(request)
+            await wait_until(lambda: statuses(b, "chat") == [("placed", "c", "ready")],
+                             what="placed instance ready")
+            hosted = loaded(c.router)
+            answer = [chunk async for chunk in b.router.submit(generate("chat", "tokens:2:0"))]
+            assert b.service.delete(instance.instance_id)
+            await wait_until(lambda: loaded(c.router) == [], what="runner torn down")
+            return instance.ranks[0].node_id, hosted, answer, a.service.delete("inst-none")
+        finally:
+            await stop_cluster(nodes)
+
+    server, hosted, answer, deleted_unknown = asyncio.run(main())
+    assert server == "c" and hosted == ["chat"]
+    assert [c.kind for c in answer] == ["accepted", "token", "token", "finish"]
+    assert deleted_unknown is False
+
+
+def test_closing_a_remote_stream_cancels_its_task(tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a, c = nodes["a"], nodes["c"]
+        try:
+            await c.router.preload(["chat"])
+            await wait_until(lambda: statuses(a, "chat") == [("local", "c", "ready")])
+            stream = a.router.submit(generate("chat", "tokens:500:0.01"))
+            first = [await anext(stream) for _ in range(3)]
+            await wait_until(lambda: bool(c.state.tasks), what="task visible")
+            await stream.aclose()
+            await wait_until(lambda: not c.state.tasks and not c.service.worker._forwarders,
+                             what="task cancelled and forwarder gone")
+            return first
+        finally:
+            await stop_cluster(nodes)
+
+    first = asyncio.run(main())
+    assert [c.kind for c in first] == ["accepted", "token", "token"]
+
+
+def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a, b = nodes["a"], nodes["b"]  # c is the master; b serves
+        try:
+            await b.router.preload(["chat"])
+            await wait_until(lambda: statuses(a, "chat") == [("local", "b", "ready")])
+            stream = a.router.submit(generate("chat", "tokens:500:0.01"))
+            assert (await anext(stream)).kind == "accepted"
+            nodes["hub"].drop(NodeId("b"))
+            started = time.monotonic()
+            chunks = [chunk async for chunk in stream]
+            waited = time.monotonic() - started
+            await wait_until(lambda: not a.state.instances, what="lost instance removed")
+            return chunks[-1], waited
+        finally:
+            await stop_cluster(nodes)
+
+    last, waited = asyncio.run(main())
+    assert last.kind == "error" and last.code == "unavailable"
+    assert "node b" in last.message
+    assert waited < SERVICE.silence_timeout_s  # its absence was noticed, not its silence

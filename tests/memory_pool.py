@@ -1,0 +1,112 @@
+"""A model pool over in-memory supervisors: loads take LOAD_S, nothing spawns a process.
+
+Used by the pool, router and cluster tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from shoal.catalog.resolve import ModelNotFound
+from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.sampling import SamplingParams
+from shoal.protocol import (
+    AcceptedChunk,
+    EmbeddingRequest,
+    EmbeddingResult,
+    FinishChunk,
+    GenerationRequest,
+    TokenChunk,
+    Usage,
+)
+from shoal.router import Router
+from shoal.runner.supervisor import RunnerUnavailable
+
+LOAD_S = 0.05
+
+
+class MemorySupervisor:
+    """RunnerSupervisor's interface in memory: loads take LOAD_S; "broken" fails to load;
+    a prompt "hold:<seconds>" keeps its request running that long; "tokens:<n>:<seconds>"
+    streams n tokens "t0 ", "t1 ", ... that far apart."""
+
+    def __init__(self, source: ModelSource, events: list) -> None:
+        self.config = EngineConfig(source=source)
+        self.model_id = source.model_id
+        self.state = "stopped"
+        self.expires_at = None
+        self.last_error = None
+        self.events = events
+
+    async def start(self) -> None:
+        self.events.append(("start", self.model_id))
+        self.state = "starting"
+        await asyncio.sleep(LOAD_S)
+        if self.model_id == "broken":
+            self.state = "failed"
+            raise RunnerUnavailable("loading 'broken' failed: bad weights")
+        self.state = "ready"
+
+    async def shutdown(self) -> None:
+        self.events.append(("stop", self.model_id))
+        self.state = "stopped"
+
+    async def submit(self, request: GenerationRequest):
+        yield AcceptedChunk(request_id=request.request_id, prompt_tokens=1)
+        count = 0
+        if request.prompt.startswith("hold:"):
+            await asyncio.sleep(float(request.prompt[5:]))
+        elif request.prompt.startswith("tokens:"):
+            _, count, gap = request.prompt.split(":")
+            for i in range(int(count)):
+                await asyncio.sleep(float(gap))
+                yield TokenChunk(request_id=request.request_id, text=f"t{i} ", token_ids=(i,))
+        yield FinishChunk(request_id=request.request_id, finish_reason="stop",
+                          usage=Usage(prompt_tokens=1, completion_tokens=int(count)))
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        return EmbeddingResult(request_id=request.request_id,
+                               embeddings=tuple((1.0, 0.0) for _ in request.texts),
+                               prompt_tokens=len(request.texts))
+
+
+@pytest.fixture
+def sources(tmp_path) -> dict[str, ModelSource]:
+    weights = tmp_path / "weights.gguf"
+    weights.write_bytes(b"fake")
+    directory = tmp_path / "encoder"
+    directory.mkdir()
+    return {"chat": ModelSource("chat", "gguf", weights),
+            "broken": ModelSource("broken", "gguf", weights),
+            "embedder": ModelSource("embedder", "safetensors", Path(directory), task="embed")}
+
+
+def make_router(sources, events, **options) -> Router:
+    def resolve(name: str) -> ModelSource:
+        if name not in sources:
+            raise ModelNotFound(f"model {name!r} not found")
+        return sources[name]
+
+    return Router(lambda source: MemorySupervisor(source, events), resolve=resolve, **options)
+
+
+def generate(name: str, prompt: str = "hi", keep_alive_s: float | None = None):
+    return GenerationRequest(request_id=f"g-{prompt}", model=name, prompt=prompt,
+                             sampling=SamplingParams(), keep_alive_s=keep_alive_s)
+
+
+def embed(name: str, keep_alive_s: float | None = None, texts=("a",)):
+    return EmbeddingRequest(request_id="e", model=name, texts=texts, keep_alive_s=keep_alive_s)
+
+
+async def run(router: Router, request: GenerationRequest) -> list:
+    return [chunk async for chunk in router.submit(request)]
+
+
+def loaded(router: Router) -> list[str]:
+    return sorted(s.model_id for s in router.supervisors)
+
+
