@@ -98,6 +98,8 @@ def test_three_nodes_serve_across_the_cluster_and_survive_losing_the_master(thre
         "model": "smollm2", "messages": question, "max_tokens": 16, "temperature": 0}).json()
     assert streamed and streamed == direct["choices"][0]["message"]["content"]
     assert httpx.get(node1.url + "/health").json()["models"] == []  # node1 only forwarded
+    listed = {m["id"]: m["state"] for m in httpx.get(node1.url + "/v1/models").json()["data"]}
+    assert listed["smollm2-135m-instruct"] == "ready"  # served by the cluster
 
     node2.kill()
     failover_in = wait_for(lambda: agreed_master([node1, node3], 3) not in (None, ids[1])

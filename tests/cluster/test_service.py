@@ -14,6 +14,7 @@ from state_builders import GIB, facts
 
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
+from shoal.cluster.events import InstanceCreated, InstanceDeleted
 from shoal.cluster.instances import PlacementRequest
 from shoal.cluster.master import MasterConfig
 from shoal.cluster.replica import ReplicaConfig
@@ -33,17 +34,20 @@ SERVICE = ServiceConfig(accept_timeout_s=2.0, resend_s=0.2, silence_timeout_s=2.
 
 
 class Node:
-    def __init__(self, hub: MemoryHub, name: str, tmp: Path, model_sources) -> None:
+    """memory: what telemetry reports; usable: what the worker finds free at load time."""
+
+    def __init__(self, hub: MemoryHub, name: str, tmp: Path, model_sources,
+                 memory: int = 64 * GIB, usable: int = 64 * GIB) -> None:
         self.name = NodeId(name)
         self.events: list = []
         transport = hub.connect(name)
         plane = ControlPlane(transport, ClusterConfig(event_log_dir=tmp / name, **CONFIG),
                              lambda: NodeReading(node_id=self.name, taken_at=time.time(),
-                                                 name=name, memory_total=64 * GIB,
-                                                 memory_available=64 * GIB))
+                                                 name=name, memory_total=memory,
+                                                 memory_available=memory))
         self.router = make_router(model_sources, self.events)
         self.service = ClusterService(
-            plane, self.router.pool, lambda: 64 * GIB, SERVICE,
+            plane, self.router.pool, lambda: usable, SERVICE,
             read_facts=lambda source: facts(model=source.model_id, weight_bytes=GIB,
                                             n_layers=4))
         self.router.cluster = self.service
@@ -57,9 +61,12 @@ class Node:
         await self.router.shutdown()
 
 
-async def start_cluster(tmp: Path, model_sources, names=("a", "b", "c")) -> dict[str, Node]:
+async def start_cluster(tmp: Path, model_sources, names=("a", "b", "c"),
+                        **node_options: dict) -> dict[str, Node]:
+    """node_options: per node name, keyword arguments of Node (memory, usable)."""
     hub = MemoryHub()
-    nodes = {name: Node(hub, name, tmp, model_sources) for name in names}
+    nodes = {name: Node(hub, name, tmp, model_sources, **node_options.get(name, {}))
+             for name in names}
     for node in nodes.values():
         await node.service.start()
     await wait_until(lambda: all(len(n.state.nodes) == len(names) and n.service.ready
@@ -170,3 +177,27 @@ def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, so
     assert last.kind == "error" and last.code == "unavailable"
     assert "node b" in last.message
     assert waited < SERVICE.silence_timeout_s  # its absence was noticed, not its silence
+
+
+def test_a_node_that_cannot_fit_its_share_refuses_and_the_master_widens(tmp_path, sources):  # noqa: F811
+    async def main():
+        # c reports the most memory, so it is chosen, but finds none free when it loads.
+        nodes = await start_cluster(tmp_path, sources, c={"memory": 64 * GIB, "usable": 0},
+                                    a={"memory": 32 * GIB}, b={"memory": 32 * GIB})
+        a = nodes["a"]
+        try:
+            await a.service.place(PlacementRequest(facts=facts(model="chat", weight_bytes=GIB,
+                                                               n_layers=4)))
+            await wait_until(lambda: sum(isinstance(e.event, InstanceDeleted)
+                                         for e in a.service.recent) == 3,
+                             what="three refusals")
+            widths = [len(e.event.instance.ranks) for e in a.service.recent
+                      if isinstance(e.event, InstanceCreated)]
+            await asyncio.sleep(0.3)
+            return widths, dict(a.state.instances), loaded(nodes["c"].router)
+        finally:
+            await stop_cluster(nodes)
+
+    widths, instances, loaded_on_c = asyncio.run(main())
+    assert widths == [1, 2, 3]  # one node wider each time, bounded by the cluster's size
+    assert instances == {} and loaded_on_c == []

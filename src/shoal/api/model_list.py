@@ -1,5 +1,6 @@
-"""The models a node offers, as every dialect lists them: served ones first, then catalogue
-models whose weights are on this machine (app.state.list_available)."""
+"""The models a node offers, as every dialect lists them: served ones first (by this node, then
+by other nodes of its cluster), then catalogue models whose weights are on this machine
+(app.state.list_available)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 @dataclass(frozen=True)
 class ListedModel:
     id: str
-    state: str  # the runner's state, or "available" for a catalogue model not loaded
+    # the runner's state; an instance's status for a model served by another node;
+    # "available" for a catalogue model not loaded
+    state: str
     max_model_len: int | None
     entry: Any | None  # the catalogue entry (shoal.catalog.resolve.CatalogEntry), if any
     supervisor: Any | None  # the runner supervisor serving it, if any
@@ -28,12 +31,34 @@ def listed_models(state: Any) -> list[ListedModel]:
                                   entry=entries.get(supervisor.model_id),
                                   supervisor=supervisor))
     served = {model.id for model in listed}
+    for model_id, status in _cluster_models(state).items():
+        if model_id not in served:
+            entry = entries.get(model_id)
+            listed.append(ListedModel(id=model_id, state=status,
+                                      max_model_len=entry.context_length if entry else None,
+                                      entry=entry, supervisor=None))
+            served.add(model_id)
     for entry in available:
         if entry.id not in served:
             listed.append(ListedModel(id=entry.id, state="available",
                                       max_model_len=entry.context_length, entry=entry,
                                       supervisor=None))
     return listed
+
+
+def _cluster_models(state: Any) -> dict[str, str]:
+    """Model id -> the best status of its instances in the cluster (ready first)."""
+    cluster = getattr(state, "cluster", None)
+    if cluster is None:
+        return {}
+    order = ("ready", "loading", "starting", "failed")
+    best: dict[str, str] = {}
+    for instance in cluster.state.instances.values():
+        status = cluster.state.instance_status(instance.instance_id)
+        current = best.get(instance.model)
+        if current is None or order.index(status) < order.index(current):
+            best[instance.model] = status
+    return best
 
 
 def find_listed(state: Any, name: str) -> ListedModel | None:

@@ -267,11 +267,6 @@ class WorkerDriver:
         runner = _Runner(rank.runner_id, instance.instance_id, instance.model, instance.origin,
                          instance.generation, "loading")
         self._runners[rank.runner_id] = runner
-        if rank.world_size > 1:
-            runner.phase = "failed"
-            runner.message = (f"{instance.sharding} instances over {rank.world_size} nodes "
-                              "are not supported by this node yet")
-            return
         refusal = load_refusal(instance, self.node_id, self._usable_memory())
         if refusal is not None:
             log.warning("refusing rank %d of %s: %s", rank.rank, instance.instance_id, refusal)
@@ -279,6 +274,11 @@ class WorkerDriver:
             self._link.send_command(RefusePlacement(
                 command_id=new_command_id(), instance_id=instance.instance_id,
                 node_id=self.node_id, reason=refusal))
+            return
+        if rank.world_size > 1:
+            runner.phase = "failed"
+            runner.message = (f"{instance.sharding} instances over {rank.world_size} nodes "
+                              "are not supported by this node yet")
             return
         log.info("hosting %s for instance %s", instance.model, instance.instance_id)
         runner.loading = asyncio.create_task(self._host(runner), name=f"host-{rank.runner_id}")
