@@ -94,7 +94,7 @@ async def serve(config: NodeConfig, router: Router | None = None,
         server_task = asyncio.ensure_future(server.serve())
         await _wait_started(server, server_task)
         url = _bound_url(server)
-        addresses.append(url.removeprefix("http://"))
+        addresses.extend(advertised_addresses(url))
         if on_listening is not None:
             on_listening(url)
         stopper = asyncio.ensure_future(stop.wait())
@@ -146,6 +146,22 @@ async def _wait_started(server: uvicorn.Server, task: asyncio.Task) -> None:
             # uvicorn exits (SystemExit) when it cannot bind
             raise NodeStartError("the HTTP server failed to start (is the port in use?)")
         await asyncio.sleep(0.05)
+
+
+def advertised_addresses(url: str) -> list[str]:
+    """host:port endpoints other nodes can reach this API at: the bound address, or every
+    IPv4 address of this machine (non-loopback first) when bound to all interfaces."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    if host not in ("0.0.0.0", "::", "[::]"):
+        return [f"{host}:{port}"]
+    import socket
+
+    import psutil
+
+    ips = [a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+           if a.family == socket.AF_INET]
+    ips.sort(key=lambda ip: ip.startswith("127."))
+    return [f"{ip}:{port}" for ip in ips] or [f"127.0.0.1:{port}"]
 
 
 def _bound_url(server: uvicorn.Server) -> str:

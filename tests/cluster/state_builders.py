@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from shoal.cluster.events import Event, IndexedEvent
-from shoal.cluster.instances import Instance, PlacementRequest, Rank
+from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous
 from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.state import NodeInfo, RunnerStatus, Task
 from shoal.ids import InstanceId, ModelId, NodeId, RequestId, runner_id_for
@@ -47,7 +47,8 @@ def pipeline(instance_id: str, layout: Iterable[tuple[str, int]],
                           world_size=len(layout), layer_start=start, layer_end=end))
         start = end
     return Instance(instance_id=iid, request=PlacementRequest(facts=model_facts),
-                    sharding="pipeline", ranks=tuple(ranks))
+                    sharding="pipeline", ranks=tuple(ranks),
+                    rendezvous=Rendezvous(host="127.0.0.1", port=29500))
 
 
 def runner_status(instance: Instance, rank: int, phase: str, message: str = "") -> RunnerStatus:

@@ -30,7 +30,7 @@ from shoal.cluster.events import (
     parse_worker_event,
     to_wire,
 )
-from shoal.cluster.instances import Instance, PlacementRequest, Rank
+from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous
 from shoal.cluster.state import ClusterState, Task
 from shoal.engine.sampling import SamplingParams
 from shoal.protocol import ChatMessage, GenerationRequest
@@ -129,8 +129,9 @@ def rank(index, world, node_id, start, end, tp_rank=0, tp_size=1):
 
 
 def make(sharding, *ranks, n_layers=32):
+    rendezvous = Rendezvous(host="127.0.0.1", port=29500) if len(ranks) > 1 else None
     return Instance(instance_id="i", request=PlacementRequest(facts=facts(n_layers=n_layers)),
-                    sharding=sharding, ranks=ranks)
+                    sharding=sharding, ranks=ranks, rendezvous=rendezvous)
 
 
 def test_valid_layouts_are_accepted():

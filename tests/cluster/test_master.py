@@ -289,6 +289,36 @@ def test_refused_placement_is_replaced_one_node_wider(tmp_path):
     assert kinds.count("instance_deleted") == 1 and kinds.count("instance_created") == 2
 
 
+def test_failed_placed_instances_are_placed_again_with_a_bound(tmp_path):
+    async def main():
+        hub = MemoryHub()
+        a, b = [await Node(hub, n, tmp_path, memory=24 * GIB).start() for n in ("a", "b")]
+        try:
+            master = await a.become_master(MasterConfig(settle_grace_s=60, reconcile_s=0.02,
+                                                        max_replacements=2))
+            await wait_until(lambda: len(master.state.nodes) == 2)
+            a.command(PlaceInstance(command_id=CommandId("p"), request=PlacementRequest(
+                facts=facts(weight_bytes=8 * GIB), sharding="pipeline", min_nodes=2)))
+            await wait_until(lambda: master.state.instances)
+            attempts = []
+            for _ in range(3):
+                instance = next(iter(master.state.instances.values()))
+                attempts.append((instance.attempt, instance.rendezvous))
+                b.transport.publish(Topic.LOCAL_EVENTS, to_wire(RunnerStatusChanged(
+                    status=runner_status(instance, 1, "failed", "group did not form"))))
+                await wait_until(lambda: instance.instance_id not in master.state.instances)
+                await asyncio.sleep(0.05)
+            return attempts, master.state.instances, _kinds(a.seen)
+        finally:
+            await _stop_all((a, b))
+
+    attempts, left, kinds = asyncio.run(main())
+    assert [attempt for attempt, _ in attempts] == [0, 1, 2]
+    assert all(r.host == "a" and 29500 <= r.port < 60000 for _, r in attempts)  # rank 0's node
+    assert left == {}  # the third failure exceeded max_replacements
+    assert kinds.count("instance_created") == 3 and kinds.count("instance_deleted") == 3
+
+
 def test_replica_buffers_out_of_order_events(tmp_path):
     async def main():
         hub = MemoryHub()

@@ -7,7 +7,7 @@ import random
 import pytest
 from state_builders import GIB, facts
 
-from shoal.cluster.instances import PlacementRequest
+from shoal.cluster.instances import PlacementRequest, Rendezvous
 from shoal.cluster.placement import (
     NodeCapacity,
     Placement,
@@ -25,6 +25,7 @@ from shoal.cluster.placement import (
 
 # Round numbers so expectations can be worked out by hand: weights x 1.25, KV for 1024
 # tokens in bf16, no floor unless a test sets one.
+RENDEZVOUS = Rendezvous(host="127.0.0.1", port=29500)
 POLICY = PlacementPolicy(overhead_factor=1.25, kv_reservation_tokens=1024, kv_element_bytes=2,
                          floor_bytes=0)
 MODEL = facts(weight_bytes=8 * GIB, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128)
@@ -74,7 +75,10 @@ def test_auto_falls_back_to_the_narrowest_pipeline():
     assert [(s.layer_start, s.layer_end) for s in result.shards] == [(0, 19), (19, 32)]
     for shard in result.shards:
         assert shard.needed_bytes <= shard.usable_bytes
-    assert result.to_instance("i").ranks[1].layers == (19, 32)
+    instance = result.to_instance("i", RENDEZVOUS)
+    assert instance.ranks[1].layers == (19, 32) and instance.rendezvous == RENDEZVOUS
+    with pytest.raises(ValueError, match="rendezvous"):
+        result.to_instance("i")  # several ranks must know where to meet
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -120,7 +124,7 @@ def test_tensor_splits_evenly():
     assert isinstance(result, Placement) and result.sharding == "tensor"
     assert [(s.tp_rank, s.tp_size, s.layer_start, s.layer_end) for s in result.shards] == [
         (0, 2, 0, 32), (1, 2, 0, 32)]
-    instance = result.to_instance("t")
+    instance = result.to_instance("t", RENDEZVOUS)
     assert [r.tp_rank for r in instance.ranks] == [0, 1]
 
 
@@ -221,7 +225,7 @@ def test_node_capacity_prefers_device_memory_and_caps_ram():
 
 def test_load_refusal_uses_the_same_memory_model_with_a_tolerance():
     placed = place(request(), nodes(a=7, b=5), POLICY)
-    instance = placed.to_instance("i")
+    instance = placed.to_instance("i", RENDEZVOUS)
     need_b = shard_bytes(MODEL, 13, 1, POLICY)
     assert load_refusal(instance, "b", need_b, POLICY) is None
     # Live memory a little below the need is jitter; far below is a refusal.

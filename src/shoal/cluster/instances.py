@@ -55,6 +55,20 @@ class Rank(Frozen):
         return (self.layer_start, self.layer_end)
 
 
+class Rendezvous(Frozen):
+    """Where the ranks of a multi-rank instance meet to form their process group: rank 0's
+    node address and a port the master picked for this placement."""
+
+    host: str
+    port: int
+
+    @model_validator(mode="after")
+    def _check(self) -> Rendezvous:
+        if not self.host or not 0 < self.port < 65536:
+            raise ValueError(f"invalid rendezvous {self.host}:{self.port}")
+        return self
+
+
 class PlacementRequest(Frozen):
     """What a client asks for: a model, how to split it, how wide, and which nodes to avoid."""
 
@@ -90,6 +104,10 @@ class Instance(Frozen):
     origin: InstanceOrigin = "placed"
     # For a local instance: which runner generation of the node's pool it mirrors.
     generation: int | None = None
+    # Set exactly when the instance has several ranks.
+    rendezvous: Rendezvous | None = None
+    # Placements of this request so far that failed after creation (re-placement bound).
+    attempt: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> Instance:
@@ -109,6 +127,8 @@ class Instance(Frozen):
         if len({r.runner_id for r in ranks}) != len(ranks):
             raise ValueError("runner ids of an instance must be distinct")
         _check_layout(self.sharding, ranks, self.facts.n_layers)
+        if (len(ranks) > 1) != (self.rendezvous is not None):
+            raise ValueError("an instance has a rendezvous exactly when it has several ranks")
         return self
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from shoal.cluster.events import (
     PlaceInstance,
     PlacementFailed,
     RefusePlacement,
+    RunnerStatusChanged,
     SessionStarted,
     SubmitTask,
     TaskCancelled,
@@ -48,7 +50,7 @@ from shoal.cluster.events import (
     parse_command,
     parse_worker_event,
 )
-from shoal.cluster.instances import Instance, PlacementRequest
+from shoal.cluster.instances import Instance, PlacementRequest, Rendezvous
 from shoal.cluster.placement import (
     DEFAULT_POLICY,
     NodeCapacity,
@@ -80,12 +82,21 @@ class MasterConfig:
     # A state-sync answer is the latest snapshot plus at most this many logged events.
     snapshot_every: int = 256
     policy: PlacementPolicy = DEFAULT_POLICY
+    # A placed instance whose runner fails is placed again, at most this many times.
+    max_replacements: int = 3
+    # Rendezvous ports of multi-rank instances are drawn from [low, high).
+    rendezvous_ports: tuple[int, int] = (29500, 60000)
 
     def __post_init__(self) -> None:
         if self.settle_grace_s < 0 or self.reconcile_s <= 0:
             raise ValueError("master settle_grace_s must be >= 0 and reconcile_s positive")
         if self.snapshot_every < 1:
             raise ValueError("master snapshot_every must be >= 1")
+        if self.max_replacements < 0:
+            raise ValueError("master max_replacements must be >= 0")
+        low, high = self.rendezvous_ports
+        if not 0 < low < high <= 65536:
+            raise ValueError(f"invalid rendezvous port range {low}-{high}")
 
 
 class Master:
@@ -184,7 +195,17 @@ class Master:
         except pydantic.ValidationError as error:
             log.warning("malformed worker event dropped: %s", error)
             return
-        self._index(event)
+        self.handle_worker_event(event)
+
+    def handle_worker_event(self, event: Any) -> list[IndexedEvent]:
+        """Index a worker's report; a placed instance whose runner failed is placed again."""
+        events = [self._index(event)]
+        if isinstance(event, RunnerStatusChanged) and event.status.phase == "failed":
+            instance = self.state.instances.get(event.status.instance_id)
+            if instance is not None and instance.origin == "placed":
+                events += self._replace_failed(instance, event.status.node_id,
+                                               event.status.message)
+        return events
 
     def _submit(self, command: SubmitTask) -> list[IndexedEvent]:
         task_id = command.request.request_id
@@ -200,7 +221,7 @@ class Master:
         return [self._index(TaskCreated(task=task))]
 
     def _place(self, request: PlacementRequest, why: str,
-               command_id: CommandId | None = None) -> list[IndexedEvent]:
+               command_id: CommandId | None = None, attempt: int = 0) -> list[IndexedEvent]:
         result = place(request, self._capacities(), self.config.policy)
         if not isinstance(result, Placement):
             log.warning("cannot place model %s (%s): %s", request.model, why, result.reason)
@@ -208,10 +229,31 @@ class Master:
                 return []
             return [self._index(PlacementFailed(command_id=command_id, model=request.model,
                                                 reason=result.reason))]
-        instance = result.to_instance(new_instance_id())
+        instance = result.to_instance(new_instance_id(), self._rendezvous_for(result), attempt)
         log.info("placing %s as %s over %s (%s)", request.model, instance.instance_id,
                  ", ".join(instance.node_ids), why)
         return [self._index(InstanceCreated(instance=instance, command_id=command_id))]
+
+    def _rendezvous_for(self, placement: Placement) -> Rendezvous | None:
+        """Rank 0's node address and a fresh port, for an instance of several ranks."""
+        if placement.width == 1:
+            return None
+        node = self.state.nodes.get(placement.shards[0].node_id)
+        host = rendezvous_host(node.addresses if node is not None else ())
+        low, high = self.config.rendezvous_ports
+        return Rendezvous(host=host, port=random.randrange(low, high))
+
+    def _replace_failed(self, instance: Instance, node_id: NodeId,
+                        message: str) -> list[IndexedEvent]:
+        reason = f"its runner on node {node_id} failed: {message or 'no reason given'}"
+        events = self._delete_instance(instance.instance_id, reason)
+        attempt = instance.attempt + 1
+        if attempt > self.config.max_replacements:
+            log.warning("instance %s of %s failed; not placing it again after %d attempts",
+                        instance.instance_id, instance.model, attempt)
+            return events
+        return events + self._place(instance.request, attempt=attempt,
+                                    why=f"{instance.instance_id} failed (attempt {attempt})")
 
     def _adopt(self, command: AdoptInstance) -> list[IndexedEvent]:
         """List a model a node's own pool runs; idempotent, and only for admitted nodes (the
@@ -283,7 +325,8 @@ class Master:
         events = self._delete_instance(instance.instance_id, reason)
         if instance.origin == "local":
             return events  # it was that node's own model, not the cluster's to re-place
-        return events + self._place(instance.request, why=f"{instance.instance_id} lost {reason}")
+        return events + self._place(instance.request, attempt=instance.attempt,
+                                    why=f"{instance.instance_id} lost {reason}")
 
     def _capacities(self) -> list[NodeCapacity]:
         return self._telemetry.capacities(list(self.state.nodes), time.monotonic())
@@ -320,3 +363,13 @@ class Master:
         if isinstance(request, SyncRequest):
             self._transport.publish(Topic.STATE_SYNC,
                                     self.sync_response(request.node).model_dump(mode="json"))
+
+
+def rendezvous_host(addresses: Sequence[str]) -> str:
+    """The host part of a node's first reachable address ("host:port" or "[v6]:port")."""
+    for address in addresses:
+        host = address.rsplit(":", 1)[0].strip("[]")
+        if host and host not in ("0.0.0.0", "::"):
+            return host
+    log.warning("node reports no reachable address; rendezvous falls back to 127.0.0.1")
+    return "127.0.0.1"

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.cluster.instances import Instance, PlacementRequest, Rank, Sharding
+from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous, Sharding
 from shoal.cluster.model_facts import ModelFacts
 from shoal.engine.kv_budget import LOAD_OVERHEAD_FACTOR
 from shoal.ids import InstanceId, NodeId, runner_id_for
@@ -92,7 +92,9 @@ class Placement:
     def width(self) -> int:
         return len(self.shards)
 
-    def to_instance(self, instance_id: InstanceId) -> Instance:
+    def to_instance(self, instance_id: InstanceId, rendezvous: Rendezvous | None = None,
+                    attempt: int = 0) -> Instance:
+        """The instance this placement describes; rendezvous is required for several ranks."""
         world = len(self.shards)
         ranks = tuple(
             Rank(runner_id=runner_id_for(instance_id, index), node_id=shard.node_id, rank=index,
@@ -100,7 +102,8 @@ class Placement:
                  tp_rank=shard.tp_rank, tp_size=shard.tp_size)
             for index, shard in enumerate(self.shards))
         return Instance(instance_id=instance_id, request=self.request, sharding=self.sharding,
-                        ranks=ranks)
+                        ranks=ranks, rendezvous=rendezvous if world > 1 else None,
+                        attempt=attempt)
 
 
 @dataclass(frozen=True)

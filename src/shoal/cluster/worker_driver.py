@@ -270,7 +270,8 @@ class WorkerDriver:
         refusal = load_refusal(instance, self.node_id, self._usable_memory())
         if refusal is not None:
             log.warning("refusing rank %d of %s: %s", rank.rank, instance.instance_id, refusal)
-            runner.phase, runner.message = "failed", refusal
+            # Not reported as failed: the refusal alone makes the master place it wider.
+            runner.phase, runner.message = "stopped", refusal
             self._link.send_command(RefusePlacement(
                 command_id=new_command_id(), instance_id=instance.instance_id,
                 node_id=self.node_id, reason=refusal))
