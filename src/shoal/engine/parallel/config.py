@@ -1,0 +1,67 @@
+"""ParallelConfig: this runner's place in a multi-rank instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Sharding = Literal["pipeline", "tensor"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """rank of world_size; a pipeline rank holds layers [layer_start, layer_end), a tensor
+    rank holds every layer and 1/world_size of each layer's heads and MLP columns.
+
+    Ranks meet at master_addr:master_port (rank 0's node) within connect_timeout_s. Every
+    later wait on another rank is bounded by collective_timeout_s; rank 0 sends a keep-alive
+    step every keepalive_s while idle, so a silent rank 0 is noticed too.
+    """
+
+    rank: int
+    world_size: int
+    sharding: Sharding
+    layer_start: int
+    layer_end: int
+    master_addr: str
+    master_port: int
+    connect_timeout_s: float = 120.0
+    collective_timeout_s: float = 5.0
+    keepalive_s: float = 1.0
+    # Hidden states between pipeline ranks as int8 with one scale per token.
+    compress_hidden: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} of world size {self.world_size}: a parallel "
+                             "instance has at least two ranks")
+        if self.sharding not in ("pipeline", "tensor"):
+            raise ValueError(f"sharding must be pipeline or tensor, not {self.sharding!r}")
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"invalid layer range [{self.layer_start}, {self.layer_end})")
+        if not 0 < self.master_port < 65536 or not self.master_addr:
+            raise ValueError(f"invalid rendezvous {self.master_addr}:{self.master_port}")
+        if self.keepalive_s * 2 >= self.collective_timeout_s:
+            raise ValueError("keepalive_s must be under half of collective_timeout_s")
+        if self.connect_timeout_s <= 0:
+            raise ValueError("connect_timeout_s must be positive")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank if self.sharding == "tensor" else 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size if self.sharding == "tensor" else 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        return (self.layer_start, self.layer_end)

@@ -1,0 +1,81 @@
+"""The ranks' process group: messages, tensors, sums, and bounded waits on a lost rank
+(each rank a real process on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from rank_processes import run_ranks
+
+from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.parallel.group import GroupError, RankGroup
+
+
+def config(rank: int, world: int, port: int, **extra) -> ParallelConfig:
+    return ParallelConfig(rank=rank, world_size=world, sharding="tensor", layer_start=0,
+                          layer_end=4, master_addr="127.0.0.1", master_port=port,
+                          connect_timeout_s=extra.pop("connect", 30.0), **extra)
+
+
+def exchange(rank: int, world: int, port: int) -> dict:
+    group = RankGroup.join(config(rank, world, port), torch.device("cpu"))
+    out = {}
+    if rank == 0:
+        for dst in range(1, world):
+            group.send_bytes(f"plan for {dst}".encode(), dst)
+            group.send_bytes(b"", dst)
+            group.send_tensor(torch.arange(6, dtype=torch.bfloat16) * dst, dst)
+    else:
+        out["bytes"] = (group.recv_bytes(0), group.recv_bytes(0))
+        out["tensor"] = group.recv_tensor((6,), torch.bfloat16, 0).tolist()
+    values = torch.full((3,), float(rank + 1))
+    out["sum"] = group.all_reduce_(values).tolist()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_exchange_messages_tensors_and_sums(world):
+    results = run_ranks(exchange, world)
+    total = float(sum(range(1, world + 1)))
+    for rank, out in results.items():
+        assert out["sum"] == [total] * 3, out
+        if rank:
+            assert out["bytes"] == (f"plan for {rank}".encode(), b"")
+            assert out["tensor"] == [float(i * rank) for i in range(6)]
+
+
+def wait_for_a_dead_peer(rank: int, world: int, port: int) -> tuple[str, float]:
+    group = RankGroup.join(config(rank, world, port, collective_timeout_s=3.0, keepalive_s=1.0),
+                           torch.device("cpu"))
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a killed process is
+    started = time.monotonic()
+    try:
+        group.recv_bytes(1)
+    except GroupError as error:
+        return str(error), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_a_lost_rank_turns_a_wait_into_an_error_within_the_bound():
+    message, waited = run_ranks(wait_for_a_dead_peer, 2, expect=[0], timeout_s=60)[0]
+    assert "rank 0: wait for rank 1 failed" in message
+    assert waited < 3.5
+
+
+def join_alone(rank: int, world: int, port: int) -> str:
+    started = time.monotonic()
+    try:
+        RankGroup.join(config(rank, world, port, connect=1.0), torch.device("cpu"))
+    except GroupError as error:
+        return f"{time.monotonic() - started:.1f} {error}"
+    return "joined"
+
+
+def test_joining_without_the_other_ranks_fails_after_the_deadline():
+    result = run_ranks(join_alone, 2, ranks=[0], timeout_s=60)[0]
+    waited, message = result.split(" ", 1)
+    assert "could not join its group" in message and float(waited) < 10
