@@ -1,0 +1,114 @@
+"""What rank 0 tells the other ranks each step, and what the sampling rank answers.
+
+Rank 0 owns the scheduler. Before each forward pass it sends every other rank a StepPlan:
+the chunks to compute (token ids, positions, block tables), the requests the sampling rank
+must start tracking (prompt and sampling parameters) or forget, and the grammar masks of
+constrained rows. While idle it sends keep-alive plans, and a shutdown plan at the end.
+The last pipeline rank samples and answers with a SampledStep.
+
+Both travel as msgpack (never pickle: a rank must not run code a peer sends it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import torch
+
+from shoal.engine.sampler import SampledLogprobs
+from shoal.engine.sampling import SamplingParams
+from shoal.engine.scheduler_output import ScheduledChunk
+
+PlanKind = Literal["step", "keepalive", "shutdown"]
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: PlanKind
+    chunks: tuple[ScheduledChunk, ...] = ()
+    added: tuple[NewRequest, ...] = ()
+    removed: tuple[str, ...] = ()
+    # request id -> bool [vocab] of the tokens its grammar allows next
+    allowed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SampledStep:
+    """One token per sampled chunk, in chunk order, with logprobs where asked for."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampledLogprobs | None, ...]
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    return msgpack.packb({
+        "kind": plan.kind,
+        "chunks": [[c.request_id, list(c.token_ids), c.start_position, list(c.block_ids),
+                    c.needs_sample] for c in plan.chunks],
+        "added": [[r.request_id, list(r.prompt_token_ids), _params_to_wire(r.params)]
+                  for r in plan.added],
+        "removed": list(plan.removed),
+        "allowed": {rid: [int(mask.numel()), np.packbits(mask.cpu().numpy()).tobytes()]
+                    for rid, mask in plan.allowed.items()},
+    }, use_bin_type=True)
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    chunks = tuple(ScheduledChunk(request_id=rid, token_ids=tuple(tokens),
+                                  start_position=start, block_ids=tuple(blocks),
+                                  needs_sample=sample)
+                   for rid, tokens, start, blocks, sample in raw["chunks"])
+    added = tuple(NewRequest(rid, tuple(prompt), _params_from_wire(params))
+                  for rid, prompt, params in raw["added"])
+    allowed = {rid: torch.from_numpy(np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
+                                                   count=size).astype(bool))
+               for rid, (size, bits) in raw["allowed"].items()}
+    return StepPlan(kind=raw["kind"], chunks=chunks, added=added,
+                    removed=tuple(raw["removed"]), allowed=allowed)
+
+
+def encode_sampled(step: SampledStep) -> bytes:
+    logprobs = [None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+                for lp in step.logprobs]
+    return msgpack.packb({"tokens": list(step.token_ids), "logprobs": logprobs},
+                         use_bin_type=True)
+
+
+def decode_sampled(data: bytes) -> SampledStep:
+    raw = msgpack.unpackb(data, raw=False)
+    logprobs = tuple(None if lp is None else
+                     SampledLogprobs(token_id=lp[0], logprob=lp[1],
+                                     top=[(int(t), float(p)) for t, p in lp[2]])
+                     for lp in raw["logprobs"])
+    return SampledStep(token_ids=tuple(raw["tokens"]), logprobs=logprobs)
+
+
+def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    wire = dataclasses.asdict(params)
+    wire["stop"] = list(params.stop)
+    wire["stop_token_ids"] = list(params.stop_token_ids)
+    return wire
+
+
+def _params_from_wire(wire: dict[str, Any]) -> SamplingParams:
+    wire = dict(wire)
+    wire["stop"] = tuple(wire["stop"])
+    wire["stop_token_ids"] = tuple(wire["stop_token_ids"])
+    wire["logit_bias"] = {int(k): float(v) for k, v in wire["logit_bias"].items()}
+    return SamplingParams(**wire)
