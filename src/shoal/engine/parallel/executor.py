@@ -1,0 +1,152 @@
+"""One step's forward pass over the ranks of an instance.
+
+Rank 0 (LeaderExecutor) owns the scheduler: it sends each other rank the step plan, runs its
+own part and returns one token per sampled chunk.
+- tensor: every rank runs every layer on its heads; the layers sum their partial outputs
+  across ranks; rank 0 samples from the logits it computed.
+- pipeline: hidden states [T, hidden] go rank to rank; the last rank computes the logits,
+  samples (SamplingMirror) and sends the tokens back to rank 0.
+The other ranks run Follower.run(): take a plan, do their part, until a shutdown plan, a
+stop request, or a GroupError (rank 0 gone: no plan, not even a keep-alive, in time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.parallel.group import RankGroup
+from shoal.engine.parallel.plan import (
+    NewRequest,
+    StepPlan,
+    decode_plan,
+    decode_sampled,
+    encode_plan,
+    encode_sampled,
+)
+from shoal.engine.parallel.sampling_mirror import SamplingMirror
+from shoal.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from shoal.engine.scheduler_output import SchedulerOutput
+
+log = logging.getLogger("shoal.parallel")
+
+
+class HiddenWire:
+    """Hidden states between pipeline ranks: as computed, or int8 with one scale per token
+    (a quarter of float32's bytes; costs accuracy, so it is opt-in)."""
+
+    def __init__(self, group: RankGroup, hidden_size: int, dtype: torch.dtype,
+                 compress: bool) -> None:
+        self._group = group
+        self._hidden_size = hidden_size
+        self._dtype = dtype
+        self._compress = compress
+
+    def send(self, hidden: torch.Tensor, dst: int) -> None:
+        if not self._compress:
+            self._group.send_tensor(hidden.to(self._dtype), dst)
+            return
+        values = hidden.float()
+        scale = values.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [T, 1]
+        self._group.send_tensor(torch.round(values / scale).to(torch.int8), dst)
+        self._group.send_tensor(scale, dst)
+
+    def recv(self, num_tokens: int, src: int) -> torch.Tensor:
+        shape = (num_tokens, self._hidden_size)
+        if not self._compress:
+            return self._group.recv_tensor(shape, self._dtype, src)
+        values = self._group.recv_tensor(shape, torch.int8, src)
+        scale = self._group.recv_tensor((num_tokens, 1), torch.float32, src)
+        return (values.float() * scale).to(self._dtype)
+
+
+class LeaderExecutor:
+    """Rank 0's side of every step."""
+
+    def __init__(self, runner, sampler: Sampler, group: RankGroup, config: ParallelConfig,
+                 wire: HiddenWire) -> None:
+        self._runner = runner
+        self._sampler = sampler
+        self._group = group
+        self._config = config
+        self._wire = wire
+        self._last_sent = time.monotonic()
+
+    def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
+             added: Sequence[NewRequest], removed: Sequence[str]) -> SamplerOutput:
+        sampled_ids = [c.request_id for c in scheduled.chunks if c.needs_sample]
+        allowed = {rid: row.allowed_tokens for rid, row in zip(sampled_ids, rows)
+                   if row.allowed_tokens is not None}
+        self._send_plan(StepPlan(kind="step", chunks=scheduled.chunks, added=tuple(added),
+                                 removed=tuple(removed), allowed=allowed))
+        if self._config.sharding == "tensor":
+            logits = self._runner.execute(scheduled)  # [S, V]; layers sum across ranks
+            return self._sampler(logits, rows)
+        hidden = self._runner.execute(scheduled)  # [T, hidden] of this rank's layers
+        self._wire.send(hidden, 1)
+        answer = decode_sampled(self._group.recv_bytes(self._config.world_size - 1))
+        return SamplerOutput(token_ids=list(answer.token_ids), logprobs=list(answer.logprobs))
+
+    def idle(self, removed: Sequence[str] = ()) -> None:
+        """While no step runs: a keep-alive (carrying any removals) every keepalive_s."""
+        if removed or time.monotonic() - self._last_sent >= self._config.keepalive_s:
+            self._send_plan(StepPlan(kind="keepalive", removed=tuple(removed)))
+
+    def shutdown(self) -> None:
+        try:
+            self._send_plan(StepPlan(kind="shutdown"))
+        finally:
+            self._group.close()
+
+    def _send_plan(self, plan: StepPlan) -> None:
+        data = encode_plan(plan)
+        for rank in range(1, self._config.world_size):
+            self._group.send_bytes(data, rank)
+        self._last_sent = time.monotonic()
+
+
+class Follower:
+    """A rank other than 0: mirrors rank 0's steps until told to stop."""
+
+    def __init__(self, runner, group: RankGroup, config: ParallelConfig, wire: HiddenWire,
+                 mirror: SamplingMirror | None) -> None:
+        self._runner = runner
+        self._group = group
+        self._config = config
+        self._wire = wire
+        self._mirror = mirror  # the last pipeline rank's sampling state
+        self.steps = 0
+
+    def run(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        """Serve plans; returns on a shutdown plan or a stop request; GroupError when rank 0
+        falls silent (its keep-alives bound the wait) or a peer dies."""
+        try:
+            while not stop_requested():
+                plan = decode_plan(self._group.recv_bytes(0))
+                if plan.kind == "shutdown":
+                    return
+                if self._mirror is not None:
+                    self._mirror.apply(plan)
+                if plan.kind == "step":
+                    self._step(plan)
+        finally:
+            self._group.close()
+
+    def _step(self, plan: StepPlan) -> None:
+        scheduled = SchedulerOutput(chunks=plan.chunks)
+        config = self._config
+        if config.sharding == "tensor":
+            self._runner.execute(scheduled)  # rank 0 samples; these logits go unused
+        else:
+            hidden = self._wire.recv(plan.num_tokens, config.rank - 1)
+            out = self._runner.execute(scheduled, hidden)
+            if config.is_last:
+                step = self._mirror.sample(out, plan)  # type: ignore[union-attr]
+                self._group.send_bytes(encode_sampled(step), 0)
+            else:
+                self._wire.send(out, config.rank + 1)
+        self.steps += 1
