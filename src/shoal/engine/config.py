@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from shoal.engine.parallel.config import ParallelConfig
+
 DType = Literal["auto", "bfloat16", "float32"]
 WeightFormat = Literal["gguf", "safetensors"]
 # What a model does: generate text, or encode text into embedding vectors.
@@ -52,6 +54,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Directory for derived artefacts (e.g. a tokenizer.json built from GGUF metadata).
     cache_dir: Path | None = None
+    # This runner's rank in a multi-rank instance; None for a model served whole.
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
