@@ -108,10 +108,14 @@ class RunnerLimits:
     load_timeout_s: float = 600.0
     # Requests in flight per model beyond which new ones get 429.
     max_in_flight: int = 256
+    # How long the ranks of a multi-rank instance may take to form their process group.
+    group_connect_deadline_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.load_timeout_s <= 0:
             raise ValueError("load timeout must be positive")
+        if self.group_connect_deadline_s <= 0:
+            raise ValueError("SHOAL_GROUP_CONNECT_DEADLINE must be positive")
         if self.max_in_flight < 1:
             raise ValueError("max in-flight requests must be >= 1")
 
@@ -261,7 +265,9 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         load_timeout_s=_as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
         or 600.0,
         max_in_flight=_as_int(env.get("SHOAL_MAX_IN_FLIGHT") or None, "SHOAL_MAX_IN_FLIGHT")
-        or 256)
+        or 256,
+        group_connect_deadline_s=_as_float(env.get("SHOAL_GROUP_CONNECT_DEADLINE") or None,
+                                           "SHOAL_GROUP_CONNECT_DEADLINE") or 120.0)
     keep_alive_value = _pick(keep_alive, env, "SHOAL_KEEP_ALIVE")
     keep_alive_s = 300.0 if keep_alive_value is None else parse_duration(keep_alive_value)
     preload_value = _as_bool(_pick(preload, env, "SHOAL_PRELOAD"), "SHOAL_PRELOAD")

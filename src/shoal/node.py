@@ -108,13 +108,33 @@ async def serve(config: NodeConfig, router: Router | None = None,
         await router.shutdown()
 
 
+def make_rank_runners(config: NodeConfig,
+                      on_progress: Callable[[str, str, float], None] | None = print_progress
+                      ) -> Any:
+    """How this node starts a rank of a multi-rank instance: a runner of its own that joins
+    the instance's group, never restarted alone (its group would not take it back)."""
+    import dataclasses
+
+    from shoal.catalog.resolve import resolve_model
+    from shoal.cluster.ranks import RankRunners
+
+    def make(source: Any, parallel: Any) -> RunnerSupervisor:
+        options = SupervisorOptions(
+            load_timeout_s=config.runner.load_timeout_s + parallel.connect_timeout_s,
+            max_in_flight=config.runner.max_in_flight, max_crashes=1)
+        engine = dataclasses.replace(config.engine_config(source), parallel=parallel)
+        return RunnerSupervisor(engine, options, on_progress)
+
+    return RankRunners(make, resolve_model, config.runner.group_connect_deadline_s)
+
+
 async def _join_cluster(config: NodeConfig, router: Router, addresses: list[str]) -> Any:
     from shoal.cluster.setup import open_cluster
     from shoal.cluster.transport.base import TransportError
 
     try:
         cluster = await open_cluster(config.cluster, config.data_dir, router.pool,
-                                     lambda: tuple(addresses))
+                                     lambda: tuple(addresses), make_rank_runners(config))
     except (TransportError, ValueError, OSError) as error:
         await router.shutdown()
         raise NodeStartError(f"cannot join the cluster: {error}") from error

@@ -18,7 +18,6 @@ from shoal.cluster.worker import (
     AbortTask,
     DispatchTask,
     FailTask,
-    LoadShard,
     LocalRunner,
     LocalView,
     StartRunner,
@@ -53,10 +52,6 @@ def test_single_node_lifecycle_start_load_dispatch():
     state = state_of(InstanceCreated(instance=SOLO), TaskCreated(task=task("t1", SOLO)))
     local = LocalView("a")
     assert plan(state, local) == StartRunner(SOLO, SOLO.ranks[0])
-    local = with_runner(local, SOLO, "starting")
-    assert plan(state, local) is None  # process still coming up
-    local = with_runner(local, SOLO, "idle")
-    assert plan(state, local) == LoadShard(SOLO, SOLO.ranks[0])
     local = with_runner(local, SOLO, "loading")
     assert plan(state, local) is None
     local = with_runner(local, SOLO, "ready")
@@ -117,16 +112,11 @@ def test_a_runner_the_state_reports_failed_is_not_restarted_after_a_worker_resta
     assert plan(state, LocalView("a")) is None
 
 
-def test_pipeline_ranks_load_only_when_every_rank_is_up():
+def test_each_node_starts_its_own_rank_of_a_pipeline():
     state = state_of(InstanceCreated(instance=SPLIT))
-    # Rank 1 on node b starts its runner, then waits for rank 0's process.
-    local_b = LocalView("b")
-    assert plan(state, local_b) == StartRunner(SPLIT, SPLIT.ranks[1])
-    local_b = with_runner(local_b, SPLIT, "idle", rank=1)
-    assert plan(state, local_b) is None
-    state = apply_all(state, indexed([RunnerStatusChanged(status=runner_status(SPLIT, 0, "idle"))],
-                                     start=state.next_event_idx()))
-    assert plan(state, local_b) == LoadShard(SPLIT, SPLIT.ranks[1])
+    assert plan(state, LocalView("b")) == StartRunner(SPLIT, SPLIT.ranks[1])
+    assert plan(state, LocalView("a")) == StartRunner(SPLIT, SPLIT.ranks[0])
+    assert plan(state, with_runner(LocalView("b"), SPLIT, "loading", rank=1)) is None
 
 
 def test_only_rank_zero_serves_and_waits_for_every_rank_ready():

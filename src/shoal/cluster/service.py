@@ -76,7 +76,7 @@ class ServiceConfig:
 class ClusterService:
     def __init__(self, plane: ControlPlane, pool: Pool, usable_memory: Callable[[], int],
                  config: ServiceConfig | None = None, **worker_options: Any) -> None:
-        """worker_options go to the WorkerDriver (tests give it a facts reader)."""
+        """worker_options go to the WorkerDriver (rank runners; tests give a facts reader)."""
         self.plane = plane
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
@@ -139,15 +139,18 @@ class ClusterService:
     # --- serving for the router (RemoteServing) ------------------------------------------------
 
     def remote_instance_for(self, model_id: str) -> str | None:
-        """A live instance of model_id served by another node: ready ones first, then the
-        least busy."""
+        """A live instance of model_id that this node's pool does not serve (one on another
+        node, or a multi-rank one whose rank 0 is here): ready ones first, then the least
+        busy."""
         state = self.state
         peers = self.plane.transport.peers
         candidates = []
         for instance in state.instances_of(model_id):
             server = instance.ranks[0].node_id
             status = state.instance_status(instance.instance_id)
-            if server == self.node_id or server not in peers or status == "failed":
+            here = server == self.node_id
+            if (here and len(instance.ranks) == 1) or (not here and server not in peers) \
+                    or status == "failed":
                 continue
             candidates.append((status != "ready", len(state.tasks_of(instance.instance_id)),
                                instance.instance_id))
@@ -196,8 +199,8 @@ class ClusterService:
             except TimeoutError:
                 now = time.monotonic()
                 accepted = stream.request_id in self._accepted
-                gone_since = None if server in self.plane.transport.peers else (
-                    gone_since or now)
+                present = server == self.node_id or server in self.plane.transport.peers
+                gone_since = None if present else (gone_since or now)
                 failure = self._stalled(now, sent_at, last_chunk_at, accepted, gone_since,
                                         server)
                 if failure is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
 from shoal.cluster.master import MasterConfig
+from shoal.cluster.ranks import RankRunners
 from shoal.cluster.service import ClusterService
 from shoal.cluster.telemetry import NodeReading, read_node
 from shoal.cluster.transport.base import Transport
@@ -68,11 +69,13 @@ async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transpor
 
 
 async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: Pool,
-                       addresses: Callable[[], Sequence[str]]) -> ClusterService:
+                       addresses: Callable[[], Sequence[str]],
+                       ranks: RankRunners | None = None) -> ClusterService:
     """Join (or form) the cluster and start this node's part in it.
 
     addresses: this node's API endpoints (host:port), read at each telemetry reading so the
-    port can be known only once the HTTP server has bound it."""
+    port can be known only once the HTTP server has bound it; ranks: how this node starts
+    ranks of multi-rank instances (None: it refuses them)."""
     node_id = load_node_id(data_dir)
     name = settings.name or socket.gethostname()
 
@@ -86,7 +89,7 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: Pool,
 
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir), read)
-    service = ClusterService(plane, pool, usable_memory)
+    service = ClusterService(plane, pool, usable_memory, ranks=ranks)
     try:
         await service.start()
     except BaseException:

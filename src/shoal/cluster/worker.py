@@ -6,7 +6,9 @@ indexed yet, so the state alone would make it repeat itself). The driver around 
 performs the action, updates `local`, reports events, and calls plan() again.
 
 Order matters: tearing down and aborting free resources and end client streams first, then
-failing what cannot be served, then starting, loading and feeding runners.
+failing what cannot be served, then starting and feeding runners. A rank of a multi-rank
+instance joins its process group before it loads any weight, so the group's rendezvous is
+what makes the ranks load together.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from shoal.protocol import ErrorCode
 # What this node already did with a task; the driver drops entries once the task leaves
 # the state.
 TaskProgress = Literal["dispatched", "aborted", "failed"]
-# Phases in which a rank has a live process that can join a load.
-_UP: tuple[RunnerPhase, ...] = ("idle", "loading", "ready")
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,8 @@ class LocalView:
 
 @dataclass(frozen=True)
 class StartRunner:
-    """Spawn the runner process for this node's rank (it reports idle when up)."""
-
-    instance: Instance
-    rank: Rank
-
-
-@dataclass(frozen=True)
-class LoadShard:
-    """Load the rank's layers; the driver first checks live memory and may refuse instead."""
+    """Start and load the runner of this node's rank; the driver first checks live memory
+    and may refuse instead."""
 
     instance: Instance
     rank: Rank
@@ -85,14 +78,14 @@ class FailTask:
     message: str
 
 
-Action = StartRunner | LoadShard | TearDown | DispatchTask | AbortTask | FailTask
+Action = StartRunner | TearDown | DispatchTask | AbortTask | FailTask
 
 
 def plan(state: ClusterState, local: LocalView) -> Action | None:
     """The one next thing this node should do, or None when it is in step with the state."""
     return (_tear_down(state, local) or _abort_cancelled(state, local)
             or _fail_unservable(state, local) or _start_runner(state, local)
-            or _load_shard(state, local) or _dispatch(state, local))
+            or _dispatch(state, local))
 
 
 def _tear_down(state: ClusterState, local: LocalView) -> TearDown | None:
@@ -145,19 +138,6 @@ def _start_runner(state: ClusterState, local: LocalView) -> StartRunner | None:
         if reported is not None and reported.phase == "failed":
             continue
         return StartRunner(instance, rank)
-    return None
-
-
-def _load_shard(state: ClusterState, local: LocalView) -> LoadShard | None:
-    for runner in local.runners.values():
-        instance = state.instances.get(runner.instance_id)
-        if runner.phase != "idle" or instance is None:
-            continue
-        # Every rank must have a live process before any loads: ranks load together.
-        peers_up = all(_phase(state, local, rank) in _UP for rank in instance.ranks)
-        rank = instance.rank_on(local.node_id)
-        if peers_up and rank is not None:
-            return LoadShard(instance, rank)
     return None
 
 
