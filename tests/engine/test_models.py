@@ -116,16 +116,42 @@ def test_bfloat16_quantized_path_stays_close_to_fp32(tiny_checkpoints):
 
 
 def test_int8_linear_many_rows_match_the_weight_only_kernel():
-    from shoal.engine.models.layers.linear import INT8_MAX_ROWS, Int8Linear
+    from shoal.engine.models.layers.linear import QUANT_MAX_ROWS, Int8Linear
     from shoal.engine.weights.quant import int8_rows
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator)
     q, scale = int8_rows(weight)
     layer = Int8Linear(q, scale.to(torch.bfloat16))
-    x = torch.randn(INT8_MAX_ROWS + 12, 64, generator=generator).to(torch.bfloat16)
+    x = torch.randn(QUANT_MAX_ROWS + 12, 64, generator=generator).to(torch.bfloat16)
     x[:, 3] *= 20  # an outlier channel, as real activations have
     many = layer(x)  # int8 activations path
     one_by_one = torch.cat([layer(row[None]) for row in x])  # weight-only kernel
     assert many.dtype == torch.bfloat16 and many.shape == (x.shape[0], 96)
     torch.testing.assert_close(many.float(), one_by_one.float(), atol=0.05, rtol=0.02)
+
+
+def test_quantized_layer_runs_many_rows_on_its_dense_copy():
+    import numpy as np
+
+    from shoal.engine.models.layers.linear import QUANT_MAX_ROWS, WeightPlan, build_linear
+    from shoal.engine.weights.quant import RawTensor
+
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = 128, 64  # Q4_1 blocks: fp16 d, fp16 m, 16 bytes of nibbles per 32 weights
+    blocks = np.zeros((rows, cols // 32, 20), dtype=np.uint8)
+    header = torch.rand(rows, cols // 32, 2, generator=generator) * torch.tensor([0.05, -0.4])
+    blocks[:, :, :4] = header.to(torch.float16).numpy().view(np.uint8).reshape(rows, -1, 4)
+    blocks[:, :, 4:] = torch.randint(0, 256, (rows, cols // 32, 16), generator=generator,
+                                     dtype=torch.uint8).numpy()
+    raw = RawTensor((rows, cols), "Q4_1", blocks.reshape(rows, -1))
+    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), keep_quantized=True,
+                      dense_for_batches=True)
+    layer = build_linear([raw], None, plan)
+    assert layer.dense is not None
+    x = torch.randn(QUANT_MAX_ROWS + 4, cols, generator=generator).to(torch.bfloat16)
+    many = layer(x)  # the dense copy
+    one_by_one = torch.cat([layer(row[None]) for row in x])  # the 4-bit kernel
+    exact = x.float() @ raw.dequantize().t()
+    torch.testing.assert_close(many.float(), exact, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(one_by_one.float(), exact, atol=0.05, rtol=0.02)

@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
                 total += module.nbytes()
             elif isinstance(module, RMSNorm):
                 total += module.weight.numel() * module.weight.element_size()
-        if self.head is not None and self.embedding is not None and \
-                getattr(self.head, "weight", None) is self.embedding.weight:
+        shared = self.embedding.weight if self.embedding is not None else None
+        if shared is not None and getattr(self.head, "weight", None) is shared:
             total -= self.head.nbytes()  # tied: counted once
         return total

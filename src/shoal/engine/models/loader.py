@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 
@@ -70,7 +72,8 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
                progress: Callable[[float], None] | None = None) -> LoadedModel:
     """Load layers [start, end) of a checkpoint (the whole model by default).
 
-    Q4_0/Q4_1 stay 4-bit and Q8_0 becomes int8 only on CPU with bfloat16 compute;
+    Q4_0/Q4_1 stay 4-bit and Q8_0 becomes int8 only on CPU with bfloat16 compute (plus
+    dense bf16 copies for batches and prefill while memory allows);
     dtype="float32" dequantizes everything (the exact reference mode).
     """
     checkpoint = open_checkpoint(source)
@@ -78,15 +81,36 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     start, end = check_layer_range(layer_range, config.num_layers)
     compute_dtype = resolve_compute_dtype(dtype, device)
     torch_device = torch.device(device)
-    plan = WeightPlan(compute_dtype=compute_dtype, device=torch_device,
-                      keep_quantized=torch_device.type == "cpu" and compute_dtype == torch.bfloat16)
+    keep_quantized = torch_device.type == "cpu" and compute_dtype == torch.bfloat16
     weights = dict(checkpoint.stream((start, end)))
+    plan = WeightPlan(compute_dtype=compute_dtype, device=torch_device,
+                      keep_quantized=keep_quantized,
+                      dense_for_batches=keep_quantized and _dense_copies_fit(weights))
     with torch.inference_mode():
         module = model_class(config.architecture)(config, (start, end), weights, plan, progress)
     module.eval()
     return LoadedModel(module=module, config=config, compute_dtype=compute_dtype,
                        weight_bytes=module.weight_bytes(), layer_range=(start, end),
                        kv_dtype=attention_dtype_for(torch_device, compute_dtype))
+
+
+# Dense bf16 copies of the quantized layers (for batches and prefill) are kept while they take
+# at most this share of the memory available before loading.
+DENSE_COPY_SHARE = 0.1
+
+
+def _dense_copies_fit(weights: dict, available_bytes: int | None = None) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    quantized = sum(math.prod(raw.shape) for raw in weights.values()
+                    if raw.quant not in _DENSE_QUANTS and len(raw.shape) == 2)
+    if available_bytes is None:
+        available_bytes = psutil.virtual_memory().available
+    return 2 * quantized <= DENSE_COPY_SHARE * available_bytes
+
+
+# Tensor types that load dense anyway (no quantized kernel, so no second copy).
+_DENSE_QUANTS = frozenset({"dense", "F32", "F16", "BF16"})
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | str,

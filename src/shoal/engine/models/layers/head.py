@@ -51,9 +51,6 @@ class RescoredHead(nn.Module):
         exact = dots.float() * self.exact.scale_f32[candidates]
         return logits.scatter_(1, candidates, exact)
 
-    def nbytes(self) -> int:
-        return self.exact.nbytes() + self.estimate.nbytes()
-
 
 def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None) -> nn.Module:
     """Output projection [vocab, hidden]; a dense tied head shares the embedding's tensor."""
