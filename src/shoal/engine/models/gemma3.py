@@ -9,10 +9,10 @@ already folded in (GGUF stores them so; the safetensors reader adds it).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import AttentionMetadata
+from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.layers.rotary import RotaryTable
 from shoal.engine.models.llama import (
@@ -25,7 +25,7 @@ from shoal.engine.models.llama import (
 )
 
 
-class Gemma3Block(nn.Module):
+class Gemma3Block(Layer):
     def __init__(self, config: ModelConfig, index: int, weights: Weights, plan: WeightPlan):
         super().__init__()
         prefix = f"layers.{index}."

@@ -17,6 +17,7 @@ from shoal.engine.models.layers.attention import (
     SelfAttention,
     attention_dtype_for,
 )
+from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.embedding import Embedding
 from shoal.engine.models.layers.head import build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
@@ -67,7 +68,7 @@ def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan
     return GatedMLP(gate_up, down, config.hidden_activation)
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(Layer):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
 
     def __init__(self, config: ModelConfig, index: int, weights: Weights, plan: WeightPlan):
@@ -84,7 +85,7 @@ class LlamaBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Layer):
     """Layers [start, end) of a llama-family decoder.
 
     forward(inputs, meta, kv_caches): inputs are token ids [T] on the first stage and hidden

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import apply_rotary, apply_rotary_
 
@@ -72,7 +73,7 @@ def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> tor
     return torch.float32 if device.type == "cpu" else compute_dtype
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(Layer):
     """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection.
 
     The KV cache of a layer is one tensor [2 * H_kv, slots, D]: key heads, then value heads.

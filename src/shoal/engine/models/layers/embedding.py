@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.weights.quant import RawTensor, q8_blocks
 
 
-class Embedding(nn.Module):
+class Embedding(Layer):
     """Row lookup. A Q8_0 table stays int8 with its per-32 block scales when the plan keeps
     weights quantized (rows are dequantized exactly on lookup); otherwise it is dense."""
 

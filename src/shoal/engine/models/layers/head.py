@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.embedding import Embedding
 from shoal.engine.models.layers.linear import (
     DenseLinear,
@@ -30,7 +31,7 @@ RESCORE_CANDIDATES = 64
 RESCORE_MAX_ROWS = 4
 
 
-class RescoredHead(nn.Module):
+class RescoredHead(Layer):
     """logits = int8 head on the top RESCORE_CANDIDATES tokens of a 4-bit estimate."""
 
     def __init__(self, exact: Int8Linear, estimate: Int4Linear) -> None:

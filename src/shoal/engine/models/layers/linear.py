@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.engine.models.layers.base import Layer
 from shoal.engine.weights.quant import RawTensor, can_int4, int4_pack, int8_rows
 
 INT4_GROUP = 32
@@ -40,7 +41,7 @@ class WeightPlan:
 QUANT_MAX_ROWS = 4
 
 
-class DenseLinear(nn.Module):
+class DenseLinear(Layer):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = weight  # [out, in]
@@ -54,7 +55,7 @@ class DenseLinear(nn.Module):
         return _bytes(self.weight, self.bias)
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(Layer):
     """A dense weight [out, in] reordered once into oneDNN's blocked layout (CPU).
 
     F.linear reorders the weight on every call; prepacked it is ~25% faster at 16 rows and
@@ -80,7 +81,7 @@ PACK_BATCH_HINT = 16
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(Layer):
     """y = x @ dequant(W).T with W kept as torch's packed int4 (groups of 32 along in)."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
@@ -108,7 +109,7 @@ _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _int8_mm = torch.ops.aten._weight_int8pack_mm.default
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(Layer):
     """y = (x @ q.T) * scale with q int8 [out, in] and one scale per output row.
 
     torch's weight-only int8 kernel is compute bound past a few rows (49k x 576 head: ~3 ms

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.engine.models.layers.base import Layer
 
-class GatedMLP(nn.Module):
+
+class GatedMLP(Layer):
     def __init__(self, gate_up: nn.Module, down: nn.Module, activation: str) -> None:
         super().__init__()
         if activation not in ("silu", "gelu_tanh"):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from shoal.engine.models.layers.base import Layer
 
 # Inputs of at most this many rows (batch-1 / small-batch decode) take the layer-norm form.
 SMALL_INPUT_ROWS = 8
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = weight  # [D]
