@@ -126,27 +126,32 @@ class ModelRunner:
     def _group(self, row: int, members: tuple[ScheduledChunk, ...]) -> AttentionGroup:
         query_len = len(members[0].token_ids)
         ctx = [c.context_len for c in members]
-        tables = self._block_tables(members)
         single = members[0].block_ids if len(members) == 1 else None
         if single is not None and members[0].start_position == 0 and query_len > 1:
             # A fresh prefill attends only to its own new keys: no gather needed.
             full = AttentionView(gather=None, mask=None, is_causal=True)
         else:
-            full = self._view(tables, _KeyWindow([0] * len(ctx), ctx), query_len, None, single)
+            full = self._view(members, _KeyWindow([0] * len(ctx), ctx), query_len, None)
         sliding = None
         window = self.config.sliding_window
         if window is not None and max(ctx) > window:
             lo = [max(0, c - query_len - window + 1) for c in ctx]
-            sliding = self._view(tables, _KeyWindow(lo, ctx), query_len, window, single)
+            sliding = self._view(members, _KeyWindow(lo, ctx), query_len, window)
         return AttentionGroup(token_start=row, batch=len(members), query_len=query_len,
                               full=full, sliding=sliding)
 
-    def _block_tables(self, members) -> torch.Tensor:
-        # [B, max blocks] block ids; padding uses block 0 (its keys are masked out).
-        needed = [-(-c.context_len // self.block_size) for c in members]
-        width = max(needed)
-        rows = [list(c.block_ids[:n]) + [0] * (width - n) for c, n in zip(members, needed)]
-        return torch.tensor(rows, dtype=torch.long)
+    def _view(self, members: tuple[ScheduledChunk, ...], keys: _KeyWindow, query_len: int,
+              window: int | None) -> AttentionView:
+        """The keys [lo, ctx) of each member: a slice of the cache when a lone request's
+        blocks are consecutive, else a gather; masked unless every key is visible."""
+        span = None
+        if len(members) == 1:
+            span = self._span(members[0].block_ids, keys.lo[0], keys.ctx[0])
+        mask = None
+        if query_len > 1 or not keys.uniform:
+            mask = self._mask(keys, query_len, window)
+        gather = None if span is not None else self._gather(members, keys)
+        return AttentionView(gather=gather, mask=mask, span=span)
 
     def _span(self, block_ids, lo: int, ctx: int) -> tuple[int, int] | None:
         """Slots [first, end) of key positions [lo, ctx) when their blocks are consecutive."""
@@ -157,27 +162,30 @@ class ModelRunner:
         first = blocks[0] * size + lo % size
         return first, first + ctx - lo
 
-    def _view(self, tables: torch.Tensor, keys: _KeyWindow, query_len: int,
-              window: int | None, single_blocks=None) -> AttentionView:
-        """single_blocks: the block ids of a one-request group (which may slice the cache)."""
+    def _gather(self, members, keys: _KeyWindow) -> torch.Tensor:
+        """[B * L] KV slots, row-major [B, L]; padding repeats each row's last real slot."""
         size = self.block_size
+        # [B, max blocks] block ids; padding uses block 0 (its keys are masked out).
+        needed = [-(-c.context_len // size) for c in members]
+        width = max(needed)
+        tables = torch.tensor([list(c.block_ids[:n]) + [0] * (width - n)
+                               for c, n in zip(members, needed)], dtype=torch.long)
+        lo = torch.tensor(keys.lo, dtype=torch.long)[:, None]
+        ctx = torch.tensor(keys.ctx, dtype=torch.long)[:, None]
+        key_pos = torch.minimum(lo + torch.arange(keys.length)[None, :], ctx - 1)  # [B, L]
+        gather = tables.gather(1, key_pos // size) * size + key_pos % size
+        return gather.flatten().to(self.device)
+
+    def _mask(self, keys: _KeyWindow, query_len: int, window: int | None) -> torch.Tensor:
+        """[B, 1, Tq, L] additive mask: 0 where query t of row b sees key l, else -inf."""
         lo = torch.tensor(keys.lo, dtype=torch.long)[:, None]
         ctx = torch.tensor(keys.ctx, dtype=torch.long)[:, None]
         key_pos = lo + torch.arange(keys.length)[None, :]               # [B, L]
-        valid = key_pos < ctx
-        key_pos = torch.minimum(key_pos, ctx - 1)
-        gather = tables.gather(1, key_pos // size) * size + key_pos % size  # [B, L]
-        mask = None
-        if query_len > 1 or not keys.uniform:
-            query_pos = ctx - query_len + torch.arange(query_len)[None, :]  # [B, Tq]
-            allowed = valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
-            if window is not None:
-                allowed &= key_pos[:, None, :] > query_pos[:, :, None] - window
-            # Additive float mask, converted once here instead of inside every layer.
-            mask = torch.zeros(allowed.shape, dtype=self.mask_dtype)
-            mask.masked_fill_(~allowed, float("-inf"))
-            mask = mask.unsqueeze(1).to(self.device)                     # [B, 1, Tq, L]
-        span = None
-        if single_blocks is not None:
-            span = self._span(single_blocks, keys.lo[0], keys.ctx[0])
-        return AttentionView(gather=gather.flatten().to(self.device), mask=mask, span=span)
+        query_pos = ctx - query_len + torch.arange(query_len)[None, :]  # [B, Tq]
+        allowed = (key_pos < ctx)[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        if window is not None:
+            allowed &= key_pos[:, None, :] > query_pos[:, :, None] - window
+        # Additive float mask, converted once here instead of inside every layer.
+        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype)
+        mask.masked_fill_(~allowed, float("-inf"))
+        return mask.unsqueeze(1).to(self.device)
