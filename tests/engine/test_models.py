@@ -59,29 +59,38 @@ def test_chunked_prefill_equals_one_shot(tiny_checkpoints, family):
     torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
 
 
+# Steps of the batched decode tests: which of the three requests decode together.
+STEADY = [(0, 1, 2)] * 10
+CHANGING = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 1, 2), (1, 2), (1, 2), (0, 1, 2), (0, 1, 2)]
+
+
+@pytest.mark.parametrize("stage_tokens, schedule", [(0, STEADY), (64, STEADY), (64, CHANGING)],
+                         ids=["gather", "stage", "stage-batch-changes"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family):
+def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, stage_tokens, schedule):
+    # The stage holds 64 // 3 = 21 tokens per row: the steady run outgrows it (and gathers).
     loaded = load(tiny_checkpoints[family], "gguf")
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:11]]  # different lengths; gemma window is 5
-    tables = [shuffled_blocks(16, seed)[:5] for seed in range(3)]
+    tables = [shuffled_blocks(16, seed)[:8] for seed in range(3)]
     tables = [[b + 16 * i for b in t] for i, t in enumerate(tables)]  # disjoint blocks
 
     def prefill(runner):
         return [step(runner, chunk(str(i), p, 0, tables[i])) for i, p in enumerate(prompts)]
 
     alone = ModelRunner(loaded, 48, BLOCK)
-    batched = ModelRunner(loaded, 48, BLOCK)
+    batched = ModelRunner(loaded, 48, BLOCK, stage_tokens=stage_tokens)
     firsts = prefill(alone)
     prefill(batched)
     tokens = [int(f[0].argmax()) for f in firsts]
     lengths = [len(p) for p in prompts]
-    for _ in range(4):
-        chunks = [chunk(str(i), [tokens[i]], lengths[i], tables[i]) for i in range(3)]
+    for members in schedule:
+        chunks = [chunk(str(i), [tokens[i]], lengths[i], tables[i]) for i in members]
         together = step(batched, *chunks)
         separate = torch.cat([step(alone, c) for c in chunks])
         torch.testing.assert_close(together, separate, atol=1e-5, rtol=1e-5)
-        tokens = [int(row.argmax()) for row in together]
-        lengths = [n + 1 for n in lengths]
+        for i, row in zip(members, together):
+            tokens[i] = int(row.argmax())
+            lengths[i] += 1
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -65,7 +65,7 @@ class Engine:
         self.max_model_len = kv_plan.max_model_len
         self.num_blocks = kv_plan.num_blocks
         self.runner = ModelRunner(self.loaded, kv_plan.num_blocks, config.block_size,
-                                  config.device)
+                                  config.device, kv_plan.stage_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=kv_plan.num_blocks,

@@ -17,10 +17,16 @@ MIN_CONTEXT_TOKENS = 256
 LOAD_OVERHEAD_FACTOR = 1.3
 
 
+# The decode stage (kv/stage.py) takes this share of the KV budget, at most STAGE_MAX_TOKENS.
+STAGE_SHARE = 0.125
+STAGE_MAX_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class KVPlan:
     num_blocks: int
     max_model_len: int
+    stage_tokens: int = 0  # slots of the decode stage, after the paged blocks
 
 
 def check_weights_fit(source: ModelSource, available_bytes: int | None = None) -> None:
@@ -39,7 +45,8 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
     """Blocks for the KV cache and the context they allow.
 
     The budget is --kv-cache-memory when given, else DEFAULT_KV_SHARE of available memory,
-    never more than max_num_seqs full contexts need.
+    never more than max_num_seqs full contexts need. STAGE_SHARE of it (at most
+    STAGE_MAX_TOKENS tokens) is the decode stage; the paged blocks get the rest.
     """
     from shoal.engine.models.loader import kv_bytes_per_token
 
@@ -55,7 +62,8 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
                      else available_bytes)
         budget = min(int(available * DEFAULT_KV_SHARE),
                      config.max_num_seqs * context * per_token)
-    num_blocks = budget // per_block
+    stage_tokens = min(STAGE_MAX_TOKENS, int(budget * STAGE_SHARE) // per_token)
+    num_blocks = (budget - stage_tokens * per_token) // per_block
     tokens = num_blocks * config.block_size
     if tokens < min(MIN_CONTEXT_TOKENS, context):
         raise ModelDoesNotFit(
@@ -63,4 +71,5 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
             f"model {config.source.model_id!r} ({per_token} bytes per token); at least "
             f"{min(MIN_CONTEXT_TOKENS, context)} are needed. "
             "Raise --kv-cache-memory or free memory.")
-    return KVPlan(num_blocks=int(num_blocks), max_model_len=int(min(context, tokens)))
+    return KVPlan(num_blocks=int(num_blocks), max_model_len=int(min(context, tokens)),
+                  stage_tokens=stage_tokens)

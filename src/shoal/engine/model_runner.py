@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.engine.kv.stage import DecodeStage
 from shoal.engine.kv.tensors import allocate_kv_cache
 from shoal.engine.models.layers.attention import (
     AttentionGroup,
     AttentionMetadata,
     AttentionView,
+    StageWrite,
     attention_dtype_for,
 )
 from shoal.engine.models.loader import LoadedModel
@@ -42,7 +44,8 @@ class ModelRunner:
     """Owns the paged KV cache of one model stage and runs its forward pass."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", stage_tokens: int = 0) -> None:
+        """stage_tokens: slots for the decode stage (kv/stage.py); 0 gathers every step."""
         self.loaded = loaded
         self.model = loaded.module
         self.config = loaded.config
@@ -51,7 +54,8 @@ class ModelRunner:
         self.device = torch.device(device)
         start, end = loaded.layer_range
         self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
-                                           loaded.cache_dtype, self.device)
+                                           loaded.cache_dtype, self.device, stage_tokens)
+        self.stage = DecodeStage(num_blocks * block_size, stage_tokens) if stage_tokens else None
         self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
 
     @torch.inference_mode()
@@ -84,6 +88,8 @@ class ModelRunner:
             if chunk.needs_sample:
                 logits_rows.append(len(token_ids) - 1)
         groups = self._groups(chunks)
+        if self.stage is not None and not any(g.stage_write for g in groups):
+            self.stage.reset()
         device = self.device
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         meta = AttentionMetadata(
@@ -126,6 +132,10 @@ class ModelRunner:
     def _group(self, row: int, members: tuple[ScheduledChunk, ...]) -> AttentionGroup:
         query_len = len(members[0].token_ids)
         ctx = [c.context_len for c in members]
+        if query_len == 1 and self.stage is not None:
+            staged = self._staged_group(row, members, ctx)
+            if staged is not None:
+                return staged
         single = members[0].block_ids if len(members) == 1 else None
         if single is not None and members[0].start_position == 0 and query_len > 1:
             # A fresh prefill attends only to its own new keys: no gather needed.
@@ -139,6 +149,35 @@ class ModelRunner:
             sliding = self._view(members, _KeyWindow(lo, ctx), query_len, window)
         return AttentionGroup(token_start=row, batch=len(members), query_len=query_len,
                               full=full, sliding=sliding)
+
+    def _staged_group(self, row: int, members: tuple[ScheduledChunk, ...],
+                      ctx: list[int]) -> AttentionGroup | None:
+        """A decode group read from the stage, where it would otherwise gather; None if a
+        lone request can slice the cache or the batch does not fit the stage."""
+        if len(members) == 1 and self._span(members[0].block_ids, 0, ctx[0]) is not None:
+            return None
+        placement = self.stage.place(tuple(c.request_id for c in members), tuple(ctx))
+        if placement is None:
+            return None
+        first, row_len = placement.first, placement.row_len
+        keys = _KeyWindow([0] * len(ctx), ctx)
+        if placement.rebuild:
+            write = StageWrite(first, rebuild=self._gather(members, keys, row_len))
+        else:
+            slots = [first + b * row_len + c - 1 for b, c in enumerate(ctx)]
+            write = StageWrite(first, append=torch.tensor(slots, device=self.device))
+        mask = None if keys.uniform else self._mask(keys, 1, None)
+        full = AttentionView(gather=None, mask=mask, staged=(first, row_len, 0, max(ctx)))
+        sliding = None
+        window = self.config.sliding_window
+        if window is not None and max(ctx) > window:
+            # Sliding layers read only the rows' last `window` positions (and mask the rest).
+            lo = max(0, min(ctx) - window)
+            window_keys = _KeyWindow([lo] * len(ctx), ctx)
+            sliding = AttentionView(gather=None, mask=self._mask(window_keys, 1, window),
+                                    staged=(first, row_len, lo, max(ctx)))
+        return AttentionGroup(token_start=row, batch=len(members), query_len=1, full=full,
+                              sliding=sliding, stage_write=write)
 
     def _view(self, members: tuple[ScheduledChunk, ...], keys: _KeyWindow, query_len: int,
               window: int | None) -> AttentionView:
@@ -162,8 +201,9 @@ class ModelRunner:
         first = blocks[0] * size + lo % size
         return first, first + ctx - lo
 
-    def _gather(self, members, keys: _KeyWindow) -> torch.Tensor:
-        """[B * L] KV slots, row-major [B, L]; padding repeats each row's last real slot."""
+    def _gather(self, members, keys: _KeyWindow, length: int | None = None) -> torch.Tensor:
+        """[B * L] KV slots, row-major [B, L] (L = length, by default the longest window);
+        padding repeats each row's last real slot."""
         size = self.block_size
         # [B, max blocks] block ids; padding uses block 0 (its keys are masked out).
         needed = [-(-c.context_len // size) for c in members]
@@ -172,7 +212,8 @@ class ModelRunner:
                                for c, n in zip(members, needed)], dtype=torch.long)
         lo = torch.tensor(keys.lo, dtype=torch.long)[:, None]
         ctx = torch.tensor(keys.ctx, dtype=torch.long)[:, None]
-        key_pos = torch.minimum(lo + torch.arange(keys.length)[None, :], ctx - 1)  # [B, L]
+        positions = torch.arange(keys.length if length is None else length)
+        key_pos = torch.minimum(lo + positions[None, :], ctx - 1)  # [B, L]
         gather = tables.gather(1, key_pos // size) * size + key_pos % size
         return gather.flatten().to(self.device)
 

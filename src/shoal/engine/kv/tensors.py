@@ -16,11 +16,16 @@ from shoal.engine.models.config import ModelConfig
 
 def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu",
-                      ) -> list[torch.Tensor]:
-    """One [2 * H_kv, slots, D] tensor per local layer; slot = block_id * block_size + offset."""
+                      stage_slots: int = 0) -> list[torch.Tensor]:
+    """One [2 * H_kv, slots, D] tensor per local layer; slot = block_id * block_size + offset.
+
+    stage_slots more slots follow the paged blocks: the decode stage (kv/stage.py).
+    """
     if num_blocks < 1 or block_size < 1:
         raise ValueError("num_blocks and block_size must be >= 1")
-    shape = (2 * config.num_kv_heads, num_blocks * block_size, config.head_dim)
+    if stage_slots < 0:
+        raise ValueError("stage_slots must be >= 0")
+    shape = (2 * config.num_kv_heads, num_blocks * block_size + stage_slots, config.head_dim)
     return [_lazy_cache(shape, dtype, device) for _ in range(num_layers)]
 
 

@@ -36,6 +36,22 @@ class AttentionView:
     mask: torch.Tensor | None
     is_causal: bool = False
     span: tuple[int, int] | None = None
+    # (first, row_len, lo, end): a decode group read from the stage (kv/stage.py), row b's
+    # keys at positions [lo, end) being slots first + b * row_len + [lo, end).
+    staged: tuple[int, int, int, int] | None = None
+
+
+@dataclass
+class StageWrite:
+    """What a decode group writes into its stage rows before attending (each layer).
+
+    append: [B] the stage slot of each member's new token. Otherwise rebuild: [B * row_len]
+    cache slots copied, row-major, into stage slots first, first + 1, ...
+    """
+
+    first: int
+    append: torch.Tensor | None = None
+    rebuild: torch.Tensor | None = None
 
 
 @dataclass
@@ -47,6 +63,7 @@ class AttentionGroup:
     query_len: int
     full: AttentionView
     sliding: AttentionView | None = None
+    stage_write: StageWrite | None = None
 
     @property
     def token_end(self) -> int:
@@ -121,9 +138,15 @@ class SelfAttention(Layer):
         rows = slice(group.token_start, group.token_end)
         # q: [B, H, Tq, D]
         q = q[rows].view(batch, query_len, heads, dim).transpose(1, 2)
-        # kv: [B, 2 H_kv, L, D]: a slice of the cache, a gather from it, or the group's own
-        # new k/v (the cache is [2 H_kv, slots, D], new_kv [T, 2 H_kv, D])
-        if view.span is not None:
+        # kv: [B, 2 H_kv, L, D]: stage rows, a slice of the cache, a gather from it, or the
+        # group's own new k/v (the cache is [2 H_kv, slots, D], new_kv [T, 2 H_kv, D])
+        if group.stage_write is not None:
+            _write_stage(kv_cache, group.stage_write, new_kv[rows])
+        if view.staged is not None:
+            first, row_len, lo, end = view.staged
+            rows_kv = kv_cache[:, first:first + batch * row_len]
+            kv = rows_kv.view(2 * kv_heads, batch, row_len, dim)[:, :, lo:end].transpose(0, 1)
+        elif view.span is not None:
             kv = kv_cache[:, view.span[0]:view.span[1]].unsqueeze(0)
         elif view.gather is not None:
             kv = kv_cache.index_select(1, view.gather).view(2 * kv_heads, batch, -1, dim)
@@ -135,3 +158,12 @@ class SelfAttention(Layer):
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
         # out: [B, H, Tq, D] -> [B * Tq, H * D]
         return out.transpose(1, 2).reshape(batch * query_len, heads * dim)
+
+
+def _write_stage(kv_cache: torch.Tensor, write: StageWrite, new_kv: torch.Tensor) -> None:
+    """new_kv: [B, 2 H_kv, D], the group's new keys and values (already in paged slots)."""
+    if write.append is not None:
+        kv_cache.index_copy_(1, write.append, new_kv.transpose(0, 1))
+        return
+    rows = kv_cache.index_select(1, write.rebuild)  # [2 H_kv, B * row_len, D]
+    kv_cache[:, write.first:write.first + rows.shape[1]].copy_(rows)
