@@ -14,6 +14,7 @@ from shoal.cluster.placement import (
     PlacementError,
     PlacementPolicy,
     kv_heads_per_rank,
+    tensor_share,
     load_refusal,
     place,
     place_exact,
@@ -54,8 +55,11 @@ def test_shard_bytes_follows_the_memory_model():
 def test_kv_heads_split_or_replicate():
     assert kv_heads_per_rank(8, 4) == 2
     assert kv_heads_per_rank(2, 4) == 1  # each KV head replicated on two ranks
+    assert kv_heads_per_rank(3, 2) == 2  # uneven: the busier rank holds two groups
     with pytest.raises(ValueError):
-        kv_heads_per_rank(4, 3)
+        kv_heads_per_rank(3, 4)
+    smollm2 = facts(n_heads=9, n_kv_heads=3, intermediate_size=1536)
+    assert tensor_share(smollm2, 2) == pytest.approx(2 / 3)
 
 
 def test_single_node_when_it_fits_prefers_most_memory():
@@ -141,16 +145,17 @@ def test_tensor_replicates_kv_heads_when_width_is_a_multiple():
     assert isinstance(result, Placement) and result.width == 4
 
 
-def test_tensor_refuses_kv_heads_that_neither_split_nor_replicate():
-    model = facts(n_heads=12, n_kv_heads=4, intermediate_size=3072)
+def test_tensor_splits_kv_groups_unevenly_when_they_do_not_divide():
+    model = facts(n_heads=12, n_kv_heads=4, intermediate_size=3072 + 1)
     result = place_exact(request(model=model), nodes(a=64, b=64, c=64), "tensor", 3, POLICY)
-    assert isinstance(result, PlacementError) and "KV heads" in result.reason
+    assert isinstance(result, Placement) and result.width == 3
 
 
-def test_tensor_refuses_an_mlp_width_that_does_not_divide():
-    model = facts(n_heads=16, n_kv_heads=8, intermediate_size=1000 * 3 + 1)
-    result = place_exact(request(model=model), nodes(a=64, b=64), "tensor", 2, POLICY)
-    assert isinstance(result, PlacementError) and "MLP width" in result.reason
+def test_tensor_refuses_kv_heads_that_neither_split_nor_replicate():
+    model = facts(n_heads=9, n_kv_heads=3, intermediate_size=3072)
+    result = place_exact(request(model=model), nodes(a=64, b=64, c=64, d=64), "tensor", 4,
+                         POLICY)
+    assert isinstance(result, PlacementError) and "KV groups" in result.reason
 
 
 def test_excluded_nodes_are_never_used():
@@ -204,7 +209,7 @@ def test_refuse_and_replace_loop_ends_within_cluster_size():
 
 
 def test_previews_list_every_option_with_fit_or_reason():
-    options = previews(request(), nodes(a=12, b=4, c=4), POLICY)
+    options = previews(request(model=facts(n_kv_heads=2)), nodes(a=12, b=4, c=4), POLICY)
     table = {(p.sharding, p.width): p for p in options}
     assert set(table) == {("single", 1), ("pipeline", 2), ("pipeline", 3),
                           ("tensor", 2), ("tensor", 3)}

@@ -22,6 +22,7 @@ PER_TOKEN = 2 * 30 * 3 * 64 * 2
 @dataclass
 class Loaded:
     cache_dtype: torch.dtype = torch.bfloat16
+    layer_range: tuple[int, int] = (0, 30)
 
 
 @pytest.fixture()
@@ -29,6 +30,13 @@ def source(tmp_path) -> ModelSource:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"\0" * 1000)
     return ModelSource(model_id="tiny", format="gguf", path=path)
+
+
+def test_a_pipeline_rank_budgets_for_its_own_layers(source):
+    config = EngineConfig(source=source, kv_cache_bytes=PER_TOKEN * 1024)
+    whole = plan_kv_cache(config, CONFIG, Loaded())
+    third = plan_kv_cache(config, CONFIG, Loaded(layer_range=(20, 30)))
+    assert third.num_blocks == 3 * whole.num_blocks
 
 
 def test_explicit_budget_sets_block_count_and_context(source):

@@ -41,14 +41,25 @@ def test_cuts_inside_a_block_fall_back_to_dense_and_rows_are_exact():
 
 
 def test_head_shards_split_or_replicate_kv_heads():
-    # SmolLM2: 9 heads, 3 KV heads over 3 ranks: one KV head each.
+    # SmolLM2: 9 heads in 3 KV groups; over 3 ranks one group each, over 2 ranks 2 and 1.
     shards = [head_shard(9, 3, TensorShard(r, 3)) for r in range(3)]
     assert [(s.q_start, s.q_end, s.kv_start, s.kv_end) for s in shards] == [
         (0, 3, 0, 1), (3, 6, 1, 2), (6, 9, 2, 3)]
+    halves = [head_shard(9, 3, TensorShard(r, 2)) for r in range(2)]
+    assert [(s.q_start, s.q_end, s.kv_start, s.kv_end) for s in halves] == [
+        (0, 6, 0, 2), (6, 9, 2, 3)]
     # Gemma 3 270M: 4 heads, 1 KV head over 2 ranks: the KV head is replicated.
     gemma = [head_shard(4, 1, TensorShard(r, 2)) for r in range(2)]
-    assert [(s.num_heads, s.kv_start, s.kv_end) for s in gemma] == [(2, 0, 1), (2, 0, 1)]
+    assert [(s.q_start, s.q_end, s.kv_start, s.kv_end) for s in gemma] == [
+        (0, 2, 0, 1), (2, 4, 0, 1)]
     # 8 heads, 2 KV heads over 4 ranks: two ranks share each KV head.
     assert [head_shard(8, 2, TensorShard(r, 4)).kv_start for r in range(4)] == [0, 0, 1, 1]
-    with pytest.raises(ValueError, match="do"):
-        head_shard(9, 3, TensorShard(0, 2))
+    with pytest.raises(ValueError, match="cannot be split"):
+        head_shard(6, 2, TensorShard(0, 4))  # groups of 3 q heads over 2 ranks each
+
+
+def test_near_equal_splits():
+    assert [TensorShard(r, 2).split(1536, "w") for r in range(2)] == [(0, 768), (768, 1536)]
+    assert [TensorShard(r, 3).split(10, "w") for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="fewer"):
+        TensorShard(0, 4).split(3, "w")

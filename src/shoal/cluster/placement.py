@@ -7,8 +7,9 @@ for the runner process. It must fit the node's usable memory.
 
   single    one node holds everything; the node with the most usable memory wins.
   pipeline  w nodes, layers split in proportion to usable memory (each at least one layer).
-  tensor    w nodes, every layer split evenly: n_heads (and the MLP width) must divide by w;
-            KV heads divide by w or are replicated when w is a multiple of them.
+  tensor    w nodes, every layer split across them: whole KV-head groups as evenly as they
+            go (uneven when the group count does not divide), or, with fewer KV heads than
+            nodes, a replicated KV head whose q heads split equally; MLP columns near-equally.
   auto      single if it fits, else the narrowest pipeline that fits.
 Explicit pipeline / tensor try widths from min_nodes up; a width of 1 is reported as single.
 Wider attempts use the w nodes with the most usable memory.
@@ -242,33 +243,47 @@ def load_refusal(instance: Instance, node_id: NodeId, usable_bytes: int,
 
 def shard_bytes(facts: ModelFacts, layers: int, tp_size: int = 1,
                 policy: PlacementPolicy = DEFAULT_POLICY) -> int:
-    """Memory one rank needs for `layers` layers, holding 1/tp_size of each."""
-    weights = math.ceil(facts.weight_bytes * layers / facts.n_layers / tp_size
-                        * policy.overhead_factor)
+    """Memory one rank needs for `layers` layers, holding its tensor share of each (the
+    busiest rank's, when the split is uneven)."""
+    weights = math.ceil(facts.weight_bytes * layers / facts.n_layers
+                        * tensor_share(facts, tp_size) * policy.overhead_factor)
     kv_heads = kv_heads_per_rank(facts.n_kv_heads, tp_size)
     kv = (facts.kv_bytes_per_token_per_layer(policy.kv_element_bytes, kv_heads)
           * layers * policy.kv_reservation_tokens)
     return weights + kv + policy.floor_bytes
 
 
+def tensor_share(facts: ModelFacts, tp_size: int) -> float:
+    """The largest fraction of a layer's weights one of tp_size tensor ranks holds."""
+    if tp_size == 1:
+        return 1.0
+    groups = facts.n_kv_heads
+    heads = (-(-groups // tp_size) / groups if groups >= tp_size else 1 / tp_size)
+    width = facts.intermediate_size
+    mlp = -(-width // tp_size) / width if width else 1 / tp_size
+    return max(heads, mlp)
+
+
 def kv_heads_per_rank(n_kv_heads: int, tp_size: int) -> int:
-    """KV heads each tensor rank holds: a share, or one replicated head when tp > n_kv."""
-    if n_kv_heads % tp_size == 0:
-        return n_kv_heads // tp_size
+    """KV heads the busiest tensor rank holds: its share of the groups, or one replicated
+    head when there are fewer KV heads than ranks."""
+    if n_kv_heads >= tp_size:
+        return -(-n_kv_heads // tp_size)
     if tp_size % n_kv_heads == 0:
         return 1
     raise ValueError(f"{n_kv_heads} KV heads cannot be split or replicated over {tp_size}")
 
 
 def tensor_split_problem(facts: ModelFacts, width: int) -> str | None:
-    """Why the model cannot be split evenly over `width` tensor ranks, or None if it can."""
-    if facts.n_heads % width:
-        return f"{facts.n_heads} attention heads do not divide by {width} nodes"
-    if facts.n_kv_heads % width and width % facts.n_kv_heads:
-        return (f"{facts.n_kv_heads} KV heads neither divide by {width} nodes nor "
-                f"replicate evenly over them")
-    if facts.intermediate_size is not None and facts.intermediate_size % width:
-        return f"MLP width {facts.intermediate_size} does not divide by {width} nodes"
+    """Why the model cannot be split over `width` tensor ranks, or None if it can."""
+    group = facts.n_heads // facts.n_kv_heads
+    if facts.n_kv_heads < width:
+        sharing = width // facts.n_kv_heads
+        if width % facts.n_kv_heads or group % sharing:
+            return (f"{facts.n_heads} attention heads in {facts.n_kv_heads} KV groups cannot "
+                    f"be split over {width} nodes")
+    if facts.intermediate_size is not None and facts.intermediate_size < width:
+        return f"MLP width {facts.intermediate_size} is narrower than {width} nodes"
     return None
 
 

@@ -21,6 +21,9 @@ from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
 from shoal.engine.outputs import FinishReason, RequestOutput, TokenLogprob, TopLogprob
+from shoal.engine.parallel.executor import Executor, LeaderExecutor, LocalExecutor
+from shoal.engine.parallel.plan import NewRequest
+from shoal.engine.parallel.setup import set_up_rank
 from shoal.engine.request import Request
 from shoal.engine.sampler import Sampler, SamplingRow
 from shoal.engine.sampling import InvalidParameter, SamplingParams
@@ -53,22 +56,34 @@ class Engine:
         report = progress or (lambda _stage, _fraction: None)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        check_weights_fit(config.source)
+        if config.parallel is None:  # a rank's share was checked when it was placed
+            check_weights_fit(config.source)
         report("tokenizer", 0.0)
         self.tokenizer = Tokenizer.load(config.source, cache_dir=config.cache_dir)
-        self.loaded = load_model(config.source, config.dtype, device=config.device,
-                                 progress=lambda f: report("weights", f))
+        self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
+        if config.parallel is None:
+            self.loaded = load_model(config.source, config.dtype, device=config.device,
+                                     progress=lambda f: report("weights", f))
+            kv_plan = plan_kv_cache(config, self.loaded.config, self.loaded)
+            num_blocks, self.max_model_len = kv_plan.num_blocks, kv_plan.max_model_len
+            self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,
+                                      kv_plan.stage_tokens)
+            self.executor: Executor = LocalExecutor(self.runner, self.sampler)
+        else:
+            setup = set_up_rank(config, report, tuple(self.tokenizer.eos_token_ids))
+            self.loaded = setup.loaded
+            num_blocks, self.max_model_len = setup.num_blocks, setup.max_model_len
+            self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,
+                                      setup.stage_tokens)
+            self.executor = LeaderExecutor(self.runner, self.sampler, setup.group,
+                                           config.parallel, setup.hidden_wire())
         model_config = self.loaded.config
         self.model_id = config.source.model_id
         self.vocab_size = model_config.vocab_size
-        kv_plan = plan_kv_cache(config, model_config, self.loaded)
-        self.max_model_len = kv_plan.max_model_len
-        self.num_blocks = kv_plan.num_blocks
-        self.runner = ModelRunner(self.loaded, kv_plan.num_blocks, config.block_size,
-                                  config.device, kv_plan.stage_tokens)
+        self.num_blocks = num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
-                num_blocks=kv_plan.num_blocks,
+                num_blocks=num_blocks,
                 block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
@@ -77,15 +92,18 @@ class Engine:
             ),
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._states: dict[str, _OutputState] = {}
         self._aborted: list[str] = []
+        # Requests the sampling rank of a pipeline must start or stop tracking.
+        self._mirrors = config.parallel is not None and config.parallel.sharding == "pipeline"
+        self._added: list[NewRequest] = []
+        self._removed: list[str] = []
         report("ready", 1.0)
         log.info("engine ready: %s, %d KV blocks of %d, context %d, compute %s",
-                 self.model_id, kv_plan.num_blocks, config.block_size, self.max_model_len,
+                 self.model_id, num_blocks, config.block_size, self.max_model_len,
                  self.loaded.compute_dtype)
 
     # ---- requests -------------------------------------------------------------------------
@@ -110,6 +128,8 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params)
         self.scheduler.add(request)
+        if self._mirrors:
+            self._added.append(NewRequest(request_id, tuple(prompt_token_ids), params))
         self._requests[request_id] = request
         self._states[request_id] = _OutputState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
@@ -132,11 +152,14 @@ class Engine:
         outputs = [self._finish_output(rid, "abort") for rid in self._drain_aborted()]
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self.idle()
             return outputs
-        logits = self.runner.execute(scheduled)  # [num_sampled, vocab] float32
         sampled_chunks = [c for c in scheduled.chunks if c.needs_sample]
-        rows = self._sampling_rows([c.request_id for c in sampled_chunks], logits.device)
-        result = self.sampler(logits, rows)
+        rows = self._sampling_rows([c.request_id for c in sampled_chunks],
+                                   torch.device(self.config.device))
+        added, self._added = self._added, []
+        removed, self._removed = self._removed, []
+        result = self.executor.step(scheduled, rows, added, removed)
         sampled = {c.request_id: tok for c, tok in zip(sampled_chunks, result.token_ids)}
         self._advance_constraints(sampled)
         for chunk, lp in zip(sampled_chunks, result.logprobs):
@@ -148,6 +171,17 @@ class Engine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def idle(self) -> None:
+        """Call while nothing is scheduled: a parallel instance keeps its ranks' waits alive
+        (and tells the sampling rank which requests are gone)."""
+        if self.config.parallel is not None:
+            removed, self._removed = self._removed, []
+            self.executor.idle(removed)
+
+    def close(self) -> None:
+        """Release the engine's group: the other ranks of a parallel instance stop."""
+        self.executor.shutdown()
 
     def stats(self) -> dict:
         return {
@@ -232,6 +266,8 @@ class Engine:
                        token_ids: tuple[int, ...] = ()) -> RequestOutput:
         request = self._requests.pop(request_id)
         state = self._states.pop(request_id)
+        if self._mirrors:
+            self._removed.append(request_id)
         return RequestOutput(request_id=request_id, text=text, token_ids=token_ids,
                              finished=True, finish_reason=reason,
                              logprobs=tuple(state.pending_logprobs),

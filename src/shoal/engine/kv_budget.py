@@ -50,7 +50,10 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
     """
     from shoal.engine.models.loader import kv_bytes_per_token
 
-    per_token = kv_bytes_per_token(model_config, loaded.cache_dtype)
+    start, end = loaded.layer_range
+    # A pipeline rank caches only its own layers (a tensor rank's config has its KV heads).
+    per_token = kv_bytes_per_token(model_config, loaded.cache_dtype,
+                                   num_layers=(end - start) or None)
     per_block = per_token * config.block_size
     context = model_config.max_position
     if config.max_model_len is not None:

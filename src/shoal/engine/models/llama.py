@@ -24,6 +24,7 @@ from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import RotaryTable
+from shoal.engine.parallel.tensor import RowParallel, shard_attention, shard_mlp
 from shoal.engine.weights.quant import RawTensor
 
 Weights = dict[str, RawTensor]
@@ -41,6 +42,11 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
     prefix = f"layers.{index}."
     parts = [weights[prefix + p + ".weight"] for p in "qkv"]
     biases = [weights[prefix + p + ".bias"] for p in "qkv"] if config.qkv_bias else None
+    o_raw = weights[prefix + "o.weight"]
+    num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
+    if plan.shard is not None:  # this rank's heads only; o sums over the ranks
+        parts, biases, o_raw, heads = shard_attention(config, plan.shard, parts, biases, o_raw)
+        num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
     q_norm = k_norm = None
     if config.qk_norm:  # applied to q / k in the attention dtype
         dtype = attention_dtype_for(plan.device, plan.compute_dtype)
@@ -48,11 +54,19 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan, dtype)
     return SelfAttention(
         qkv=build_linear(parts, biases, plan),
-        o=build_linear([weights[prefix + "o.weight"]], None, plan),
-        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        o=_row_parallel(build_linear([o_raw], None, plan), plan),
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=config.head_dim, scale=config.scale,
         sliding=config.layer_type(index) == "sliding", q_norm=q_norm, k_norm=k_norm,
         attention_dtype=_attention_cast(plan))
+
+
+def _row_parallel(layer: nn.Module, plan: WeightPlan) -> nn.Module:
+    if plan.shard is None:
+        return layer
+    if plan.reduce is None:
+        raise ValueError("a tensor-parallel plan needs its ranks' all-reduce")
+    return RowParallel(layer, plan.reduce)
 
 
 def _attention_cast(plan: WeightPlan) -> torch.dtype | None:
@@ -62,10 +76,12 @@ def _attention_cast(plan: WeightPlan) -> torch.dtype | None:
 
 def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan) -> GatedMLP:
     prefix = f"layers.{index}."
-    gate_up = build_linear([weights[prefix + "gate.weight"], weights[prefix + "up.weight"]],
-                           None, plan)
-    down = build_linear([weights[prefix + "down.weight"]], None, plan)
-    return GatedMLP(gate_up, down, config.hidden_activation)
+    gate, up, down = (weights[prefix + p + ".weight"] for p in ("gate", "up", "down"))
+    if plan.shard is not None:  # this rank's MLP columns only; down sums over the ranks
+        gate, up, down = shard_mlp(config, plan.shard, gate, up, down)
+    gate_up = build_linear([gate, up], None, plan)
+    down_layer = _row_parallel(build_linear([down], None, plan), plan)
+    return GatedMLP(gate_up, down_layer, config.hidden_activation)
 
 
 class LlamaBlock(Layer):

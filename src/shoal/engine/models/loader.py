@@ -16,6 +16,8 @@ from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import attention_dtype_for
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.registry import model_class
+from shoal.engine.parallel.shard import TensorShard
+from shoal.engine.parallel.tensor import rank_config
 from shoal.engine.weights.names import check_layer_range
 
 
@@ -69,12 +71,16 @@ def _cpu_has_bf16() -> bool:
 
 def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
                layer_range: tuple[int, int] | None = None,
-               progress: Callable[[float], None] | None = None) -> LoadedModel:
-    """Load layers [start, end) of a checkpoint (the whole model by default).
+               progress: Callable[[float], None] | None = None,
+               shard: TensorShard | None = None,
+               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LoadedModel:
+    """Load layers [start, end) of a checkpoint (the whole model by default); with a tensor
+    shard, only that rank's slice of each layer, summed over the ranks with reduce.
 
     Q4_0/Q4_1 stay 4-bit and Q8_0 becomes int8 only on CPU with bfloat16 compute (plus
     dense bf16 copies for batches and prefill while memory allows);
     dtype="float32" dequantizes everything (the exact reference mode).
+    The returned config is the model as this rank holds it (its heads, its MLP width).
     """
     checkpoint = open_checkpoint(source)
     config = checkpoint.config
@@ -85,11 +91,14 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     weights = dict(checkpoint.stream((start, end)))
     plan = WeightPlan(compute_dtype=compute_dtype, device=torch_device,
                       keep_quantized=keep_quantized,
-                      dense_for_batches=keep_quantized and _dense_copies_fit(weights))
+                      dense_for_batches=keep_quantized and _dense_copies_fit(weights),
+                      shard=shard if shard is not None and shard.size > 1 else None,
+                      reduce=reduce)
     with torch.inference_mode():
         module = model_class(config.architecture)(config, (start, end), weights, plan, progress)
     module.eval()
-    return LoadedModel(module=module, config=config, compute_dtype=compute_dtype,
+    held = rank_config(config, plan.shard) if plan.shard is not None else config
+    return LoadedModel(module=module, config=held, compute_dtype=compute_dtype,
                        weight_bytes=module.weight_bytes(), layer_range=(start, end),
                        kv_dtype=attention_dtype_for(torch_device, compute_dtype))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -62,6 +63,36 @@ class HiddenWire:
         values = self._group.recv_tensor(shape, torch.int8, src)
         scale = self._group.recv_tensor((num_tokens, 1), torch.float32, src)
         return (values.float() * scale).to(self._dtype)
+
+
+class Executor(Protocol):
+    """How the engine runs one step's forward pass and sampling."""
+
+    def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
+             added: Sequence[NewRequest], removed: Sequence[str]) -> SamplerOutput: ...
+
+    def idle(self, removed: Sequence[str] = ()) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """A model served whole by this process."""
+
+    def __init__(self, runner, sampler: Sampler) -> None:
+        self._runner = runner
+        self._sampler = sampler
+
+    def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
+             added: Sequence[NewRequest] = (), removed: Sequence[str] = ()) -> SamplerOutput:
+        logits = self._runner.execute(scheduled)  # [num_sampled, vocab] float32
+        return self._sampler(logits, rows)
+
+    def idle(self, removed: Sequence[str] = ()) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 class LeaderExecutor:

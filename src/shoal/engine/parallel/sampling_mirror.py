@@ -35,9 +35,8 @@ class SamplingMirror:
         return len(self._requests)
 
     def apply(self, plan: StepPlan) -> None:
-        """Forget the removed requests, then start tracking the added ones."""
-        for request_id in plan.removed:
-            self._requests.pop(request_id, None)
+        """Track the added requests, then forget the removed ones (a request aborted before
+        its first step is in both)."""
         for new in plan.added:
             generator = None
             if new.params.seed is not None:  # seeded exactly as a single engine seeds it
@@ -45,6 +44,8 @@ class SamplingMirror:
                 generator.manual_seed(new.params.seed)
             self._requests[new.request_id] = _Mirrored(new.params, new.prompt_token_ids,
                                                        generator)
+        for request_id in plan.removed:
+            self._requests.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, plan: StepPlan) -> SampledStep:
         """logits: [S, V] float32, one row per sampled chunk of plan, in chunk order."""

@@ -1,10 +1,13 @@
 """Tensor-parallel slices of checkpoint tensors, taken before any conversion.
 
-A tensor rank keeps 1/tp of each layer: the q heads [r*Hq/tp, (r+1)*Hq/tp) with the KV
-heads they read (a share of the KV heads, or one replicated head when there are fewer KV
-heads than ranks), the matching columns of the output projection, and 1/tp of the MLP's
-intermediate columns. Column-parallel weights (q, k, v, gate, up) lose rows; row-parallel
-ones (o, down) lose columns, and their partial outputs are summed across the ranks.
+A tensor rank keeps its share of each layer: whole KV-head groups (a KV head with the q
+heads that read it) split as evenly as the group count allows, or, with fewer KV heads than
+ranks, one replicated KV head and an equal part of its q heads; the matching columns of the
+output projection; and an equal part of the MLP's intermediate columns. Shares are uneven
+when the counts do not divide (SmolLM2's 9 heads in 3 groups over 2 ranks: 6 and 3), which
+keeps every attention head whole and every result exact. Column-parallel weights (q, k, v,
+gate, up) lose rows; row-parallel ones (o, down) lose columns, and their partial outputs are
+summed across the ranks.
 
 Slices are taken on the stored bytes: rows of any tensor, and columns of a quantized one
 when the cut falls on its block boundary (32 weights for Q4/Q8, 256 for K-quants), so 4-bit
@@ -31,11 +34,13 @@ class TensorShard:
             raise ValueError(f"tensor rank {self.rank} of {self.size}")
 
     def split(self, total: int, what: str) -> tuple[int, int]:
-        """This rank's [start, end) of `total` equal parts (ValueError if uneven)."""
-        if total % self.size:
-            raise ValueError(f"{what} ({total}) does not divide by {self.size} tensor ranks")
-        part = total // self.size
-        return self.rank * part, (self.rank + 1) * part
+        """This rank's [start, end) of total items in near-equal parts (the first ranks take
+        one more when it does not divide); ValueError if some rank would get none."""
+        if total < self.size:
+            raise ValueError(f"{what} ({total}) is fewer than {self.size} tensor ranks")
+        base, extra = divmod(total, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (1 if self.rank < extra else 0)
 
 
 @dataclass(frozen=True)
@@ -58,19 +63,18 @@ class HeadShard:
 
 
 def head_shard(num_heads: int, num_kv_heads: int, shard: TensorShard) -> HeadShard:
-    q_start, q_end = shard.split(num_heads, "attention heads")
-    if num_kv_heads % shard.size == 0:
+    group = num_heads // num_kv_heads  # q heads per KV head
+    if num_kv_heads >= shard.size:
         kv_start, kv_end = shard.split(num_kv_heads, "KV heads")
-    elif shard.size % num_kv_heads == 0:
-        group = num_heads // num_kv_heads  # q heads per KV head
-        kv_start = q_start // group
-        kv_end = kv_start + 1
-        if (q_end - 1) // group != kv_start:
-            raise ValueError(f"{num_heads} heads over {shard.size} ranks straddle KV heads")
-    else:
-        raise ValueError(f"{num_kv_heads} KV heads neither divide by nor replicate evenly "
+        return HeadShard(kv_start * group, kv_end * group, kv_start, kv_end)
+    sharing = shard.size // num_kv_heads  # ranks that replicate one KV head
+    if shard.size % num_kv_heads or group % sharing:
+        raise ValueError(f"{num_heads} heads in {num_kv_heads} KV groups cannot be split "
                          f"over {shard.size} tensor ranks")
-    return HeadShard(q_start, q_end, kv_start, kv_end)
+    kv = shard.rank // sharing
+    part = group // sharing
+    q_start = kv * group + (shard.rank % sharing) * part
+    return HeadShard(q_start, q_start + part, kv, kv + 1)
 
 
 def take_rows(raw: RawTensor, start: int, end: int) -> RawTensor:

@@ -10,6 +10,7 @@ rows it is ~2x faster, at prefill sizes ~2.5x.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.models.layers.base import Layer
+from shoal.engine.parallel.shard import TensorShard
 from shoal.engine.weights.quant import RawTensor, can_int4, int4_pack, int8_rows
 
 INT4_GROUP = 32
@@ -35,6 +37,10 @@ class WeightPlan:
     keep_quantized: bool
     # Quantized layers also keep a dense copy for inputs of more than QUANT_MAX_ROWS rows.
     dense_for_batches: bool = False
+    # A tensor-parallel rank: which slice of each layer it holds, and how its partial
+    # outputs are summed over the ranks (in place).
+    shard: TensorShard | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 # Inputs of at most this many rows use a quantized layer's weight-only kernel.

@@ -1,0 +1,60 @@
+"""FollowerEngine: a rank other than 0 of a multi-rank instance.
+
+It has no scheduler, tokenizer or requests of its own: it joins the group, loads its part,
+and run() serves rank 0's step plans until a shutdown plan, a stop request, or a GroupError.
+The last pipeline rank also samples (SamplingMirror).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.parallel.executor import Follower
+from shoal.engine.parallel.sampling_mirror import SamplingMirror
+from shoal.engine.parallel.setup import set_up_rank
+from shoal.engine.sampler import Sampler
+
+log = logging.getLogger("shoal.parallel")
+
+
+class FollowerEngine:
+    is_follower = True
+
+    def __init__(self, config: EngineConfig,
+                 progress: Callable[[str, float], None] | None = None) -> None:
+        parallel = config.parallel
+        if parallel is None or parallel.rank == 0:
+            raise ValueError("a FollowerEngine serves ranks 1 and up of a parallel instance")
+        report = progress or (lambda _stage, _fraction: None)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        setup = set_up_rank(config, report)
+        self.config = config
+        self.model_id = config.source.model_id
+        self.loaded = setup.loaded
+        self.vocab_size = setup.loaded.config.vocab_size
+        self.max_model_len = setup.max_model_len
+        self.runner = ModelRunner(setup.loaded, setup.num_blocks, config.block_size,
+                                  config.device, setup.stage_tokens)
+        mirror = None
+        if parallel.sharding == "pipeline" and parallel.is_last:
+            mirror = SamplingMirror(Sampler(eos_token_ids=setup.eos_token_ids), config.device)
+        self._follower = Follower(self.runner, setup.group, parallel, setup.hidden_wire(),
+                                  mirror)
+        report("ready", 1.0)
+        log.info("rank %d of %d ready: %s layers %d-%d, %d KV blocks", parallel.rank,
+                 parallel.world_size, self.model_id, parallel.layer_start, parallel.layer_end,
+                 setup.num_blocks)
+
+    def run(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        """Serve rank 0's plans (GroupError when rank 0 or a peer is gone)."""
+        self._follower.run(stop_requested)
+
+    @property
+    def steps(self) -> int:
+        return self._follower.steps

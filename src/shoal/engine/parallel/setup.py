@@ -1,0 +1,87 @@
+"""Bringing up one rank: join the group, load this rank's part, agree on the KV cache.
+
+Every rank joins first and loads after, so no rank spends memory and minutes on weights
+before all of them are there. The ranks' KV pools must have the same number of blocks (rank
+0's scheduler hands out block ids for all of them): each rank sizes its own pool for its
+layers and heads, and rank 0 takes the smallest, along with the context that allows.
+Rank 0 also tells the others its tokenizer's end tokens (the last pipeline rank samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.kv_budget import plan_kv_cache
+from shoal.engine.models.loader import LoadedModel, load_model
+from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.parallel.executor import HiddenWire
+from shoal.engine.parallel.group import GroupError, RankGroup
+from shoal.engine.parallel.shard import TensorShard
+
+Progress = Callable[[str, float], None]
+
+
+@dataclass
+class RankSetup:
+    parallel: ParallelConfig
+    group: RankGroup
+    loaded: LoadedModel
+    num_blocks: int
+    max_model_len: int
+    stage_tokens: int  # the decode stage's slots (the same on every rank)
+    eos_token_ids: tuple[int, ...]
+
+    def hidden_wire(self) -> HiddenWire:
+        return HiddenWire(self.group, self.loaded.config.hidden_size,
+                          self.loaded.compute_dtype, self.parallel.compress_hidden)
+
+
+def set_up_rank(config: EngineConfig, progress: Progress,
+                eos_token_ids: tuple[int, ...] = ()) -> RankSetup:
+    """Join, load and agree (GroupError if another rank is missing or fails meanwhile).
+    eos_token_ids: rank 0's end tokens (ignored on the other ranks, which receive them)."""
+    parallel = config.parallel
+    if parallel is None:
+        raise ValueError("set_up_rank needs EngineConfig.parallel")
+    progress("group", 0.0)
+    group = RankGroup.join(parallel, torch.device(config.device))
+    try:
+        shard = (TensorShard(parallel.tp_rank, parallel.tp_size)
+                 if parallel.sharding == "tensor" else None)
+        loaded = load_model(config.source, config.dtype, device=config.device,
+                            layer_range=parallel.layer_range,
+                            progress=lambda f: progress("weights", f), shard=shard,
+                            reduce=group.all_reduce_ if shard is not None else None)
+        own = plan_kv_cache(config, loaded.config, loaded)
+        agreed = _agree(group, parallel, [own.num_blocks, own.max_model_len, own.stage_tokens],
+                        tuple(eos_token_ids))
+    except BaseException:
+        group.close()
+        raise
+    (num_blocks, max_len, stage_tokens), eos = agreed
+    return RankSetup(parallel, group, loaded, num_blocks, max_len, stage_tokens, eos)
+
+
+def _agree(group: RankGroup, parallel: ParallelConfig, sizes: list[int],
+           eos_token_ids: tuple[int, ...]) -> tuple[list[int], tuple[int, ...]]:
+    """The smallest of each rank's sizes (blocks, context, stage slots), and rank 0's eos."""
+    # Ranks finish loading at different times: these waits get the group-formation bound.
+    wait_s = parallel.connect_timeout_s
+    if parallel.rank != 0:
+        group.send_bytes(msgpack.packb(sizes), 0)
+        agreed = msgpack.unpackb(group.recv_bytes(0, timeout_s=wait_s))
+        return agreed[0], tuple(agreed[1])
+    for rank in range(1, parallel.world_size):
+        theirs = msgpack.unpackb(group.recv_bytes(rank, timeout_s=wait_s))
+        sizes = [min(mine, other) for mine, other in zip(sizes, theirs)]
+    if sizes[0] < 1:
+        raise GroupError("a rank has no memory for its KV cache")
+    answer = msgpack.packb([sizes, list(eos_token_ids)])
+    for rank in range(1, parallel.world_size):
+        group.send_bytes(answer, rank)
+    return sizes, eos_token_ids

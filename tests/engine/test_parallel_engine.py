@@ -1,0 +1,83 @@
+"""A model over two ranks (each a process on 127.0.0.1) answers exactly as one engine does,
+in float32: pipeline stages and tensor shards, SmolLM2 and Gemma 3, several requests at
+once, one joining mid-way; a seeded sampled request too on the pipeline (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rank_processes import run_ranks
+from tokenizer_fixtures import gemma3_path, smollm2_path
+
+from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.engine import Engine
+from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The three primary colours are", "def fibonacci(n):\n",
+           "Once upon a time in a small village, there lived"]
+NEW_TOKENS = 24
+KV_BYTES = 64 * 2**20
+
+
+def engine_config(path: str, parallel: ParallelConfig | None = None) -> EngineConfig:
+    return EngineConfig(source=ModelSource("m", "gguf", Path(path)), dtype="float32",
+                        threads=1, kv_cache_bytes=KV_BYTES, parallel=parallel)
+
+
+def generate(engine, with_sampled: bool) -> dict[str, list[int]]:
+    """Two greedy requests, a third added after three steps, and optionally a seeded one."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    engine.add_request("a", ids[0], greedy)
+    engine.add_request("b", ids[1], greedy)
+    if with_sampled:
+        engine.add_request("s", ids[0], SamplingParams(temperature=0.9, top_k=40, seed=7,
+                                                       max_tokens=NEW_TOKENS, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            out.setdefault(output.request_id, []).extend(output.token_ids)
+        steps += 1
+        if steps == 3:
+            engine.add_request("c", ids[2], greedy)
+    return out
+
+
+def rank_main(rank: int, world: int, port: int, path: str, sharding: str,
+              layers: list[tuple[int, int]], with_sampled: bool):
+    parallel = ParallelConfig(rank=rank, world_size=world, sharding=sharding,
+                              layer_start=layers[rank][0], layer_end=layers[rank][1],
+                              master_addr="127.0.0.1", master_port=port,
+                              connect_timeout_s=120.0)
+    config = engine_config(path, parallel)
+    if rank == 0:
+        engine = Engine(config)
+        try:
+            return generate(engine, with_sampled)
+        finally:
+            engine.close()
+    from shoal.engine.parallel.follower import FollowerEngine
+
+    follower = FollowerEngine(config)
+    follower.run()
+    return follower.steps
+
+
+@pytest.mark.parametrize("path_of, sharding, layers", [
+    (smollm2_path, "pipeline", [(0, 13), (13, 30)]),
+    (smollm2_path, "tensor", [(0, 30), (0, 30)]),
+    (gemma3_path, "pipeline", [(0, 9), (9, 18)]),
+    (gemma3_path, "tensor", [(0, 18), (0, 18)]),
+], ids=["smollm2-pipeline", "smollm2-tensor", "gemma3-pipeline", "gemma3-tensor"])
+def test_two_ranks_match_one_engine(path_of, sharding, layers):
+    path = str(path_of())
+    with_sampled = sharding == "pipeline"  # same bits end to end: same draws
+    expected = generate(Engine(engine_config(path)), with_sampled)
+    results = run_ranks(rank_main, 2, path, sharding, layers, with_sampled, timeout_s=300)
+    assert results[0] == expected, results
+    assert isinstance(results[1], int) and results[1] > 0  # the other rank served steps
