@@ -251,11 +251,6 @@ class ClusterService:
             if result.pending:
                 raise ClusterNotReady(result.reason)
             raise PlacementRefused(result.reason)
-        if result.width > 1:
-            raise PlacementRefused(
-                f"model {request.model!r} would need a {result.sharding} instance over "
-                f"{result.width} nodes; instances spanning several nodes are not supported "
-                "yet")
         command = PlaceInstance(command_id=new_command_id(), request=request)
         answer: asyncio.Future[Instance] = asyncio.get_running_loop().create_future()
         self._placements[command.command_id] = answer

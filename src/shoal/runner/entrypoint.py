@@ -93,9 +93,14 @@ class Channel:
                 return
             self._inbox.put(raw)
 
-    def receive(self, block: bool) -> list[Any]:
-        """All waiting raw messages; with block, wait for at least one."""
-        items = [self._inbox.get()] if block else []
+    def receive(self, block: bool, timeout_s: float | None = None) -> list[Any]:
+        """All waiting raw messages; with block, wait for at least one (or timeout_s)."""
+        items = []
+        if block:
+            try:
+                items.append(self._inbox.get(timeout=timeout_s))
+            except queue.Empty:
+                return []
         while True:
             try:
                 items.append(self._inbox.get_nowait())
@@ -111,11 +116,16 @@ class SupervisorGone(Exception):
     """The socket closed: nobody is left to serve."""
 
 
-def resolve_factory(spec: str | None, task: str = "generate") -> Callable[..., Any]:
-    """The engine constructor: the real Engine (or EmbeddingEngine for an embedding model),
-    or "module:callable" injected by tests."""
+def resolve_factory(spec: str | None, task: str = "generate",
+                    follower: bool = False) -> Callable[..., Any]:
+    """The engine constructor: the real Engine (EmbeddingEngine for an embedding model,
+    FollowerEngine for a rank other than 0), or "module:callable" injected by tests."""
     if spec is None:
         # heavy (torch); imported only in the runner
+        if follower:
+            from shoal.engine.parallel.follower import FollowerEngine
+
+            return FollowerEngine
         if task == "embed":
             from shoal.engine.embedding import EmbeddingEngine
 
@@ -145,7 +155,8 @@ def build_engine(load: Load, channel: Channel) -> Any:
                                 progress=min(max(float(fraction), 0.0), 1.0)))
 
     channel.send(Status(state="loading", stage="starting", progress=0.0))
-    return resolve_factory(load.engine_factory, config.source.task)(config, progress)
+    follower = config.parallel is not None and config.parallel.rank > 0
+    return resolve_factory(load.engine_factory, config.source.task, follower)(config, progress)
 
 
 def engine_task(engine: Any) -> str:
@@ -194,13 +205,24 @@ class RunnerLoop:
         self._tool_support: TemplateToolSupport | None = None
 
     def run(self) -> None:
+        # Rank 0 of a parallel instance wakes while idle to keep its ranks' waits alive.
+        parallel = getattr(getattr(self.engine, "config", None), "parallel", None)
+        tick_s = parallel.keepalive_s / 2 if parallel is not None else None
         while True:
             block = not self.has_work()
-            for raw in self.channel.receive(block):
+            for raw in self.channel.receive(block, tick_s):
                 if not self.handle(raw):
                     return
             if self.has_work():
                 self.step()
+            elif tick_s is not None:
+                self.idle()
+
+    def idle(self) -> None:
+        try:
+            self.engine.idle()
+        except Exception as error:  # noqa: BLE001 - a lost rank: the instance cannot serve
+            raise EngineBroken(f"the instance lost a rank: {error}") from error
 
     def has_work(self) -> bool:
         # An embedding engine answers each request at once; it never has work left over.
@@ -339,15 +361,19 @@ class RunnerLoop:
             outputs = self.engine.step()
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
             log.error("engine step failed:\n%s", traceback.format_exc())
-            self._fail_in_flight(f"engine step failed: {type(error).__name__}: {error}")
+            if type(error).__name__ == "GroupError":  # a rank of the instance is gone
+                self._fail_in_flight(f"the model's instance lost a rank: {error}",
+                                     code="unavailable")
+            else:
+                self._fail_in_flight(f"engine step failed: {type(error).__name__}: {error}")
             return
         for output in outputs:
             self.send_output(output)
 
-    def _fail_in_flight(self, message: str) -> None:
+    def _fail_in_flight(self, message: str, code: str = "internal") -> None:
         failed, self.in_flight = sorted(self.in_flight), set()
         for request_id in failed:
-            self._error(request_id, "internal", message)
+            self._error(request_id, code, message)
             self.engine.abort_request(request_id)
         try:
             self.engine.step()  # reports the aborts; frees their KV blocks
@@ -431,12 +457,19 @@ def serve(sock: socket.socket) -> int:
             channel.send(Failed(message=str(error) or type(error).__name__,
                                 error_type=type(error).__name__))
             return 2
+        if getattr(engine, "is_follower", False):
+            return serve_rank(engine, channel, first[1:])
         channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
         loop = RunnerLoop(engine, channel)
-        for raw in first[1:]:
-            if not loop.handle(raw):
-                return 0
-        loop.run()
+        try:
+            for raw in first[1:]:
+                if not loop.handle(raw):
+                    return 0
+            loop.run()
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()  # the other ranks of a parallel instance stop too
         return 0
     except SupervisorGone:
         return 0
@@ -446,6 +479,34 @@ def serve(sock: socket.socket) -> int:
     except (BrokenPipeError, ConnectionError) as error:
         log.error("runner socket failed: %s", error)
         return 0
+
+
+def serve_rank(engine: Any, channel: Channel, early: list[Any]) -> int:
+    """A rank other than 0: report ready, then follow rank 0's steps until Shutdown (or the
+    socket closing), a shutdown plan, or the group failing (reported, then exit)."""
+    from shoal.engine.parallel.group import GroupError
+
+    channel.send(Status(state="ready", stage="ready", progress=1.0, model=ModelInfo(
+        model_id=engine.model_id, max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size, has_chat_template=False,
+        size_bytes=_memory_bytes(engine))))
+    stop = [any(_ends_serving(raw) for raw in early)]
+
+    def stop_requested() -> bool:
+        stop[0] = stop[0] or any(_ends_serving(raw) for raw in channel.receive(block=False))
+        return stop[0]
+
+    try:
+        engine.run(stop_requested)
+    except GroupError as error:
+        log.error("%s", error)
+        channel.send(Failed(message=str(error), error_type="GroupError"))
+        return 5
+    return 0
+
+
+def _ends_serving(raw: Any) -> bool:
+    return raw is _EOF or (isinstance(raw, dict) and raw.get("type") == "shutdown")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from shoal.engine.parallel.config import ParallelConfig
-from shoal.engine.parallel.group import RankGroup
+from shoal.engine.parallel.group import GroupError, RankGroup
 from shoal.engine.parallel.plan import (
     NewRequest,
     StepPlan,
@@ -128,8 +128,11 @@ class LeaderExecutor:
             self._send_plan(StepPlan(kind="keepalive", removed=tuple(removed)))
 
     def shutdown(self) -> None:
+        """Tell the other ranks to stop (best effort: some may be gone), then leave."""
         try:
             self._send_plan(StepPlan(kind="shutdown"))
+        except GroupError as error:
+            log.warning("could not tell every rank to stop: %s", error)
         finally:
             self._group.close()
 

@@ -158,5 +158,10 @@ def _gloo_group(store: dist.Store, config: ParallelConfig, address: str) -> dist
 
 
 def _first_line(error: BaseException) -> str:
+    """The gist of a torch.distributed error: its first sentence, without the source path."""
     text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
+    line = text[0] if text else type(error).__name__
+    line = line.split(". This is typically")[0]
+    if line.startswith("[") and "] " in line:  # "[.../pair.cc:537] Read error ..."
+        line = line.split("] ", 1)[1]
+    return line[:300]
