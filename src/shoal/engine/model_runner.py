@@ -65,6 +65,13 @@ class ModelRunner:
         order. A stage without the output head returns hidden states [T_total, hidden]
         instead, and a stage without the embedding takes them as `hidden_states`."""
         meta, token_ids = self.prepare(scheduler_output)
+        return self.execute_prepared(meta, token_ids, hidden_states)
+
+    @torch.inference_mode()
+    def execute_prepared(self, meta: AttentionMetadata, token_ids: torch.Tensor,
+                         hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """execute() on metadata from prepare(): a pipeline rank prepares while the rank
+        before it computes, then waits for its hidden states."""
         inputs = token_ids if self.model.has_embedding else hidden_states
         if inputs is None:
             raise ValueError("this stage has no embedding: pass hidden_states")

@@ -122,6 +122,11 @@ class LeaderExecutor:
         answer = decode_sampled(self._group.recv_bytes(self._config.world_size - 1))
         return SamplerOutput(token_ids=list(answer.token_ids), logprobs=list(answer.logprobs))
 
+    @property
+    def wait_s(self) -> float:
+        """Seconds rank 0 has spent blocked on the other ranks."""
+        return self._group.wait_s
+
     def idle(self, removed: Sequence[str] = ()) -> None:
         """While no step runs: a keep-alive (carrying any removals) every keepalive_s."""
         if removed or time.monotonic() - self._last_sent >= self._config.keepalive_s:
@@ -176,8 +181,9 @@ class Follower:
         if config.sharding == "tensor":
             self._runner.execute(scheduled)  # rank 0 samples; these logits go unused
         else:
+            meta, token_ids = self._runner.prepare(scheduled)  # while the rank before computes
             hidden = self._wire.recv(plan.num_tokens, config.rank - 1)
-            out = self._runner.execute(scheduled, hidden)
+            out = self._runner.execute_prepared(meta, token_ids, hidden)
             if config.is_last:
                 step = self._mirror.sample(out, plan)  # type: ignore[union-attr]
                 self._group.send_bytes(encode_sampled(step), 0)

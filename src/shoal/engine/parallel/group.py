@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -60,6 +61,7 @@ class RankGroup:
         self._tensors = tensors  # hidden states and all-reduces (NCCL on CUDA)
         self._store = store  # kept alive: rank 0 hosts it
         self._timeout = timedelta(seconds=config.collective_timeout_s)
+        self.wait_s = 0.0  # time spent blocked on other ranks (bench/distributed.py reads it)
 
     @classmethod
     def join(cls, config: ParallelConfig, device: torch.device) -> RankGroup:
@@ -143,10 +145,13 @@ class RankGroup:
 
     def _wait(self, work: dist.Work, what: str, timeout_s: float | None = None) -> None:
         timeout = self._timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        started = time.perf_counter()
         try:
             work.wait(timeout)
         except RuntimeError as error:
             raise GroupError(f"rank {self.rank}: {what} failed: {_first_line(error)}") from None
+        finally:
+            self.wait_s += time.perf_counter() - started
 
 
 def _gloo_group(store: dist.Store, config: ParallelConfig, address: str) -> dist.ProcessGroup:

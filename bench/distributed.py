@@ -1,0 +1,199 @@
+"""One node versus a 2-rank pipeline and a 2-rank tensor instance, on loopback; prints JSON.
+
+    python bench/distributed.py [--model ID] [--dtype auto] [--tokens 64] [--prompt 200]
+
+Each configuration runs as separate processes (one per rank) joined by torch.distributed
+(gloo) on 127.0.0.1, the way a multi-node instance runs. For each: time to first token of a
+--prompt token prompt, batch-1 decode tokens/s, and rank 0's time blocked on the other ranks
+per decoded token (for the pipeline that wait includes rank 1's layers; for tensor shards it
+is the all-reduces). Also: the round trip of a hidden-state sized message between two ranks.
+The pipeline's overhead is its decode time per token over one node's, minus 1.
+
+Threads: a pipeline's ranks take turns, so each gets all the cores; tensor ranks compute at
+once, so they share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import time
+
+WORDS = ("river stone market lantern orchard signal harbor meadow copper violin thunder "
+         "garden compass mirror velvet canyon ember glacier quartz").split()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def engine_config(model: str, dtype: str, threads: int, parallel=None):
+    from shoal.catalog.resolve import resolve_model
+    from shoal.engine.config import EngineConfig
+
+    return EngineConfig(source=resolve_model(model), dtype=dtype, threads=threads,
+                        kv_cache_bytes=256 * 2**20, parallel=parallel)
+
+
+def measure(engine, prompt_tokens: int, new_tokens: int) -> dict:
+    from shoal.engine.sampling import SamplingParams
+
+    text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(prompt_tokens * 2))
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:prompt_tokens]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request("warm", prompt[:32], SamplingParams(temperature=0.0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    waited = getattr(engine.executor, "wait_s", 0.0)
+    engine.add_request("bench", prompt, params)
+    start = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if first is None and output.token_ids:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    waited = getattr(engine.executor, "wait_s", 0.0) - waited
+    decode_s = end - first
+    return {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / decode_s,
+            "decode_ms_per_token": 1e3 * decode_s / (new_tokens - 1),
+            "rank0_wait_ms_per_token": 1e3 * waited / new_tokens}
+
+
+def run_rank(rank: int, args: dict, port: int, results) -> None:
+    from shoal.engine.config import EngineConfig  # noqa: F401 - torch loaded per process
+    from shoal.engine.parallel.config import ParallelConfig
+
+    layers = args["layers"][rank]
+    parallel = ParallelConfig(rank=rank, world_size=2, sharding=args["sharding"],
+                              layer_start=layers[0], layer_end=layers[1],
+                              master_addr="127.0.0.1", master_port=port)
+    config = engine_config(args["model"], args["dtype"], args["threads"], parallel)
+    if rank == 0:
+        from shoal.engine.engine import Engine
+
+        engine = Engine(config)
+        try:
+            results.put(measure(engine, args["prompt"], args["tokens"]))
+        finally:
+            engine.close()
+    else:
+        from shoal.engine.parallel.follower import FollowerEngine
+
+        FollowerEngine(config).run()
+
+
+def run_parallel(args: dict) -> dict:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=run_rank, args=(rank, args, port, results))
+             for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        return results.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def run_single(args: dict, results) -> None:
+    from shoal.engine.engine import Engine
+
+    engine = Engine(engine_config(args["model"], args["dtype"], args["threads"]))
+    results.put(measure(engine, args["prompt"], args["tokens"]))
+
+
+def single(args: dict) -> dict:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    proc = context.Process(target=run_single, args=(args, results))
+    proc.start()
+    try:
+        return results.get(timeout=600)
+    finally:
+        proc.join(30)
+
+
+def ping(rank: int, port: int, hidden: int, results) -> None:
+    import torch
+
+    from shoal.engine.parallel.config import ParallelConfig
+    from shoal.engine.parallel.group import RankGroup
+
+    group = RankGroup.join(ParallelConfig(rank=rank, world_size=2, sharding="pipeline",
+                                          layer_start=0, layer_end=1, master_addr="127.0.0.1",
+                                          master_port=port), torch.device("cpu"))
+    tensor = torch.zeros(1, hidden)
+    rounds = 500
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            group.send_tensor(tensor, 1)
+            tensor = group.recv_tensor((1, hidden), torch.float32, 1)
+        else:
+            tensor = group.recv_tensor((1, hidden), torch.float32, 0)
+            group.send_tensor(tensor, 0)
+    round_trip = (time.perf_counter() - start) / rounds
+    start = time.perf_counter()
+    for _ in range(rounds):
+        group.all_reduce_(tensor)
+    if rank == 0:
+        results.put({"hidden_round_trip_us": 1e6 * round_trip,
+                     "all_reduce_us": 1e6 * (time.perf_counter() - start) / rounds})
+    group.close()
+
+
+def messaging(hidden: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=ping, args=(rank, port, hidden, results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        return results.get(timeout=120)
+    finally:
+        for proc in procs:
+            proc.join(30)
+
+
+def main() -> None:
+    from shoal.catalog.resolve import DEFAULT_MODEL_ID, resolve_model
+    from shoal.engine.models.loader import read_model_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL_ID)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=200)
+    args = parser.parse_args()
+    cores = os.cpu_count() or 2
+    layers = read_model_config(resolve_model(args.model)).num_layers
+    half = layers // 2
+    base = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens,
+            "prompt": args.prompt}
+    one = single({**base, "threads": cores})
+    pipeline = run_parallel({**base, "threads": cores, "sharding": "pipeline",
+                             "layers": [(0, half), (half, layers)]})
+    tensor = run_parallel({**base, "threads": max(1, cores // 2), "sharding": "tensor",
+                           "layers": [(0, layers), (0, layers)]})
+    hidden = read_model_config(resolve_model(args.model)).hidden_size
+    result = {"model": args.model, "dtype": args.dtype, "cores": cores,
+              "one_node": one, "pipeline_2": pipeline, "tensor_2": tensor,
+              "messaging": messaging(hidden),
+              "pipeline_overhead_per_token": pipeline["decode_ms_per_token"]
+              / one["decode_ms_per_token"] - 1}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
