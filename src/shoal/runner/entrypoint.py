@@ -44,6 +44,7 @@ from shoal.protocol import (
 from shoal.runner.framing import FrameError, FrameTooLarge, recv_frame, send_frame
 from shoal.runner.messages import (
     Cancel,
+    ChunkBatch,
     ChunkMessage,
     Embed,
     Failed,
@@ -203,6 +204,7 @@ class RunnerLoop:
         self.embeds = engine_task(engine) == "embed"
         self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
         self._tool_support: TemplateToolSupport | None = None
+        self._outbox: list[Any] | None = None  # chunks of the step being reported
 
     def run(self) -> None:
         # Rank 0 of a parallel instance wakes while idle to keep its ranks' waits alive.
@@ -367,8 +369,21 @@ class RunnerLoop:
             else:
                 self._fail_in_flight(f"engine step failed: {type(error).__name__}: {error}")
             return
-        for output in outputs:
-            self.send_output(output)
+        self._outbox = []
+        try:
+            for output in outputs:
+                self.send_output(output)
+        finally:
+            chunks, self._outbox = self._outbox, None
+        if chunks:
+            self._send_batch(chunks)
+
+    def _send_batch(self, chunks: list[Any]) -> None:
+        try:
+            self.channel.send(ChunkBatch(chunks=tuple(chunks)))
+        except FrameTooLarge:  # raised before anything is written
+            for chunk in chunks:
+                self.channel.send(ChunkMessage(chunk=chunk))
 
     def _fail_in_flight(self, message: str, code: str = "internal") -> None:
         failed, self.in_flight = sorted(self.in_flight), set()
@@ -422,7 +437,10 @@ class RunnerLoop:
                                    param=param))
 
     def send_chunk(self, chunk: Any) -> None:
-        self.channel.send(ChunkMessage(chunk=chunk))
+        if self._outbox is not None:  # inside step(): sent with the step's other chunks
+            self._outbox.append(chunk)
+        else:
+            self.channel.send(ChunkMessage(chunk=chunk))
 
 
 class EngineBroken(RuntimeError):

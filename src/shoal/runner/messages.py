@@ -1,7 +1,7 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
 supervisor -> runner: Load, Submit, Embed, Cancel, Shutdown
-runner -> supervisor: Status, ChunkMessage, Failed
+runner -> supervisor: Status, ChunkMessage, ChunkBatch, Failed
 Each travels as one msgpack frame (see framing.py): model_dump() out, validate on arrival.
 """
 
@@ -72,6 +72,14 @@ class ChunkMessage(RunnerMessage):
     chunk: Chunk
 
 
+class ChunkBatch(RunnerMessage):
+    """The chunks of one engine step, in order: one frame for the whole batch of requests
+    (16 streams send 16-32 chunks a step) instead of one frame each."""
+
+    type: Literal["chunks"] = "chunks"
+    chunks: tuple[Chunk, ...]
+
+
 class Failed(RunnerMessage):
     """The runner cannot go on (load failed, engine broken); it exits after sending this."""
 
@@ -81,7 +89,8 @@ class Failed(RunnerMessage):
 
 
 ToRunner = Annotated[Union[Load, Submit, Embed, Cancel, Shutdown], Field(discriminator="type")]
-FromRunner = Annotated[Union[Status, ChunkMessage, Failed], Field(discriminator="type")]
+FromRunner = Annotated[Union[Status, ChunkMessage, ChunkBatch, Failed],
+                      Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)
@@ -91,7 +100,7 @@ def parse_to_runner(raw: dict[str, Any]) -> Load | Submit | Embed | Cancel | Shu
     return _to_runner.validate_python(raw)
 
 
-def parse_from_runner(raw: dict[str, Any]) -> Status | ChunkMessage | Failed:
+def parse_from_runner(raw: dict[str, Any]) -> Status | ChunkMessage | ChunkBatch | Failed:
     return _from_runner.validate_python(raw)
 
 

@@ -26,6 +26,7 @@ from shoal.runner.options import SupervisorOptions
 from shoal.runner.process import stop_process
 from shoal.runner.messages import (
     Cancel,
+    ChunkBatch,
     ChunkMessage,
     Embed,
     Failed,
@@ -347,6 +348,9 @@ class RunnerSupervisor:
     def _dispatch(self, process: _Process, message: Any) -> None:
         if isinstance(message, ChunkMessage):
             self._deliver(message.chunk)
+        elif isinstance(message, ChunkBatch):
+            for chunk in message.chunks:
+                self._deliver(chunk)
         elif isinstance(message, Status):
             if message.state == "ready" and message.model is not None:
                 process.ready = True
