@@ -52,9 +52,17 @@ def _status(node, instance_id: str) -> str | None:
     return None
 
 
-def delete(node, instance_id: str) -> None:
+def runner_pids(node) -> list[str]:
+    found = subprocess.run(["pgrep", "-P", str(node.proc.pid), "-f", "shoal.runner.entrypoint"],
+                           capture_output=True, text=True)
+    return found.stdout.split()
+
+
+def delete(node, instance_id: str, nodes=()) -> None:
+    """Delete an instance; every runner of the given nodes is gone within 5 s of it."""
     assert httpx.delete(f"{node.url}/instances/{instance_id}", timeout=10).status_code == 200
     wait_for(lambda: _status(node, instance_id) is None, 30, "instance deleted")
+    wait_for(lambda: not any(runner_pids(n) for n in nodes), 5, "every rank shut down")
 
 
 def complete(node, model: str, prompt: str, max_tokens: int = 16) -> str:
@@ -76,14 +84,14 @@ def test_pipeline_and_tensor_instances_answer_as_one_node(two_nodes, model):
     first, second = two_nodes
     single = place(first, model, "single", 1)
     expected = answers(first, model)  # batched equals one at a time in float32
-    delete(first, single["instance_id"])
+    delete(first, single["instance_id"], two_nodes)
     for sharding in ("pipeline", "tensor"):
         instance = place(first, model, sharding, 2)
         assert len({r["node_id"] for r in instance["ranks"]}) == 2
         if sharding == "pipeline":
             assert [r["layers"][0] for r in instance["ranks"]][0] == 0
         assert answers(second, model) == expected, (model, sharding)
-        delete(first, instance["instance_id"])
+        delete(first, instance["instance_id"], two_nodes)
 
 
 def test_killing_a_rank_mid_stream_ends_it_with_an_error_and_the_model_serves_again(two_nodes):
@@ -91,9 +99,7 @@ def test_killing_a_rank_mid_stream_ends_it_with_an_error_and_the_model_serves_ag
     instance = place(first, "smollm2", "pipeline", 2)
     rank1_node = instance["ranks"][1]["node_id"]
     node_of_rank1 = next(n for n in two_nodes if cluster_of(n)["node_id"] == rank1_node)
-    runners = subprocess.run(["pgrep", "-P", str(node_of_rank1.proc.pid), "-f",
-                              "shoal.runner.entrypoint"], capture_output=True, text=True)
-    [runner_pid] = runners.stdout.split()
+    [runner_pid] = runner_pids(node_of_rank1)
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000,
             "temperature": 0, "stream": True, "ignore_eos": True}
     events, killed_at = [], None

@@ -79,3 +79,22 @@ def test_joining_without_the_other_ranks_fails_after_the_deadline():
     result = run_ranks(join_alone, 2, ranks=[0], timeout_s=60)[0]
     waited, message = result.split(" ", 1)
     assert "could not join its group" in message and float(waited) < 10
+
+
+def int8_hidden_states(rank: int, world: int, port: int) -> float:
+    from shoal.engine.parallel.executor import HiddenWire
+
+    group = RankGroup.join(config(rank, world, port), torch.device("cpu"))
+    wire = HiddenWire(group, 576, torch.float32, compress=True)
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 576) * torch.linspace(0.1, 40.0, 5)[:, None]  # rows of any scale
+    if rank == 0:
+        wire.send(hidden, 1)
+        return 0.0
+    got = wire.recv(5, 0)
+    # Each value is within half a step of its row's int8 grid: max |row| / 127 / 2.
+    return float(((got - hidden).abs() / (hidden.abs().amax(dim=1, keepdim=True) / 254)).max())
+
+
+def test_int8_hidden_states_stay_within_half_a_step_of_each_row_scale():
+    assert run_ranks(int8_hidden_states, 2)[1] <= 1.0001

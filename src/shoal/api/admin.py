@@ -29,6 +29,8 @@ class PlaceBody(BaseModel):
     sharding: Literal["auto", "single", "pipeline", "tensor"] = "auto"
     min_nodes: int = Field(default=1, ge=1)
     excluded_nodes: list[str] = Field(default_factory=list)
+    # int8 hidden states between pipeline ranks (fewer bytes on slow links; not exact)
+    hidden_int8: bool = False
 
 
 def _cluster(request: Request) -> ClusterService:
@@ -50,7 +52,8 @@ async def _placement_request(body: PlaceBody) -> PlacementRequest:
         raise invalid_parameter("model", str(error)) from None
     try:
         return PlacementRequest(facts=facts, sharding=body.sharding, min_nodes=body.min_nodes,
-                                excluded_nodes=tuple(body.excluded_nodes))
+                                excluded_nodes=tuple(body.excluded_nodes),
+                                hidden_int8=body.hidden_int8)
     except ValidationError as error:
         raise invalid_parameter("sharding", error.errors()[0]["msg"]) from None
 

@@ -76,6 +76,9 @@ class PlacementRequest(Frozen):
     sharding: RequestedSharding = "auto"
     min_nodes: int = 1
     excluded_nodes: tuple[NodeId, ...] = ()
+    # Pipeline ranks pass hidden states as int8 with a scale per token (a quarter of the
+    # bytes of float32, for slow links; not exact).
+    hidden_int8: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> PlacementRequest:

@@ -32,7 +32,8 @@ def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) ->
                           sharding=instance.sharding, layer_start=rank.layer_start,
                           layer_end=rank.layer_end, master_addr=instance.rendezvous.host,
                           master_port=instance.rendezvous.port,
-                          connect_timeout_s=connect_timeout_s)
+                          connect_timeout_s=connect_timeout_s,
+                          compress_hidden=instance.request.hidden_int8)
 
 
 class RankRunners:
