@@ -136,8 +136,11 @@ class SelfAttention(Layer):
         batch, query_len = group.batch, group.query_len
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         rows = slice(group.token_start, group.token_end)
-        # q: [B, H, Tq, D]
-        q = q[rows].view(batch, query_len, heads, dim).transpose(1, 2)
+        if rows.start > 0 or rows.stop < q.shape[0]:
+            q = q[rows]
+        # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
+        q = q.unsqueeze(2) if query_len == 1 else \
+            q.view(batch, query_len, heads, dim).transpose(1, 2)
         # kv: [B, 2 H_kv, L, D]: stage rows, a slice of the cache, a gather from it, or the
         # group's own new k/v (the cache is [2 H_kv, slots, D], new_kv [T, 2 H_kv, D])
         if group.stage_write is not None:
@@ -156,7 +159,9 @@ class SelfAttention(Layer):
         out = F.scaled_dot_product_attention(
             q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
-        # out: [B, H, Tq, D] -> [B * Tq, H * D]
+        # out: [B, H, Tq, D] -> [B * Tq, H * D] (for Tq = 1, H and D merge as they are)
+        if query_len == 1:
+            return out.reshape(batch, heads * dim)
         return out.transpose(1, 2).reshape(batch * query_len, heads * dim)
 
 
