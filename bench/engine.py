@@ -51,14 +51,26 @@ def run_to_end(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
     first_token_at = None
     start = time.perf_counter()
     generated = 0
+    decode_steps: list[float] = []  # seconds of each step after every request's first token
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        if sum(len(out.token_ids) for out in outputs) == len(prompts):
+            decode_steps.append(time.perf_counter() - step_start)
+        for out in outputs:
             generated += len(out.token_ids)
             if first_token_at is None and out.token_ids:
                 first_token_at = time.perf_counter()
     end = time.perf_counter()
     return {"seconds": end - start, "ttft": (first_token_at or end) - start,
-            "generated": generated}
+            "generated": generated, "decode_steps": decode_steps}
+
+
+def step_ms(steps: list[float]) -> dict:
+    """Median and 10th percentile of step times, in ms (the machine's noise hits the median)."""
+    ordered = sorted(steps) or [0.0]
+    return {"median": 1e3 * statistics.median(ordered),
+            "p10": 1e3 * ordered[len(ordered) // 10]}
 
 
 def bench_engine(model: str, threads: int) -> dict:
@@ -77,6 +89,9 @@ def bench_engine(model: str, threads: int) -> dict:
         "decode_batch1_tokens_per_s": decode_tps,
         # 16 requests of 50-token prompts, 64 tokens each, prefill included.
         "batch16_tokens_per_s": batch["generated"] / batch["seconds"],
+        # Steps in which every request decoded one token.
+        "decode_batch1_step_ms": step_ms(decode["decode_steps"]),
+        "decode_batch16_step_ms": step_ms(batch["decode_steps"]),
         "compute_dtype": str(engine.loaded.compute_dtype),
     }
 
