@@ -224,10 +224,12 @@ def main() -> None:
                     "engine": bench_engine(args.model, args.threads)}
     # ru_maxrss is KiB on Linux: the peak of this process, which held the engine.
     result["engine_process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The peer runs right after the engine: this machine's speed drifts over a run, and the
+    # decode ratio compares measurements seconds apart rather than a minute apart.
+    peer = bench_llama_cpp(args.model, args.threads) if args.peer == "llama-cpp" else None
     if not args.skip_http:
         result["http"] = bench_http(args.model, args.threads)
-    if args.peer == "llama-cpp":
-        peer = bench_llama_cpp(args.model, args.threads)
+    if peer is not None:
         ours = result["engine"]
         result["peer_llama_cpp"] = peer
         ratios = {

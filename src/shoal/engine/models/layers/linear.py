@@ -2,10 +2,10 @@
 
 Inputs are always flat token matrices x: [T, in]. The weight-only kernels are fast on CPU only
 with bfloat16 activations, so they are used only when the plan keeps weights quantized.
-They read the fewest bytes, which is what counts for a few rows (batch-1 decode is bound by
-memory). For more rows they turn compute bound (the int4 kernel dequantizes every weight once
-per 4 rows), so a quantized layer may also hold a dense bf16 copy for bigger inputs: at 16
-rows it is ~2x faster, at prefill sizes ~2.5x.
+They read the fewest bytes, which is what counts for a few rows (batch-1 decode). For more
+rows they turn compute bound (the int4 kernel dequantizes every weight once per 4 rows), so a
+quantized layer may also hold a dense bf16 copy for bigger inputs: ~2.5x faster at prefill
+sizes; at 16 rows about even in a real step (it reads 4x the bytes of the 4-bit weights).
 """
 
 from __future__ import annotations
