@@ -20,6 +20,7 @@ from shoal.engine.models.layers.linear import (
     Int8Linear,
     WeightPlan,
     build_linear,
+    int8_weight_mm,
 )
 from shoal.engine.weights.quant import RawTensor, int4_from_dense
 
@@ -45,12 +46,10 @@ class RescoredHead(Layer):
         if rows > RESCORE_MAX_ROWS:
             return self.exact(x).float()
         logits = self.estimate(x).float()                          # [S, V]
-        candidates = logits.topk(RESCORE_CANDIDATES, dim=-1).indices  # [S, C]
-        weight = self.exact.q[candidates.flatten()]                # [S * C, hidden] int8
-        weight = weight.view(rows, RESCORE_CANDIDATES, -1).to(x.dtype)
-        dots = torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)     # [S, C]
-        exact = dots.float() * self.exact.scale_f32[candidates]
-        return logits.scatter_(1, candidates, exact)
+        # Every row's candidates, rescored for all rows at once: [S * C] token ids.
+        candidates = logits.topk(RESCORE_CANDIDATES, dim=-1).indices.flatten()
+        exact = int8_weight_mm(x, self.exact.q[candidates], self.exact.scale[candidates])
+        return logits.scatter_(1, candidates.expand(rows, -1), exact.float())
 
 
 def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None) -> nn.Module:

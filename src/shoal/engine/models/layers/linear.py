@@ -112,7 +112,7 @@ class Int4Linear(Layer):
 
 # Resolved overloads: calling the packet re-resolves it on every call (~1 us, 120x a step).
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-_int8_mm = torch.ops.aten._weight_int8pack_mm.default
+int8_weight_mm = torch.ops.aten._weight_int8pack_mm.default  # (x, q [N, K], scale [N])
 
 
 class Int8Linear(Layer):
@@ -135,7 +135,7 @@ class Int8Linear(Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= QUANT_MAX_ROWS or x.device.type != "cpu":
-            y = _int8_mm(x, self.q, self.scale)
+            y = int8_weight_mm(x, self.q, self.scale)
         elif self.dense is not None:
             return self.dense(x)
         else:
