@@ -1,6 +1,6 @@
 """Engine and server speed on the built-in model; prints one JSON object.
 
-    python bench/engine.py [--model ID] [--threads 2] [--peer llama-cpp] [--skip-http]
+    python bench/engine.py [--model ID] [--threads 2] [--peer llama-cpp] [--rounds 3] [--skip-http]
 
 Measures, in one run: prefill tokens/s, batch-1 decode tokens/s (engine in-process),
 aggregate decode tokens/s with 1, 4 and 16 concurrent streams through the HTTP API, time to
@@ -73,15 +73,19 @@ def step_ms(steps: list[float]) -> dict:
             "p10": 1e3 * ordered[len(ordered) // 10]}
 
 
-def bench_engine(model: str, threads: int) -> dict:
+def decode_tokens_per_s(engine: Engine) -> tuple[float, list[float]]:
+    """Batch-1 greedy decode of 128 tokens after a 200-token prompt: (tokens/s, step times)."""
+    decode = run_to_end(engine, [prompt_of_tokens(engine, 200, salt=2)], 129)
+    return (decode["generated"] - 1) / (decode["seconds"] - decode["ttft"]), decode["decode_steps"]
+
+
+def bench_engine(model: str, threads: int) -> tuple[dict, Engine]:
     engine = Engine(EngineConfig(source=resolve_model(model), threads=threads,
                                  max_num_batched_tokens=2048))
     run_to_end(engine, [prompt_of_tokens(engine, 64, salt=99)], 8)  # warm-up
     prefill_ids = prompt_of_tokens(engine, 500, salt=1)
     prefill = run_to_end(engine, [prefill_ids], 1)
-    decode_ids = prompt_of_tokens(engine, 200, salt=2)
-    decode = run_to_end(engine, [decode_ids], 129)
-    decode_tps = (decode["generated"] - 1) / (decode["seconds"] - decode["ttft"])
+    decode_tps, decode_steps = decode_tokens_per_s(engine)
     batch = run_to_end(engine, [prompt_of_tokens(engine, 50, salt=10 + i) for i in range(16)], 64)
     return {
         "prefill_tokens": len(prefill_ids),
@@ -90,10 +94,10 @@ def bench_engine(model: str, threads: int) -> dict:
         # 16 requests of 50-token prompts, 64 tokens each, prefill included.
         "batch16_tokens_per_s": batch["generated"] / batch["seconds"],
         # Steps in which every request decoded one token.
-        "decode_batch1_step_ms": step_ms(decode["decode_steps"]),
+        "decode_batch1_step_ms": step_ms(decode_steps),
         "decode_batch16_step_ms": step_ms(batch["decode_steps"]),
         "compute_dtype": str(engine.loaded.compute_dtype),
-    }
+    }, engine
 
 
 # ---- HTTP -----------------------------------------------------------------------------------
@@ -190,26 +194,52 @@ def bench_http(model: str, threads: int) -> dict:
 
 # ---- the peer -------------------------------------------------------------------------------
 
-def bench_llama_cpp(model: str, threads: int) -> dict:
-    from llama_cpp import Llama
+class LlamaCppPeer:
+    """llama-cpp-python on the same GGUF file, prompts built from the same text."""
 
-    path = str(resolve_model(model).path)
-    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
-    prompt = llm.tokenize(synthetic_text(1000, 1).encode(), add_bos=False)[:500]
-    llm.reset()
-    start = time.perf_counter()
-    llm.eval(prompt)
-    prefill_tps = len(prompt) / (time.perf_counter() - start)
-    llm.reset()
-    decode_prompt = llm.tokenize(synthetic_text(400, 2).encode(), add_bos=False)[:200]
-    llm.eval(decode_prompt)
-    token = llm.sample(temp=0.0)
-    start = time.perf_counter()
-    for _ in range(128):
-        llm.eval([token])
+    def __init__(self, model: str, threads: int) -> None:
+        from llama_cpp import Llama
+
+        path = str(resolve_model(model).path)
+        self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)
+
+    def prefill_tokens_per_s(self) -> float:
+        prompt = self.llm.tokenize(synthetic_text(1000, 1).encode(), add_bos=False)[:500]
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode_tokens_per_s(self, sample: bool) -> float:
+        """128 tokens after a 200-token prompt. sample=False times llama.cpp's forward alone
+        (feeding back the same token): the C engine's speed without llama-cpp-python's
+        per-token sampling call, which its users do pay."""
+        llm = self.llm
+        llm.reset()
+        llm.eval(llm.tokenize(synthetic_text(400, 2).encode(), add_bos=False)[:200])
         token = llm.sample(temp=0.0)
-    decode_tps = 128 / (time.perf_counter() - start)
-    return {"prefill_tokens_per_s": prefill_tps, "decode_batch1_tokens_per_s": decode_tps}
+        start = time.perf_counter()
+        for _ in range(128):
+            llm.eval([token])
+            if sample:
+                token = llm.sample(temp=0.0)
+        return 128 / (time.perf_counter() - start)
+
+
+def interleaved_decode(engine: Engine, peer: LlamaCppPeer, rounds: int) -> dict:
+    """Median batch-1 decode tokens/s of shoal and the peer, measured turn about: this
+    machine's speed drifts by ~30% within a minute, and alternating keeps both sides under
+    the same drift."""
+    ours, peer_forward, peer_sampled = [], [], []
+    for _ in range(rounds):
+        ours.append(decode_tokens_per_s(engine)[0])
+        peer_forward.append(peer.decode_tokens_per_s(sample=False))
+        peer_sampled.append(peer.decode_tokens_per_s(sample=True))
+    return {"rounds": rounds,
+            "shoal_tokens_per_s": statistics.median(ours),
+            "peer_forward_tokens_per_s": statistics.median(peer_forward),
+            "peer_sampled_tokens_per_s": statistics.median(peer_sampled)}
 
 
 def main() -> None:
@@ -218,27 +248,37 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--peer", choices=["llama-cpp"], default=None)
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns of shoal / peer batch-1 decode, alternating")
     args = parser.parse_args()
 
-    result: dict = {"model": args.model, "threads": args.threads,
-                    "engine": bench_engine(args.model, args.threads)}
+    engine_result, engine = bench_engine(args.model, args.threads)
+    result: dict = {"model": args.model, "threads": args.threads, "engine": engine_result}
     # ru_maxrss is KiB on Linux: the peak of this process, which held the engine.
     result["engine_process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # The peer runs right after the engine: this machine's speed drifts over a run, and the
-    # decode ratio compares measurements seconds apart rather than a minute apart.
-    peer = bench_llama_cpp(args.model, args.threads) if args.peer == "llama-cpp" else None
+    if args.peer == "llama-cpp":
+        peer = LlamaCppPeer(args.model, args.threads)
+        decode = interleaved_decode(engine, peer, args.rounds)
+        result["peer_llama_cpp"] = {"prefill_tokens_per_s": peer.prefill_tokens_per_s(),
+                                    "decode": decode}
+        del peer
+    del engine
     if not args.skip_http:
         result["http"] = bench_http(args.model, args.threads)
-    if peer is not None:
-        ours = result["engine"]
-        result["peer_llama_cpp"] = peer
+    if "peer_llama_cpp" in result:
+        peer_result = result["peer_llama_cpp"]
+        decode = peer_result["decode"]
+        # Ratios against llama.cpp's forward alone: the stricter comparison.
+        peer_decode = decode["peer_forward_tokens_per_s"]
         ratios = {
-            "decode_batch1": ours["decode_batch1_tokens_per_s"] / peer["decode_batch1_tokens_per_s"],
-            "prefill": ours["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"],
+            "decode_batch1": decode["shoal_tokens_per_s"] / peer_decode,
+            "decode_batch1_vs_peer_with_python_sampling":
+                decode["shoal_tokens_per_s"] / decode["peer_sampled_tokens_per_s"],
+            "prefill": result["engine"]["prefill_tokens_per_s"] / peer_result["prefill_tokens_per_s"],
         }
         if "http" in result:
             agg16 = result["http"]["concurrency"][-1]["aggregate_tokens_per_s"]
-            ratios["aggregate16_over_peer_decode_batch1"] = agg16 / peer["decode_batch1_tokens_per_s"]
+            ratios["aggregate16_over_peer_decode_batch1"] = agg16 / peer_decode
         result["ratios"] = ratios
     print(json.dumps(result, indent=2))
 
