@@ -10,7 +10,9 @@ is the all-reduces). Also: the round trip of a hidden-state sized message betwee
 The pipeline's overhead is its decode time per token over one node's, minus 1.
 
 Threads: a pipeline's ranks take turns, so each gets all the cores; tensor ranks compute at
-once, so they share them.
+once, so they share them. Every process gets the OpenMP settings of shoal's runner processes
+(runner/process_env.py), without which a pipeline's idle rank spins on the cores the busy
+one needs.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import os
 import socket
 import time
 
-WORDS = ("river stone market lantern orchard signal harbor meadow copper violin thunder "
-         "garden compass mirror velvet canyon ember glacier quartz").split()
+WORDS = ["river", "stone", "market", "lantern", "orchard", "signal", "harbor", "meadow", "copper", "violin", "thunder", "garden", "compass", "mirror", "velvet", "canyon", "ember", "glacier", "quartz"]
 
 
 def free_port() -> int:
@@ -169,6 +170,7 @@ def messaging(hidden: int) -> dict:
 def main() -> None:
     from shoal.catalog.resolve import DEFAULT_MODEL_ID, resolve_model
     from shoal.engine.models.loader import read_model_config
+    from shoal.runner.process_env import runner_environment
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_ID)
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=200)
     args = parser.parse_args()
+    # Every configuration runs with the environment shoal gives its runner processes.
+    os.environ.update(runner_environment())
     cores = os.cpu_count() or 2
     layers = read_model_config(resolve_model(args.model)).num_layers
     half = layers // 2

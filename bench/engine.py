@@ -31,8 +31,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.sampling import SamplingParams
 
-WORDS = ("river stone market lantern orchard signal harbor meadow copper violin thunder "
-         "garden compass mirror velvet canyon ember glacier quartz meadow").split()
+WORDS = ["river", "stone", "market", "lantern", "orchard", "signal", "harbor", "meadow", "copper", "violin", "thunder", "garden", "compass", "mirror", "velvet", "canyon", "ember", "glacier", "quartz", "meadow"]
 
 
 def synthetic_text(num_words: int, salt: int = 0) -> str:

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.engine.errors import UnsupportedModel, check_context
+from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from shoal.engine.sampling import InvalidParameter
 from shoal.engine.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate
-from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 128

@@ -193,7 +193,7 @@ class EmbeddingResult(WireModel):
 
 
 Chunk = Annotated[
-    Union[AcceptedChunk, TokenChunk, ToolCallChunk, FinishChunk, ErrorChunk, EmbeddingResult],
+    AcceptedChunk | TokenChunk | ToolCallChunk | FinishChunk | ErrorChunk | EmbeddingResult,
     Field(discriminator="kind")
 ]
 

@@ -22,7 +22,12 @@ from shoal.pool.pool import (
     SupervisorFactory,
     WrongModelTask,
 )
-from shoal.protocol import EmbeddingRequest, EmbeddingResult, ErrorChunk, GenerationRequest
+from shoal.protocol import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorChunk,
+    GenerationRequest,
+)
 from shoal.runner.supervisor import RunnerSupervisor
 
 __all__ = ["ModelUnavailable", "RemoteServing", "Router", "WrongModelTask"]

@@ -6,13 +6,13 @@ import pytest
 # tests/fakes.py is shared by the runner, api and cli tests.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fakes import fake_engine_config, fake_runner_env, fake_supervisor_options  # noqa: E402
+from fakes import fake_engine_config, fake_runner_env, fake_supervisor_options
 
-from shoal.catalog.resolve import ModelNotFound  # noqa: E402
-from shoal.config import NodeConfig, ServerConfig  # noqa: E402
-from shoal.node import BackgroundNode  # noqa: E402
-from shoal.router import Router  # noqa: E402
-from shoal.runner.supervisor import RunnerSupervisor  # noqa: E402
+from shoal.catalog.resolve import ModelNotFound
+from shoal.config import NodeConfig, ServerConfig
+from shoal.node import BackgroundNode
+from shoal.router import Router
+from shoal.runner.supervisor import RunnerSupervisor
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def fake_node(tmp_path_factory):
 
     config = NodeConfig(server=ServerConfig(port=0, keepalive_s=0.3), models=("fake-model",),
                         data_dir=tmp)
-    node = BackgroundNode(config, router_factory=router_factory, list_available=lambda: [])
+    node = BackgroundNode(config, router_factory=router_factory, list_available=list)
     node.start()
     node.abort_log = abort_log
     yield node

@@ -91,7 +91,7 @@ def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, m
         NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp_path),
         router_factory=lambda: Router(lambda s: RunnerSupervisor(fake_engine_config(
             tmp_path, s.model_id), options), resolve=lambda name: source),
-        list_available=lambda: [])
+        list_available=list)
     url = node.start()
     try:
         assert main(["run", "fake-model", "hello", "--url", url, "--max-tokens", "3"]) == 0

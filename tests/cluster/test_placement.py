@@ -14,13 +14,13 @@ from shoal.cluster.placement import (
     PlacementError,
     PlacementPolicy,
     kv_heads_per_rank,
-    tensor_share,
     load_refusal,
     place,
     place_exact,
     previews,
     shard_bytes,
     split_layers,
+    tensor_share,
     widen,
 )
 

@@ -14,7 +14,7 @@ from state_builders import GIB, facts
 
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
-from shoal.cluster.events import InstanceCreated, InstanceDeleted
+from shoal.cluster.events import InstanceCreated
 from shoal.cluster.instances import PlacementRequest
 from shoal.cluster.master import MasterConfig
 from shoal.cluster.replica import ReplicaConfig
@@ -188,7 +188,7 @@ def test_a_node_that_cannot_fit_its_share_refuses_and_the_master_widens(tmp_path
         try:
             await a.service.place(PlacementRequest(facts=facts(model="chat", weight_bytes=GIB,
                                                                n_layers=4)))
-            created = lambda: [e.event.instance for e in a.service.recent  # noqa: E731
+            created = lambda: [e.event.instance for e in a.service.recent
                                if isinstance(e.event, InstanceCreated)]
             await wait_until(lambda: len(created()) >= 2 and not a.state.instances, timeout=10,
                              what="placements ended")

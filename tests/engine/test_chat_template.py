@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tokenizer_fixtures import (
+    gemma3_path,
+    smollm2_path,
+    tiny_byte_level_metadata,
+    tiny_sentencepiece_metadata,
+)
 
 from shoal.engine.config import ModelSource
 from shoal.engine.tokenizer.chat_template import (
@@ -13,13 +19,6 @@ from shoal.engine.tokenizer.chat_template import (
 )
 from shoal.engine.tokenizer.gguf_vocab import build_tokenizer, tokenizer_info
 from shoal.engine.tokenizer.tokenizer import Tokenizer
-
-from tokenizer_fixtures import (
-    gemma3_path,
-    smollm2_path,
-    tiny_byte_level_metadata,
-    tiny_sentencepiece_metadata,
-)
 
 CONVERSATION = [
     {"role": "user", "content": "Hello!"},

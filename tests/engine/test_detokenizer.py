@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
-from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
-from shoal.engine.tokenizer.gguf_vocab import build_tokenizer, tokenizer_info
-from shoal.engine.tokenizer.tokenizer import Tokenizer
-
 from tokenizer_fixtures import (
     gemma3_path,
     smollm2_path,
     tiny_byte_level_metadata,
     tiny_sentencepiece_metadata,
 )
+
+from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
+from shoal.engine.tokenizer.gguf_vocab import build_tokenizer, tokenizer_info
+from shoal.engine.tokenizer.tokenizer import Tokenizer
 
 TEXTS = ["Emoji 😀🚀👍🏽 and 🇫🇷!", "中文测试：你好，世界！", "héllo wörld", "  two  spaces\n\nnext"]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from forward_helpers import greedy_batch
+
 from shoal.engine.config import ModelSource
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model

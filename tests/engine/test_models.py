@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-
 from forward_helpers import all_position_logits, chunk, step
+from tiny_models import FAMILIES, VOCAB
+
 from shoal.engine.config import ModelSource
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
-from tiny_models import FAMILIES, VOCAB
 
 PROMPT = [3, 17, 99, 42, 5, 77, 8, 120, 64, 33, 2, 91, 15]
 BLOCK = 4
@@ -143,7 +143,11 @@ def test_int8_linear_many_rows_match_the_weight_only_kernel():
 def test_quantized_layer_runs_many_rows_on_its_dense_copy():
     import numpy as np
 
-    from shoal.engine.models.layers.linear import QUANT_MAX_ROWS, WeightPlan, build_linear
+    from shoal.engine.models.layers.linear import (
+        QUANT_MAX_ROWS,
+        WeightPlan,
+        build_linear,
+    )
     from shoal.engine.weights.quant import RawTensor
 
     generator = torch.Generator().manual_seed(0)

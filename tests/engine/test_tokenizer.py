@@ -6,6 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizer_fixtures import (
+    gemma3_path,
+    smollm2_path,
+    tiny_byte_level_metadata,
+    tiny_sentencepiece_metadata,
+)
 
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
@@ -17,13 +23,6 @@ from shoal.engine.tokenizer.gguf_vocab import (
     tokenizer_info,
 )
 from shoal.engine.tokenizer.tokenizer import Tokenizer
-
-from tokenizer_fixtures import (
-    gemma3_path,
-    smollm2_path,
-    tiny_byte_level_metadata,
-    tiny_sentencepiece_metadata,
-)
 
 STRINGS = [
     "Hello, world!",

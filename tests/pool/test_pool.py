@@ -5,11 +5,9 @@ subprocesses; keep-alive times of tens of milliseconds)."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
-
-import pytest
 
 from memory_pool import LOAD_S, embed, generate, loaded, make_router, run, sources  # noqa: F401
+
 
 def test_models_load_on_first_use_and_concurrent_first_requests_share_one_load(sources):
     events = []

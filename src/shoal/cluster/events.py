@@ -11,7 +11,7 @@ travel as msgpack of model_dump(mode="json") and come back with the parse_* help
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 
@@ -77,8 +77,7 @@ class CancelTask(Frozen):
 
 
 Command = Annotated[
-    Union[PlaceInstance, AdoptInstance, DeleteInstance, RefusePlacement, SubmitTask,
-          CancelTask],
+    PlaceInstance | AdoptInstance | DeleteInstance | RefusePlacement | SubmitTask | CancelTask,
     Field(discriminator="kind"),
 ]
 
@@ -162,14 +161,12 @@ class TaskFailed(Frozen):
 
 
 Event = Annotated[
-    Union[SessionStarted, NodeJoined, NodeLeft, InstanceCreated, InstanceDeleted,
-          PlacementFailed, RunnerStatusChanged, TaskCreated, TaskCancelled, TaskFinished,
-          TaskFailed],
+    SessionStarted | NodeJoined | NodeLeft | InstanceCreated | InstanceDeleted | PlacementFailed | RunnerStatusChanged | TaskCreated | TaskCancelled | TaskFinished | TaskFailed,
     Field(discriminator="kind"),
 ]
 # What a worker may publish on local_events for the master to index.
 WorkerEvent = Annotated[
-    Union[RunnerStatusChanged, TaskFinished, TaskFailed],
+    RunnerStatusChanged | TaskFinished | TaskFailed,
     Field(discriminator="kind"),
 ]
 

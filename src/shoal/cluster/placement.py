@@ -21,7 +21,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous, Sharding
+from shoal.cluster.instances import (
+    Instance,
+    PlacementRequest,
+    Rank,
+    Rendezvous,
+    Sharding,
+)
 from shoal.cluster.model_facts import ModelFacts
 from shoal.engine.kv_budget import LOAD_OVERHEAD_FACTOR
 from shoal.ids import InstanceId, NodeId, runner_id_for

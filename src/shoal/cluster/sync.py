@@ -8,7 +8,7 @@ SyncRequest; the master answers that node with a snapshot and the log tail after
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 
@@ -42,7 +42,7 @@ class SyncResponse(Frozen):
     tail: tuple[IndexedEvent, ...] = ()
 
 
-SyncMessage = Annotated[Union[SyncRequest, SyncResponse], Field(discriminator="kind")]
+SyncMessage = Annotated[SyncRequest | SyncResponse, Field(discriminator="kind")]
 _sync_messages: TypeAdapter[SyncMessage] = TypeAdapter(SyncMessage)
 
 

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.engine.config import ModelSource, ModelTask
-from shoal.protocol import EmbeddingRequest, EmbeddingResult, ErrorChunk, GenerationRequest
+from shoal.protocol import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorChunk,
+    GenerationRequest,
+)
 from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 
 log = logging.getLogger("shoal.pool")

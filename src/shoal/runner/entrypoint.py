@@ -223,7 +223,7 @@ class RunnerLoop:
     def idle(self) -> None:
         try:
             self.engine.idle()
-        except Exception as error:  # noqa: BLE001 - a lost rank: the instance cannot serve
+        except Exception as error:
             raise EngineBroken(f"the instance lost a rank: {error}") from error
 
     def has_work(self) -> bool:
@@ -392,7 +392,7 @@ class RunnerLoop:
             self.engine.abort_request(request_id)
         try:
             self.engine.step()  # reports the aborts; frees their KV blocks
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise EngineBroken(f"engine cannot recover after a failed step: {error}") from error
         if self.engine.has_unfinished_requests():
             raise EngineBroken("engine still holds requests after aborting all of them")

@@ -7,7 +7,7 @@ Each travels as one msgpack frame (see framing.py): model_dump() out, validate o
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -88,8 +88,8 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Union[Load, Submit, Embed, Cancel, Shutdown], Field(discriminator="type")]
-FromRunner = Annotated[Union[Status, ChunkMessage, ChunkBatch, Failed],
+ToRunner = Annotated[Load | Submit | Embed | Cancel | Shutdown, Field(discriminator="type")]
+FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | Failed,
                       Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)

@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shoal.engine.config import EngineConfig
-from shoal.protocol import EmbeddingRequest, EmbeddingResult, ErrorChunk, GenerationRequest
+from shoal.protocol import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorChunk,
+    GenerationRequest,
+)
 from shoal.runner.framing import FrameTooLarge, read_frame, write_frame
-from shoal.runner.options import SupervisorOptions
-from shoal.runner.process import stop_process
 from shoal.runner.messages import (
     Cancel,
     ChunkBatch,
@@ -39,6 +42,9 @@ from shoal.runner.messages import (
     parse_from_runner,
     to_wire,
 )
+from shoal.runner.options import SupervisorOptions
+from shoal.runner.process import stop_process
+from shoal.runner.process_env import runner_environment
 
 log = logging.getLogger("shoal.supervisor")
 
@@ -303,7 +309,7 @@ class RunnerSupervisor:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "shoal.runner.entrypoint", "--socket", socket_path,
                 "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **self.options.env})
+                env=runner_environment(self.options.env))
             process = _Process(proc=proc)
             self._process = process
             await self._connect(process, connected)

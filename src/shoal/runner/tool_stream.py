@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+
 from shoal.engine.outputs import RequestOutput, TokenLogprob
 from shoal.protocol import ToolCall
 from shoal.runner.tool_parser import ToolCallParser

@@ -23,7 +23,11 @@ from shoal.runner.tool_format import (
     closed_schema,
     format_for_template,
 )
-from shoal.runner.tool_prompt import template_messages, template_tools, with_tool_section
+from shoal.runner.tool_prompt import (
+    template_messages,
+    template_tools,
+    with_tool_section,
+)
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -10,8 +10,6 @@ from typing import Any, Literal
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.generation import SSEResponder, collect_reply
-from shoal.api.sampling import build_sampling_params, stop_strings
-from shoal.api.sse import DONE, sse_event
 from shoal.api.openai.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -27,6 +25,8 @@ from shoal.api.openai.tool_fields import (
     tool_call_delta,
     tool_call_json,
 )
+from shoal.api.sampling import build_sampling_params, stop_strings
+from shoal.api.sse import DONE, sse_event
 from shoal.api.tools import limit_tool_calls
 from shoal.engine.sampling import SamplingParams
 from shoal.protocol import ChatMessage, GenerationRequest, LogprobItem, Usage

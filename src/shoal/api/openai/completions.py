@@ -6,7 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from shoal.api.generation import respond
-from shoal.api.openai.adapter import OpenAIResponder, completion_to_internal, new_request_id
+from shoal.api.openai.adapter import (
+    OpenAIResponder,
+    completion_to_internal,
+    new_request_id,
+)
 from shoal.api.openai.schemas import CompletionRequest
 
 router = APIRouter()

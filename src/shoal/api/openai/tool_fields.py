@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.api.errors import invalid_parameter
-from shoal.api.openai.schemas import ChatCompletionRequest, ChatMessageIn, ResponseFormatIn
+from shoal.api.openai.schemas import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    ResponseFormatIn,
+)
 from shoal.api.tools import arguments_text, check_tool_named, tool_spec
 from shoal.protocol import ForcedTool, ResponseFormat, ToolCall, ToolChoice, ToolSpec
 
