@@ -6,7 +6,7 @@ from fakes import NATURAL_LENGTH, FakeEngine, fake_engine_config
 
 from shoal.engine.sampling import SamplingParams
 from shoal.protocol import GenerationRequest
-from shoal.runner.entrypoint import RunnerLoop
+from shoal.runner.loop import RunnerLoop
 from shoal.runner.messages import ChunkBatch, ChunkMessage
 
 

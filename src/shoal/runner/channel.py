@@ -1,0 +1,63 @@
+"""The runner's end of its socket to the supervisor: a reader thread and a locked sender."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from typing import Any
+
+from shoal.runner.framing import FrameError, recv_frame, send_frame
+from shoal.runner.messages import (
+    RunnerMessage,
+    to_wire,
+)
+
+log = logging.getLogger("shoal.runner")
+
+EOF = object()  # put in the inbox once the supervisor closed the socket
+
+
+class Channel:
+    """The runner's end of the socket: a reader thread fills an inbox; sends are locked."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._send_lock = threading.Lock()
+        threading.Thread(target=self._read_loop, name="runner-reader", daemon=True).start()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                raw = recv_frame(self._sock)
+            except (OSError, ConnectionError, FrameError, ValueError) as error:
+                log.error("runner socket read failed: %s", error)
+                raw = None
+            if raw is None:
+                self._inbox.put(EOF)
+                return
+            self._inbox.put(raw)
+
+    def receive(self, block: bool, timeout_s: float | None = None) -> list[Any]:
+        """All waiting raw messages; with block, wait for at least one (or timeout_s)."""
+        items = []
+        if block:
+            try:
+                items.append(self._inbox.get(timeout=timeout_s))
+            except queue.Empty:
+                return []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def send(self, message: RunnerMessage) -> None:
+        with self._send_lock:
+            send_frame(self._sock, to_wire(message))
+
+
+class SupervisorGone(Exception):
+    """The socket closed: nobody is left to serve."""

@@ -1,0 +1,314 @@
+"""RunnerLoop: take the supervisor's messages, step the engine, stream chunks back."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from pydantic import ValidationError
+
+from shoal.engine.errors import ContextLengthExceeded
+from shoal.engine.grammar_spec import InvalidGrammar
+from shoal.engine.outputs import RequestOutput, TokenLogprob
+from shoal.engine.sampling import InvalidParameter
+from shoal.protocol import (
+    AcceptedChunk,
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorChunk,
+    FinishChunk,
+    GenerationRequest,
+    LogprobItem,
+    TokenChunk,
+    ToolCallChunk,
+    TopLogprobItem,
+    Usage,
+)
+from shoal.runner.channel import EOF, Channel, SupervisorGone
+from shoal.runner.framing import FrameTooLarge
+from shoal.runner.messages import (
+    Cancel,
+    ChunkBatch,
+    ChunkMessage,
+    Embed,
+    Shutdown,
+    Submit,
+    parse_to_runner,
+)
+from shoal.runner.tool_stream import IndexedCall, ToolCallStream
+from shoal.runner.tool_use import (
+    TemplateToolSupport,
+    chat_prompt,
+    check_tools,
+    grammar_param,
+    offered_tools,
+    output_grammar,
+)
+
+log = logging.getLogger("shoal.runner")
+
+
+def engine_task(engine: Any) -> str:
+    return getattr(engine, "task", "generate")
+
+
+def _logprob_items(logprobs: tuple[TokenLogprob, ...]) -> tuple[LogprobItem, ...]:
+    return tuple(
+        LogprobItem(token_id=lp.token_id, token=lp.token, logprob=lp.logprob,
+                    top=tuple(TopLogprobItem(token_id=t.token_id, token=t.token,
+                                             logprob=t.logprob) for t in lp.top))
+        for lp in logprobs)
+
+
+class RunnerLoop:
+    """Serves Submit/Cancel against one engine until Shutdown or the socket closes."""
+
+    def __init__(self, engine: Any, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.in_flight: set[str] = set()
+        self.embeds = engine_task(engine) == "embed"
+        self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
+        self._tool_support: TemplateToolSupport | None = None
+        self._outbox: list[Any] | None = None  # chunks of the step being reported
+
+    def run(self) -> None:
+        # Rank 0 of a parallel instance wakes while idle to keep its ranks' waits alive.
+        parallel = getattr(getattr(self.engine, "config", None), "parallel", None)
+        tick_s = parallel.keepalive_s / 2 if parallel is not None else None
+        while True:
+            block = not self.has_work()
+            for raw in self.channel.receive(block, tick_s):
+                if not self.handle(raw):
+                    return
+            if self.has_work():
+                self.step()
+            elif tick_s is not None:
+                self.idle()
+
+    def idle(self) -> None:
+        try:
+            self.engine.idle()
+        except Exception as error:
+            raise EngineBroken(f"the instance lost a rank: {error}") from error
+
+    def has_work(self) -> bool:
+        # An embedding engine answers each request at once; it never has work left over.
+        return not self.embeds and self.engine.has_unfinished_requests()
+
+    def handle(self, raw: Any) -> bool:
+        """Apply one incoming message; False means stop serving."""
+        if raw is EOF:
+            raise SupervisorGone()
+        try:
+            message = parse_to_runner(raw)
+        except ValidationError as error:
+            self._reject_unparsable(raw, error)
+            return True
+        if isinstance(message, Submit):
+            self.submit(message.request)
+        elif isinstance(message, Embed):
+            self.embed(message.request)
+        elif isinstance(message, Cancel):
+            if not self.embeds:  # embeddings finish within handle(): nothing to abort
+                self.engine.abort_request(message.request_id)
+        elif isinstance(message, Shutdown):
+            return False
+        else:
+            log.warning("ignoring %s after the engine is loaded", message.type)
+        return True
+
+    def _reject_unparsable(self, raw: Any, error: ValidationError) -> None:
+        request = raw.get("request") if isinstance(raw, dict) else None
+        request_id = request.get("request_id") if isinstance(request, dict) else None
+        log.error("unparsable message from the supervisor: %s", error)
+        if isinstance(request_id, str):
+            self.send_chunk(ErrorChunk(request_id=request_id, code="invalid_request",
+                                       message=f"malformed request: {error}"))
+
+    # ---- submit ---------------------------------------------------------------------------
+
+    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise InvalidParameter("prompt", f"token id {bad[0]} is outside the "
+                                                  f"vocabulary (size {self.engine.vocab_size})")
+            return ids
+        if request.messages is not None:
+            text = chat_prompt(request, self.tool_support, self.engine.render_chat)
+            return tokenizer.encode(text, add_special_tokens=True)
+        if request.prompt is not None:
+            return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        raise InvalidParameter("prompt", "one of prompt, messages or prompt_token_ids is needed")
+
+    def submit(self, request: GenerationRequest) -> None:
+        request_id = request.request_id
+        if self.embeds:
+            self._error(request_id, "invalid_request", f"model {self.engine.model_id!r} is an "
+                        f"embedding model; it cannot generate text", "model")
+            return
+        try:
+            check_tools(request)
+            ids = self.prompt_token_ids(request)
+            if not request.count_only:
+                grammar = output_grammar(request, self.tool_support.call_format)
+                self.engine.add_request(request_id, ids, request.sampling, grammar=grammar)
+        except InvalidGrammar as error:
+            param = grammar_param(request)
+            self._error(request_id, "invalid_request",
+                        f"{param}: the schema cannot be enforced: {error}", param)
+        except InvalidParameter as error:
+            self._error(request_id, "invalid_request", str(error), error.param)
+        except ContextLengthExceeded as error:
+            self._error(request_id, "context_length_exceeded", str(error), "messages"
+                        if request.messages is not None else "prompt")
+        except ValueError as error:  # a duplicate id, a template that rejects the messages
+            self._error(request_id, "invalid_request", str(error))
+        except Exception as error:  # noqa: BLE001 - a bug must not take the runner down
+            log.error("submit %s failed:\n%s", request_id, traceback.format_exc())
+            self._error(request_id, "internal", f"{type(error).__name__}: {error}")
+        else:
+            if request.count_only:
+                self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
+                self.send_chunk(FinishChunk(request_id=request_id, finish_reason="stop",
+                                            usage=Usage(prompt_tokens=len(ids),
+                                                        completion_tokens=0)))
+                return
+            self.in_flight.add(request_id)
+            if offered_tools(request):
+                self.tool_streams[request_id] = ToolCallStream(
+                    [tool.name for tool in offered_tools(request)])
+            self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
+
+    @property
+    def tool_support(self) -> TemplateToolSupport:
+        if self._tool_support is None:
+            template = self.engine.tokenizer.chat_template
+            self._tool_support = TemplateToolSupport.of(template.source, template.uses_tools)
+        return self._tool_support
+
+    # ---- embed ----------------------------------------------------------------------------
+
+    def embed(self, request: EmbeddingRequest) -> None:
+        """Answer at once: one EmbeddingResult or ErrorChunk (the batch runs synchronously)."""
+        request_id = request.request_id
+        if not self.embeds:
+            self._error(request_id, "invalid_request", f"model {self.engine.model_id!r} "
+                        f"generates text; it does not produce embeddings", "model")
+            return
+        try:
+            if request.texts is not None:
+                ids = self.engine.tokenize(request.texts, request.truncate)
+            else:
+                ids = self.engine.check_token_ids(request.token_ids or (), request.truncate)
+            vectors = self.engine.embed(ids) if ids else None  # [B, dimensions] float32
+        except InvalidParameter as error:
+            self._error(request_id, "invalid_request", str(error), error.param)
+        except ContextLengthExceeded as error:
+            self._error(request_id, "context_length_exceeded", str(error), "input")
+        except Exception as error:  # noqa: BLE001 - a bug must not take the runner down
+            log.error("embed %s failed:\n%s", request_id, traceback.format_exc())
+            self._error(request_id, "internal", f"{type(error).__name__}: {error}")
+        else:
+            rows = () if vectors is None else tuple(map(tuple, vectors.tolist()))
+            try:
+                self.send_chunk(EmbeddingResult(request_id=request_id, embeddings=rows,
+                                                prompt_tokens=sum(len(i) for i in ids)))
+            except FrameTooLarge as error:  # raised before anything is written
+                self._error(request_id, "invalid_request", f"the embeddings of this batch are "
+                            f"too large to return ({error.size} bytes encoded, limit "
+                            f"{error.limit}); send fewer inputs per request", "input")
+
+    # ---- step -----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            if type(error).__name__ == "GroupError":  # a rank of the instance is gone
+                self._fail_in_flight(f"the model's instance lost a rank: {error}",
+                                     code="unavailable")
+            else:
+                self._fail_in_flight(f"engine step failed: {type(error).__name__}: {error}")
+            return
+        self._outbox = []
+        try:
+            for output in outputs:
+                self.send_output(output)
+        finally:
+            chunks, self._outbox = self._outbox, None
+        if chunks:
+            self._send_batch(chunks)
+
+    def _send_batch(self, chunks: list[Any]) -> None:
+        try:
+            self.channel.send(ChunkBatch(chunks=tuple(chunks)))
+        except FrameTooLarge:  # raised before anything is written
+            for chunk in chunks:
+                self.channel.send(ChunkMessage(chunk=chunk))
+
+    def _fail_in_flight(self, message: str, code: str = "internal") -> None:
+        failed, self.in_flight = sorted(self.in_flight), set()
+        for request_id in failed:
+            self._error(request_id, code, message)
+            self.engine.abort_request(request_id)
+        try:
+            self.engine.step()  # reports the aborts; frees their KV blocks
+        except Exception as error:
+            raise EngineBroken(f"engine cannot recover after a failed step: {error}") from error
+        if self.engine.has_unfinished_requests():
+            raise EngineBroken("engine still holds requests after aborting all of them")
+
+    def send_output(self, output: RequestOutput) -> None:
+        request_id = output.request_id
+        if request_id not in self.in_flight:
+            self.tool_streams.pop(request_id, None)
+            return  # cancelled by the supervisor, or already failed
+        tool_stream = self.tool_streams.get(request_id)
+        if tool_stream is not None:
+            self._send_with_tool_calls(request_id, tool_stream, output)
+        elif output.text or output.token_ids:
+            self.send_chunk(TokenChunk(request_id=request_id, text=output.text,
+                                       token_ids=output.token_ids,
+                                       logprobs=_logprob_items(output.logprobs)))
+        if output.finished:
+            self.in_flight.discard(request_id)
+            finish_reason = output.finish_reason or "stop"
+            if tool_stream is not None:
+                finish_reason = tool_stream.finish_reason(finish_reason)
+                del self.tool_streams[request_id]
+            usage = Usage(prompt_tokens=output.prompt_tokens,
+                          completion_tokens=output.completion_tokens,
+                          cached_tokens=output.cached_tokens)
+            self.send_chunk(FinishChunk(request_id=request_id, finish_reason=finish_reason,
+                                        usage=usage, stop_sequence=output.stop_string))
+
+    def _send_with_tool_calls(self, request_id: str, stream: ToolCallStream,
+                              output: RequestOutput) -> None:
+        for piece in stream.feed(output):
+            if isinstance(piece, IndexedCall):
+                self.send_chunk(ToolCallChunk(request_id=request_id, index=piece.index,
+                                              call=piece.call))
+            else:
+                self.send_chunk(TokenChunk(request_id=request_id, text=piece.text,
+                                           token_ids=piece.token_ids,
+                                           logprobs=_logprob_items(piece.logprobs)))
+
+    def _error(self, request_id: str, code: str, message: str, param: str | None = None) -> None:
+        self.send_chunk(ErrorChunk(request_id=request_id, code=code, message=message,
+                                   param=param))
+
+    def send_chunk(self, chunk: Any) -> None:
+        if self._outbox is not None:  # inside step(): sent with the step's other chunks
+            self._outbox.append(chunk)
+        else:
+            self.channel.send(ChunkMessage(chunk=chunk))
+
+
+class EngineBroken(RuntimeError):
+    """The engine's state is no longer trustworthy; the runner exits to be restarted."""
