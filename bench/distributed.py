@@ -1,6 +1,7 @@
 """One node versus a 2-rank pipeline and a 2-rank tensor instance, on loopback; prints JSON.
 
     python bench/distributed.py [--model ID] [--dtype auto] [--tokens 64] [--prompt 200]
+                                [--rounds 3] [--layout both|separate|shared]
 
 Each configuration runs as separate processes (one per rank) joined by torch.distributed
 (gloo) on 127.0.0.1, the way a multi-node instance runs. For each: time to first token of a
@@ -9,8 +10,16 @@ per decoded token (for the pipeline that wait includes rank 1's layers; for tens
 is the all-reduces). Also: the round trip of a hidden-state sized message between two ranks.
 The pipeline's overhead is its decode time per token over one node's, minus 1.
 
-Threads: a pipeline's ranks take turns, so each gets all the cores; tensor ranks compute at
-once, so they share them. Every process gets the OpenMP settings of shoal's runner processes
+Two layouts of the ranks on this machine's cores:
+- separate: each rank is pinned to its own half of the cores and uses that many threads, as
+  two machines would be; "one node" is one such half. This is how a multi-node instance runs.
+- shared: every rank may use every core. A pipeline's ranks take turns, so each runs with all
+  the cores' threads; tensor ranks compute at once and split them. "One node" uses every
+  core. On a small machine this is the worst case: the ranks' thread teams contend for the
+  same cores at every hand-over.
+Configurations run in turn, --rounds times, and the medians are reported: this kind of
+machine's speed drifts within a minute, and turn-about keeps every configuration under the
+same drift. Every process gets the OpenMP settings of shoal's runner processes
 (runner/process_env.py), without which a pipeline's idle rank spins on the cores the busy
 one needs.
 """
@@ -22,6 +31,7 @@ import json
 import multiprocessing
 import os
 import socket
+import statistics
 import time
 
 WORDS = ["river", "stone", "market", "lantern", "orchard", "signal", "harbor", "meadow", "copper", "violin", "thunder", "garden", "compass", "mirror", "velvet", "canyon", "ember", "glacier", "quartz"]
@@ -66,7 +76,14 @@ def measure(engine, prompt_tokens: int, new_tokens: int) -> dict:
             "rank0_wait_ms_per_token": 1e3 * waited / new_tokens}
 
 
+def pin(cores: list[int] | None) -> None:
+    """Keep this process (and the threads it starts) on the given cores, as a node would be."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+
+
 def run_rank(rank: int, args: dict, port: int, results) -> None:
+    pin(args["cores"][rank] if args.get("cores") else None)
     from shoal.engine.config import EngineConfig  # noqa: F401 - torch loaded per process
     from shoal.engine.parallel.config import ParallelConfig
 
@@ -107,6 +124,7 @@ def run_parallel(args: dict) -> dict:
 
 
 def run_single(args: dict, results) -> None:
+    pin(args["cores"][0] if args.get("cores") else None)
     from shoal.engine.engine import Engine
 
     engine = Engine(engine_config(args["model"], args["dtype"], args["threads"]))
@@ -167,6 +185,46 @@ def messaging(hidden: int) -> dict:
             proc.join(30)
 
 
+def layout_configs(layout: str, base: dict, layers: int) -> dict[str, tuple]:
+    """name -> (runner, args) of the three configurations in one layout of the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = layers // 2
+    pipeline = {"sharding": "pipeline", "layers": [(0, half), (half, layers)]}
+    tensor = {"sharding": "tensor", "layers": [(0, layers), (0, layers)]}
+    if layout == "separate":
+        share = max(1, len(cores) // 2)
+        per_rank = [cores[:share], cores[share:2 * share] or cores[:share]]
+        return {"one_node": (single, {**base, "threads": share, "cores": per_rank[:1]}),
+                "pipeline_2": (run_parallel, {**base, **pipeline, "threads": share,
+                                              "cores": per_rank}),
+                "tensor_2": (run_parallel, {**base, **tensor, "threads": share,
+                                            "cores": per_rank})}
+    return {"one_node": (single, {**base, "threads": len(cores)}),
+            "pipeline_2": (run_parallel, {**base, **pipeline, "threads": len(cores)}),
+            "tensor_2": (run_parallel, {**base, **tensor,
+                                        "threads": max(1, len(cores) // 2)})}
+
+
+def median_run(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def measure_layout(layout: str, base: dict, layers: int, rounds: int) -> dict:
+    configs = layout_configs(layout, base, layers)
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, (runner, args) in configs.items():
+            runs[name].append(runner(args))
+    result = {name: median_run(config_runs) for name, config_runs in runs.items()}
+    result["threads_per_rank"] = configs["pipeline_2"][1]["threads"]
+    result["pipeline_overhead_per_token"] = (result["pipeline_2"]["decode_ms_per_token"]
+                                             / result["one_node"]["decode_ms_per_token"] - 1)
+    result["pipeline_overhead_each_round"] = [
+        pipe["decode_ms_per_token"] / one["decode_ms_per_token"] - 1
+        for one, pipe in zip(runs["one_node"], runs["pipeline_2"])]
+    return result
+
+
 def main() -> None:
     from shoal.catalog.resolve import DEFAULT_MODEL_ID, resolve_model
     from shoal.engine.models.loader import read_model_config
@@ -177,25 +235,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layout", choices=("both", "separate", "shared"), default="both")
     args = parser.parse_args()
     # Every configuration runs with the environment shoal gives its runner processes.
     os.environ.update(runner_environment())
-    cores = os.cpu_count() or 2
-    layers = read_model_config(resolve_model(args.model)).num_layers
-    half = layers // 2
+    config = read_model_config(resolve_model(args.model))
     base = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens,
             "prompt": args.prompt}
-    one = single({**base, "threads": cores})
-    pipeline = run_parallel({**base, "threads": cores, "sharding": "pipeline",
-                             "layers": [(0, half), (half, layers)]})
-    tensor = run_parallel({**base, "threads": max(1, cores // 2), "sharding": "tensor",
-                           "layers": [(0, layers), (0, layers)]})
-    hidden = read_model_config(resolve_model(args.model)).hidden_size
-    result = {"model": args.model, "dtype": args.dtype, "cores": cores,
-              "one_node": one, "pipeline_2": pipeline, "tensor_2": tensor,
-              "messaging": messaging(hidden),
-              "pipeline_overhead_per_token": pipeline["decode_ms_per_token"]
-              / one["decode_ms_per_token"] - 1}
+    layouts = ("separate", "shared") if args.layout == "both" else (args.layout,)
+    result = {"model": args.model, "dtype": args.dtype, "cores": len(os.sched_getaffinity(0)),
+              "rounds": args.rounds}
+    for layout in layouts:
+        result[layout] = measure_layout(layout, base, config.num_layers, args.rounds)
+    result["messaging"] = messaging(config.hidden_size)
     print(json.dumps(result, indent=2))
 
 

@@ -7,6 +7,10 @@ aggregate decode tokens/s with 1, 4 and 16 concurrent streams through the HTTP A
 first token p50/p95, time to first token for a prompt whose first 1,000 tokens were seen
 before versus cold, and peak memory of the serving processes. With --peer llama-cpp the same
 GGUF and prompts run through llama-cpp-python and ratios are reported.
+
+This machine's speed drifts by ~30% within a minute, so the batch-1 decode comparison and
+the HTTP stream counts run --rounds turns each and report medians (HTTP turns use fresh
+prompts: a repeated prompt would be served from the prefix cache).
 """
 
 from __future__ import annotations
@@ -145,18 +149,36 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: st
     return ttft or 0.0, tokens, time.perf_counter() - start
 
 
-async def concurrent_streams(base: str, model: str, streams: int, max_tokens: int) -> dict:
+async def concurrent_streams(base: str, model: str, streams: int, max_tokens: int,
+                             turn: int = 0) -> dict:
+    """streams completions at once, each on a prompt no earlier turn has sent (so the prefix
+    cache never shortens the prefill)."""
     url = f"{base}/v1/completions"
     async with httpx.AsyncClient() as client:
         start = time.perf_counter()
         results = await asyncio.gather(*[
-            stream_one(client, url, model, f"Story {i}: " + synthetic_text(40, i), max_tokens)
+            stream_one(client, url, model, f"Story {turn}-{i}: " + synthetic_text(40, i),
+                       max_tokens)
             for i in range(streams)])
         elapsed = time.perf_counter() - start
     ttfts = sorted(r[0] for r in results)
-    return {"streams": streams, "aggregate_tokens_per_s": sum(r[1] for r in results) / elapsed,
+    return {"aggregate_tokens_per_s": sum(r[1] for r in results) / elapsed,
             "ttft_p50_s": statistics.median(ttfts),
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]}
+
+
+def concurrency_turns(base: str, model: str, rounds: int) -> list[dict]:
+    """1, 4 and 16 streams of 64 tokens, taken in turn rounds times; the median of each
+    figure per stream count (every turn is on fresh prompts)."""
+    runs: dict[int, list[dict]] = {n: [] for n in (1, 4, 16)}
+    for turn in range(rounds):
+        for streams, results in runs.items():
+            results.append(asyncio.run(concurrent_streams(base, model, streams, 64,
+                                                          turn * 100 + streams)))
+    return [{"streams": streams, "rounds": rounds,
+             **{key: statistics.median(r[key] for r in results) for key in results[0]},
+             "aggregate_each_round": [r["aggregate_tokens_per_s"] for r in results]}
+            for streams, results in runs.items()]
 
 
 async def prefix_cache_ttft(base: str, model: str) -> dict:
@@ -173,7 +195,7 @@ def process_tree_rss(proc: subprocess.Popen) -> int:
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
 
-def bench_http(model: str, threads: int) -> dict:
+def bench_http(model: str, threads: int, rounds: int) -> dict:
     import tempfile
 
     port = free_port()
@@ -181,8 +203,7 @@ def bench_http(model: str, threads: int) -> dict:
         proc = start_server(model, threads, port, Path(data_dir))
         base = f"http://127.0.0.1:{port}"
         try:
-            out = {"concurrency": [asyncio.run(concurrent_streams(base, model, n, 64))
-                                   for n in (1, 4, 16)],
+            out = {"concurrency": concurrency_turns(base, model, rounds),
                    "prefix_cache": asyncio.run(prefix_cache_ttft(base, model)),
                    "server_rss_bytes": process_tree_rss(proc)}
         finally:
@@ -248,7 +269,8 @@ def main() -> None:
     parser.add_argument("--peer", choices=["llama-cpp"], default=None)
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="turns of shoal / peer batch-1 decode, alternating")
+                        help="turns of shoal / peer batch-1 decode, alternating, and of "
+                             "the HTTP stream counts")
     args = parser.parse_args()
 
     engine_result, engine = bench_engine(args.model, args.threads)
@@ -263,7 +285,7 @@ def main() -> None:
         del peer
     del engine
     if not args.skip_http:
-        result["http"] = bench_http(args.model, args.threads)
+        result["http"] = bench_http(args.model, args.threads, args.rounds)
     if "peer_llama_cpp" in result:
         peer_result = result["peer_llama_cpp"]
         decode = peer_result["decode"]

@@ -11,7 +11,11 @@ import torch
 from rank_processes import run_ranks
 
 from shoal.engine.parallel.config import ParallelConfig
-from shoal.engine.parallel.group import GroupError, RankGroup
+from shoal.engine.parallel.group import FRAME_BYTES, GroupError, RankGroup
+
+# payloads around one frame's capacity (FRAME_BYTES minus its 8-byte length)
+BIG = [bytes(range(256)) * (n // 256) + bytes(n % 256)
+       for n in (FRAME_BYTES - 8, FRAME_BYTES - 7, 3 * FRAME_BYTES + 5)]
 
 
 def config(rank: int, world: int, port: int, **extra) -> ParallelConfig:
@@ -27,9 +31,12 @@ def exchange(rank: int, world: int, port: int) -> dict:
         for dst in range(1, world):
             group.send_bytes(f"plan for {dst}".encode(), dst)
             group.send_bytes(b"", dst)
+            for payload in BIG:
+                group.send_bytes(payload, dst)
             group.send_tensor(torch.arange(6, dtype=torch.bfloat16) * dst, dst)
     else:
         out["bytes"] = (group.recv_bytes(0), group.recv_bytes(0))
+        out["big"] = [group.recv_bytes(0) for _ in BIG]
         out["tensor"] = group.recv_tensor((6,), torch.bfloat16, 0).tolist()
     values = torch.full((3,), float(rank + 1))
     out["sum"] = group.all_reduce_(values).tolist()
@@ -44,6 +51,7 @@ def test_ranks_exchange_messages_tensors_and_sums(world):
         assert out["sum"] == [total] * 3, out
         if rank:
             assert out["bytes"] == (f"plan for {rank}".encode(), b"")
+            assert out["big"] == BIG
             assert out["tensor"] == [float(i * rank) for i in range(6)]
 
 
