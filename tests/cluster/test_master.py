@@ -306,7 +306,8 @@ def test_failed_placed_instances_are_placed_again_with_a_bound(tmp_path):
                 attempts.append((instance.attempt, instance.rendezvous))
                 b.transport.publish(Topic.LOCAL_EVENTS, to_wire(RunnerStatusChanged(
                     status=runner_status(instance, 1, "failed", "group did not form"))))
-                await wait_until(lambda: instance.instance_id not in master.state.instances)
+                gone = instance.instance_id
+                await wait_until(lambda gone=gone: gone not in master.state.instances)
                 await asyncio.sleep(0.05)
             return attempts, master.state.instances, _kinds(a.seen)
         finally:
