@@ -27,6 +27,7 @@ from shoal.protocol import (
     GenerationRequest,
 )
 from shoal.runner.framing import FrameTooLarge, read_frame, write_frame
+from shoal.runner.inflight import InFlight
 from shoal.runner.messages import (
     Cancel,
     ChunkBatch,
@@ -57,12 +58,6 @@ class RunnerUnavailable(RuntimeError):
 
 
 @dataclass
-class _Pending:
-    queue: asyncio.Queue
-    finished: bool = False  # a terminal chunk was queued (the runner holds nothing more)
-
-
-@dataclass
 class _Process:
     """One spawned runner and its socket."""
 
@@ -88,7 +83,9 @@ class RunnerSupervisor:
         # None when it is kept loaded indefinitely. Set by the router's keep-alive.
         self.expires_at: float | None = None
         self._process: _Process | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._requests = InFlight(self.options.max_buffered_chunks,
+                                  self.options.chunk_timeout_s,
+                                  lambda request_id: self._send(Cancel(request_id=request_id)))
         self._crash_times: list[float] = []
         self._state_changed = asyncio.Event()
         self._background: set[asyncio.Task] = set()
@@ -102,7 +99,7 @@ class RunnerSupervisor:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._requests)
 
     async def start(self) -> None:
         """Spawn the runner and wait (bounded) until it is ready; RunnerUnavailable if not."""
@@ -139,19 +136,16 @@ class RunnerSupervisor:
         if refusal is not None:
             yield refusal
             return
-        pending = _Pending(asyncio.Queue(maxsize=self.options.max_buffered_chunks))
-        self._pending[request_id] = pending
+        pending = self._requests.open(request_id)
         try:
             self._send(Submit(request=request))
             while True:
-                chunk = await self._next_chunk(request_id, pending)
+                chunk = await self._requests.next_chunk(request_id, pending)
                 yield chunk
                 if chunk.kind in ("finish", "error"):
                     return
         finally:
-            self._pending.pop(request_id, None)
-            if not pending.finished:
-                self._send(Cancel(request_id=request_id))
+            self._requests.close(request_id, pending)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
         """The request's vectors, or an ErrorChunk; bounded like submit (ready_wait_s to
@@ -160,8 +154,7 @@ class RunnerSupervisor:
         refusal = await self._admit(request_id)
         if refusal is not None:
             return refusal
-        pending = _Pending(asyncio.Queue(maxsize=1))
-        self._pending[request_id] = pending
+        pending = self._requests.open(request_id, max_chunks=1)
         try:
             try:
                 self._send(Embed(request=request))
@@ -171,25 +164,19 @@ class RunnerSupervisor:
                                   message=f"the request is too large ({error.size} bytes "
                                           f"encoded, limit {error.limit}); send fewer or "
                                           f"shorter inputs per request")
-            return await self._next_chunk(request_id, pending)
+            return await self._requests.next_chunk(request_id, pending)
         finally:
-            self._pending.pop(request_id, None)
-            if not pending.finished:
-                self._send(Cancel(request_id=request_id))
+            self._requests.close(request_id, pending)
 
     async def cancel(self, request_id: str) -> None:
-        pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending.finished:
-            self._send(Cancel(request_id=request_id))
-            self._terminate(pending, ErrorChunk(request_id=request_id, code="invalid_request",
-                                                message="the request was cancelled by the server"))
+        self._requests.cancel(request_id, "the request was cancelled by the server")
 
     async def shutdown(self) -> None:
         """Stop the runner: Shutdown message -> wait -> SIGTERM -> wait -> SIGKILL."""
         self._stopping = True
         for task in list(self._background):
             task.cancel()
-        self._fail_pending("unavailable", f"model {self.model_id!r} is shutting down")
+        self._requests.fail_all("unavailable", f"model {self.model_id!r} is shutting down")
         process = self._process
         if process is not None:
             self._send(Shutdown())
@@ -214,10 +201,10 @@ class RunnerSupervisor:
     # ---- requests ---------------------------------------------------------------------
 
     async def _admit(self, request_id: str) -> ErrorChunk | None:
-        if request_id in self._pending:
+        if request_id in self._requests:
             return ErrorChunk(request_id=request_id, code="invalid_request",
                               message=f"request id {request_id!r} is already in flight")
-        if len(self._pending) >= self.options.max_in_flight:
+        if len(self._requests) >= self.options.max_in_flight:
             return ErrorChunk(request_id=request_id, code="overloaded",
                               message=f"model {self.model_id!r} has "
                                       f"{self.options.max_in_flight} requests in flight; "
@@ -227,47 +214,6 @@ class RunnerSupervisor:
         except RunnerUnavailable as error:
             return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
         return None
-
-    async def _next_chunk(self, request_id: str, pending: _Pending) -> Any:
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
-        # that races with a chunk arriving, and the request would then run to its end.
-        try:
-            async with asyncio.timeout(self.options.chunk_timeout_s):
-                return await pending.queue.get()
-        except TimeoutError:
-            return ErrorChunk(request_id=request_id, code="timeout",
-                              message=f"no output from the runner for "
-                                      f"{self.options.chunk_timeout_s:.0f} s")
-
-    def _deliver(self, chunk: Any) -> None:
-        pending = self._pending.get(chunk.request_id)
-        if pending is None or pending.finished:
-            return  # cancelled or already failed; the runner may still report it
-        if chunk.kind in ("finish", "error", "embedding"):
-            self._terminate(pending, chunk)
-            return
-        try:
-            pending.queue.put_nowait(chunk)
-        except asyncio.QueueFull:
-            # The client stopped reading; keep memory bounded and end its stream clearly.
-            self._send(Cancel(request_id=chunk.request_id))
-            self._terminate(pending, ErrorChunk(
-                request_id=chunk.request_id, code="overloaded",
-                message="the client did not read its stream fast enough"))
-
-    @staticmethod
-    def _terminate(pending: _Pending, chunk: Any) -> None:
-        pending.finished = True
-        if pending.queue.full():
-            while not pending.queue.empty():
-                pending.queue.get_nowait()
-        pending.queue.put_nowait(chunk)
-
-    def _fail_pending(self, code: str, message: str) -> None:
-        for request_id, pending in list(self._pending.items()):
-            if not pending.finished:
-                self._terminate(pending, ErrorChunk(request_id=request_id, code=code,
-                                                    message=message))
 
     def _send(self, message: RunnerMessage) -> None:
         process = self._process
@@ -353,10 +299,10 @@ class RunnerSupervisor:
 
     def _dispatch(self, process: _Process, message: Any) -> None:
         if isinstance(message, ChunkMessage):
-            self._deliver(message.chunk)
+            self._requests.deliver(message.chunk)
         elif isinstance(message, ChunkBatch):
             for chunk in message.chunks:
-                self._deliver(chunk)
+                self._requests.deliver(chunk)
         elif isinstance(message, Status):
             if message.state == "ready" and message.model is not None:
                 process.ready = True
@@ -384,7 +330,7 @@ class RunnerSupervisor:
         message = f"the runner for {self.model_id!r} died: {reason}"
         if process.load_failed:
             message = f"loading {self.model_id!r} failed: {process.load_failed}"
-        self._fail_pending("runner_crashed", message)
+        self._requests.fail_all("runner_crashed", message)
         if self._stopping:
             return
         log.error("%s", message)
