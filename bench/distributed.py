@@ -34,7 +34,8 @@ import socket
 import statistics
 import time
 
-WORDS = ["river", "stone", "market", "lantern", "orchard", "signal", "harbor", "meadow", "copper", "violin", "thunder", "garden", "compass", "mirror", "velvet", "canyon", "ember", "glacier", "quartz"]
+WORDS = ("river stone market lantern orchard signal harbor meadow copper violin thunder "
+         "garden compass mirror velvet canyon ember glacier quartz").split()
 
 
 def free_port() -> int:
@@ -106,21 +107,27 @@ def run_rank(rank: int, args: dict, port: int, results) -> None:
         FollowerEngine(config).run()
 
 
-def run_parallel(args: dict) -> dict:
+def first_result(target, argument_sets: list[tuple], timeout_s: float = 600) -> dict:
+    """One spawned process per argument set, each running target(*arguments, results); the
+    first result any of them puts. Then every process is joined (stragglers killed)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=run_rank, args=(rank, args, port, results))
-             for rank in (0, 1)]
+    procs = [context.Process(target=target, args=(*arguments, results))
+             for arguments in argument_sets]
     for proc in procs:
         proc.start()
     try:
-        return results.get(timeout=600)
+        return results.get(timeout=timeout_s)
     finally:
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+
+
+def run_parallel(args: dict) -> dict:
+    port = free_port()
+    return first_result(run_rank, [(rank, args, port) for rank in (0, 1)])
 
 
 def run_single(args: dict, results) -> None:
@@ -132,14 +139,7 @@ def run_single(args: dict, results) -> None:
 
 
 def single(args: dict) -> dict:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    proc = context.Process(target=run_single, args=(args, results))
-    proc.start()
-    try:
-        return results.get(timeout=600)
-    finally:
-        proc.join(30)
+    return first_result(run_single, [(args,)])
 
 
 def ping(rank: int, port: int, hidden: int, results) -> None:
@@ -172,17 +172,8 @@ def ping(rank: int, port: int, hidden: int, results) -> None:
 
 
 def messaging(hidden: int) -> dict:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=ping, args=(rank, port, hidden, results)) for rank in (0, 1)]
-    for proc in procs:
-        proc.start()
-    try:
-        return results.get(timeout=120)
-    finally:
-        for proc in procs:
-            proc.join(30)
+    return first_result(ping, [(rank, port, hidden) for rank in (0, 1)], timeout_s=120)
 
 
 def layout_configs(layout: str, base: dict, layers: int) -> dict[str, tuple]:

@@ -35,7 +35,8 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.sampling import SamplingParams
 
-WORDS = ["river", "stone", "market", "lantern", "orchard", "signal", "harbor", "meadow", "copper", "violin", "thunder", "garden", "compass", "mirror", "velvet", "canyon", "ember", "glacier", "quartz", "meadow"]
+WORDS = ("river stone market lantern orchard signal harbor meadow copper violin thunder "
+         "garden compass mirror velvet canyon ember glacier quartz meadow").split()
 
 
 def synthetic_text(num_words: int, salt: int = 0) -> str:
@@ -276,7 +277,8 @@ def main() -> None:
     engine_result, engine = bench_engine(args.model, args.threads)
     result: dict = {"model": args.model, "threads": args.threads, "engine": engine_result}
     # ru_maxrss is KiB on Linux: the peak of this process, which held the engine.
-    result["engine_process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result["engine_process_peak_rss_bytes"] = peak_kib * 1024
     if args.peer == "llama-cpp":
         peer = LlamaCppPeer(args.model, args.threads)
         decode = interleaved_decode(engine, peer, args.rounds)
@@ -295,7 +297,8 @@ def main() -> None:
             "decode_batch1": decode["shoal_tokens_per_s"] / peer_decode,
             "decode_batch1_vs_peer_with_python_sampling":
                 decode["shoal_tokens_per_s"] / decode["peer_sampled_tokens_per_s"],
-            "prefill": result["engine"]["prefill_tokens_per_s"] / peer_result["prefill_tokens_per_s"],
+            "prefill": (result["engine"]["prefill_tokens_per_s"]
+                        / peer_result["prefill_tokens_per_s"]),
         }
         if "http" in result:
             agg16 = result["http"]["concurrency"][-1]["aggregate_tokens_per_s"]

@@ -161,7 +161,9 @@ class TaskFailed(Frozen):
 
 
 Event = Annotated[
-    SessionStarted | NodeJoined | NodeLeft | InstanceCreated | InstanceDeleted | PlacementFailed | RunnerStatusChanged | TaskCreated | TaskCancelled | TaskFinished | TaskFailed,
+    SessionStarted | NodeJoined | NodeLeft | InstanceCreated | InstanceDeleted
+    | PlacementFailed | RunnerStatusChanged | TaskCreated | TaskCancelled | TaskFinished
+    | TaskFailed,
     Field(discriminator="kind"),
 ]
 # What a worker may publish on local_events for the master to index.

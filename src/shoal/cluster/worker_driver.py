@@ -332,7 +332,7 @@ class WorkerDriver:
                 sender.send(chunk)
         except asyncio.CancelledError:
             raise
-        except Exception as error:
+        except Exception as error:  # the owner must hear why its stream ended
             log.exception("forwarding task %s failed", task_id)
             sender.send(ErrorChunk(request_id=task_id, code="internal",
                                    message=f"serving the request failed: {error}"))

@@ -1,8 +1,7 @@
 """The models this node runs: a model id (or alias, or path) -> the runner supervisor serving it.
 
-A model named by a request is resolved through the catalogue (shoal.catalog.resolve); if no
-supervisor serves it yet and on-demand loading is on, one is started (bounded by its load
-timeout). Concurrent first requests for one model share a single start.
+A model named by a request is identified (names.py); if no supervisor serves it yet and
+on-demand loading is on, one is started (bounded by its load timeout). Concurrent first requests for one model share a single start.
 
 Keep-alive: each request holds its model while it runs. When a model's last request ends,
 a timer starts; if no request arrives before it runs out, the runner is stopped and the next
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.engine.config import ModelSource, ModelTask
+from shoal.pool.names import ModelNames, Resolver, WrongModelTask
 from shoal.protocol import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -34,10 +34,12 @@ from shoal.protocol import (
 )
 from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 
+__all__ = ["DEFAULT_KEEP_ALIVE_S", "ModelPool", "ModelUnavailable", "Residency", "Resolver",
+           "SupervisorFactory", "WrongModelTask"]
+
 log = logging.getLogger("shoal.pool")
 
 SupervisorFactory = Callable[[ModelSource], RunnerSupervisor]
-Resolver = Callable[[str], ModelSource]
 
 # How long a model loaded on demand stays loaded after its last request, by default.
 DEFAULT_KEEP_ALIVE_S = 300.0
@@ -45,16 +47,6 @@ DEFAULT_KEEP_ALIVE_S = 300.0
 
 class ModelUnavailable(RuntimeError):
     """The model is known but cannot serve (loading failed, crashed too often)."""
-
-
-class WrongModelTask(ValueError):
-    """A text request named an embedding model, or an embedding request a text model."""
-
-
-def _default_resolver(name: str) -> ModelSource:
-    from shoal.catalog.resolve import resolve_model
-
-    return resolve_model(name)
 
 
 def _not_found_types() -> tuple[type[BaseException], ...]:
@@ -101,13 +93,11 @@ class ModelPool:
         if keep_alive_s is not None and keep_alive_s < 0:
             raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
         self._make_supervisor = make_supervisor
-        self._resolve = resolve or _default_resolver
+        self._names = ModelNames(resolve)
         self.load_on_demand = load_on_demand
         self.keep_alive_s = keep_alive_s  # the server default for models loaded on demand
         self._clock = clock
         self._supervisors: dict[str, RunnerSupervisor] = {}  # by canonical model id
-        self._names: dict[str, str] = {}  # any name a client used (lower case) -> model id
-        self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
         self._residency: dict[str, _Residency] = {}
         self._starting: dict[str, asyncio.Task] = {}
         self._stopping: dict[str, asyncio.Task] = {}
@@ -123,7 +113,7 @@ class ModelPool:
         """Start every named model and keep it loaded; raises ModelNotFound /
         ModelUnavailable on the first failure."""
         for name in names:
-            model_id, source = await self._identify(name, None)
+            model_id, source = await self._names.identify(name)
             self._residency.setdefault(model_id, _Residency()).pinned = True
             await self._running(model_id, name, source, start=True)
 
@@ -150,13 +140,13 @@ class ModelPool:
 
     async def identify(self, name: str) -> str:
         """The canonical model id of name (ModelNotFound if unknown)."""
-        model_id, _ = await self._identify(name, None)
+        model_id, _ = await self._names.identify(name)
         return model_id
 
     async def host(self, name: str, instance_id: str) -> RunnerSupervisor:
         """Pin the model for a cluster instance and make sure it runs (ModelUnavailable if
         it cannot start; the pin stays until unhost)."""
-        model_id, source = await self._identify(name, None)
+        model_id, source = await self._names.identify(name)
         residency = self._residency.setdefault(model_id, _Residency())
         residency.hosts.add(instance_id)
         if residency.timer is not None:
@@ -193,7 +183,7 @@ class ModelPool:
 
     async def supervisor_for(self, name: str, start: bool | None = None) -> RunnerSupervisor:
         """The supervisor serving name, starting it if allowed; ModelNotFound if unknown."""
-        model_id, source = await self._identify(name, None)
+        model_id, source = await self._names.identify(name)
         return await self._running(model_id, name, source, start)
 
     # ---- requests -------------------------------------------------------------------------
@@ -237,7 +227,7 @@ class ModelPool:
         unless keep_alive_s is 0, which unloads a loaded model once idle. True if loaded
         afterwards (or stopping after its keep-alive)."""
         if keep_alive_s == 0:
-            model_id, _ = await self._identify(name, None)
+            model_id, _ = await self._names.identify(name)
             if model_id not in self._supervisors:
                 return False
         lease = await self._acquire(name, None, keep_alive_s)
@@ -245,12 +235,11 @@ class ModelPool:
         return True
 
     def canonical_id(self, name: str) -> str:
-        return self._names.get(name.lower(), name)
+        return self._names.canonical_id(name)
 
     def task_of(self, name: str) -> ModelTask | None:
         """What a model already resolved does ("generate" / "embed"); None if not yet known."""
-        model_id = self._names.get(name.lower())
-        return None if model_id is None else self._tasks.get(model_id)
+        return self._names.task_of(name)
 
     async def shutdown(self) -> None:
         for residency in self._residency.values():
@@ -261,29 +250,7 @@ class ModelPool:
         await asyncio.gather(*(s.shutdown() for s in self._supervisors.values()),
                              *self._stopping.values(), return_exceptions=True)
 
-    # ---- resolving and starting -----------------------------------------------------------
-
-    async def _identify(self, name: str, task: ModelTask | None
-                        ) -> tuple[str, ModelSource | None]:
-        """(canonical model id, its source if resolved just now); WrongModelTask when the
-        model does not do task, ModelNotFound when it is unknown."""
-        model_id = self._names.get(name.lower())
-        source = None
-        if model_id is None:
-            source = await asyncio.to_thread(self._resolve, name)  # may hash or assemble files
-            model_id = source.model_id
-            self._names[name.lower()] = model_id
-            self._names[model_id.lower()] = model_id
-            self._tasks[model_id] = source.task
-        actual = self._tasks.get(model_id, "generate")
-        if task is not None and actual != task:
-            if actual == "embed":
-                raise WrongModelTask(f"model {model_id!r} is an embedding model; it cannot "
-                                     f"generate text")
-            raise WrongModelTask(f"model {model_id!r} generates text; it does not produce "
-                                 f"embeddings (use an embedding model such as "
-                                 f"all-minilm-l6-v2)")
-        return model_id, source
+    # ---- starting ---------------------------------------------------------------------------
 
     async def _running(self, model_id: str, name: str, source: ModelSource | None,
                        start: bool | None) -> RunnerSupervisor:
@@ -292,7 +259,7 @@ class ModelPool:
             return supervisor
         if not (self.load_on_demand if start is None else start):
             raise ModelUnavailable(f"model {name!r} is not loaded on this node")
-        return await self._start(model_id, source or await asyncio.to_thread(self._resolve, name))
+        return await self._start(model_id, source or await self._names.resolve(name))
 
     async def _start(self, model_id: str, source: ModelSource) -> RunnerSupervisor:
         async with self._lock:
@@ -334,8 +301,8 @@ class ModelPool:
     async def _acquire(self, name: str, task: ModelTask | None,
                        keep_alive_s: float | None) -> _Lease:
         """Hold the model (no unload while held) and make sure it runs; release with
-        _release. Raises what _identify and _running raise."""
-        model_id, source = await self._identify(name, task)
+        _release. Raises what identify and _running raise."""
+        model_id, source = await self._names.identify(name, task)
         residency = self._residency.setdefault(model_id, _Residency())
         residency.active += 1  # before any await: the idle timer must not fire from here on
         if residency.timer is not None:

@@ -10,8 +10,10 @@ A byte message between ranks travels as one fixed-size frame (FRAME_BYTES: an in
 then the payload) and, only when the payload does not fit, a second message with the rest,
 so a receiver never guesses a size. A step plan or a sampled answer fits in one frame: each
 gloo message costs a hand-off to gloo's I/O thread on both sides (~0.1-0.2 ms on loopback),
-and the sampled answer lies on every decoded token's critical path. A rank that died or fell silent turns any wait into GroupError within
-collective_timeout_s (a dead process usually at once: its sockets close).
+and the sampled answer lies on every decoded token's critical path.
+
+A rank that died or fell silent turns any wait into GroupError within collective_timeout_s
+(a dead process usually at once: its sockets close).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from shoal.engine.parallel.config import ParallelConfig
 log = logging.getLogger("shoal.parallel")
 
 _TAG = 0
-FRAME_BYTES = 4096  # a frame holds an 8-byte length and up to FRAME_BYTES - 8 payload bytes
-_LENGTH = struct.Struct("<q")
+FRAME_BYTES = 4096
+_LENGTH = struct.Struct("<q")  # a frame's first 8 bytes
+_CAPACITY = FRAME_BYTES - _LENGTH.size  # payload bytes one frame carries
 
 
 class GroupError(RuntimeError):
@@ -94,14 +97,13 @@ class RankGroup:
     # --- point to point ------------------------------------------------------------------------
 
     def send_bytes(self, payload: bytes, dst: int) -> None:
-        capacity = FRAME_BYTES - _LENGTH.size
         frame = bytearray(FRAME_BYTES)
         _LENGTH.pack_into(frame, 0, len(payload))
-        frame[_LENGTH.size:_LENGTH.size + min(len(payload), capacity)] = payload[:capacity]
+        frame[_LENGTH.size:_LENGTH.size + min(len(payload), _CAPACITY)] = payload[:_CAPACITY]
         self._wait(self._control.send([torch.frombuffer(frame, dtype=torch.uint8)], dst, _TAG),
                    f"send to rank {dst}")
-        if len(payload) > capacity:
-            rest = torch.frombuffer(bytearray(payload[capacity:]), dtype=torch.uint8)
+        if len(payload) > _CAPACITY:
+            rest = torch.frombuffer(bytearray(payload[_CAPACITY:]), dtype=torch.uint8)
             self._wait(self._control.send([rest], dst, _TAG), f"send to rank {dst}")
 
     def recv_bytes(self, src: int, timeout_s: float | None = None) -> bytes:
@@ -109,11 +111,10 @@ class RankGroup:
         self._wait(self._control.recv([frame], src, _TAG), f"wait for rank {src}", timeout_s)
         data = frame.numpy()
         (size,) = _LENGTH.unpack_from(data, 0)
-        capacity = FRAME_BYTES - _LENGTH.size
-        head = data[_LENGTH.size:_LENGTH.size + min(size, capacity)].tobytes()
-        if size <= capacity:
+        head = data[_LENGTH.size:_LENGTH.size + min(size, _CAPACITY)].tobytes()
+        if size <= _CAPACITY:
             return head
-        rest = torch.empty(size - capacity, dtype=torch.uint8)
+        rest = torch.empty(size - _CAPACITY, dtype=torch.uint8)
         self._wait(self._control.recv([rest], src, _TAG), f"wait for rank {src}")
         return head + rest.numpy().tobytes()
 

@@ -1,0 +1,68 @@
+"""The names clients use for models: any alias, id or path -> the canonical model id.
+
+A name seen for the first time is resolved through the catalogue (shoal.catalog.resolve),
+off the event loop: resolving may hash or assemble files. Afterwards the name, and the id
+itself, map to the id in any letter case, and the model's task ("generate" / "embed") is
+known without resolving again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from shoal.engine.config import ModelSource, ModelTask
+
+Resolver = Callable[[str], ModelSource]
+
+
+class WrongModelTask(ValueError):
+    """A text request named an embedding model, or an embedding request a text model."""
+
+
+def default_resolver(name: str) -> ModelSource:
+    from shoal.catalog.resolve import resolve_model
+
+    return resolve_model(name)
+
+
+class ModelNames:
+    def __init__(self, resolve: Resolver | None = None) -> None:
+        self._resolve = resolve or default_resolver
+        self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
+        self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
+
+    async def identify(self, name: str, task: ModelTask | None = None
+                       ) -> tuple[str, ModelSource | None]:
+        """(canonical model id, its source if resolved just now); WrongModelTask when the
+        model does not do task, ModelNotFound when it is unknown."""
+        model_id = self._ids.get(name.lower())
+        source = None
+        if model_id is None:
+            source = await self.resolve(name)
+            model_id = source.model_id
+            self._ids[name.lower()] = model_id
+            self._ids[model_id.lower()] = model_id
+            self._tasks[model_id] = source.task
+        actual = self._tasks.get(model_id, "generate")
+        if task is not None and actual != task:
+            if actual == "embed":
+                raise WrongModelTask(f"model {model_id!r} is an embedding model; it cannot "
+                                     f"generate text")
+            raise WrongModelTask(f"model {model_id!r} generates text; it does not produce "
+                                 f"embeddings (use an embedding model such as "
+                                 f"all-minilm-l6-v2)")
+        return model_id, source
+
+    async def resolve(self, name: str) -> ModelSource:
+        """Where name's weights are, looked up afresh (ModelNotFound if unknown)."""
+        return await asyncio.to_thread(self._resolve, name)
+
+    def canonical_id(self, name: str) -> str:
+        """The id name was identified as; name itself if it has not been."""
+        return self._ids.get(name.lower(), name)
+
+    def task_of(self, name: str) -> ModelTask | None:
+        """What an identified model does; None if name has not been identified."""
+        model_id = self._ids.get(name.lower())
+        return None if model_id is None else self._tasks.get(model_id)
