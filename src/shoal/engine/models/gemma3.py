@@ -46,6 +46,7 @@ class Gemma3Block(Layer):
 
 class Gemma3Model(LlamaModel):
     block_class = Gemma3Block
+    fused_decode_family = False  # four norms and q/k norms per block: the Python path
 
     def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)

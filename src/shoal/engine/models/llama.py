@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from shoal.engine.kernels.build import KERNEL
+from shoal.engine.kernels.decode import FusedDecoder, fusable
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import (
     AttentionMetadata,
@@ -110,6 +112,8 @@ class LlamaModel(Layer):
     """
 
     block_class: type[nn.Module] = LlamaBlock
+    # Whether the compiled decode kernel (kernels/decode.cpp) implements this family's block.
+    fused_decode_family = True
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], weights: Weights,
                  plan: WeightPlan, progress: Callable[[float], None] | None = None) -> None:
@@ -136,6 +140,20 @@ class LlamaModel(Layer):
                                   config.rope_scaling_factor)
         # q and k are rotated in the attention dtype (float32 on CPU).
         self.attention_dtype = attention_dtype_for(plan.device, plan.compute_dtype)
+        # Whether decode steps may run on the compiled kernel (off: always the Python path).
+        self.fused_decode_allowed = fusable(self)
+        self._fused: FusedDecoder | None = None
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The compiled decode kernel over this model's blocks, or None: where it does not
+        apply, or until it is built (kernels/build.py). Asked once per step."""
+        if not self.fused_decode_allowed:
+            return None
+        if self._fused is None:
+            kernel = KERNEL.get()
+            if kernel is not None:
+                self._fused = FusedDecoder(kernel, self)
+        return self._fused
 
     def embedding_scale(self) -> float | None:
         return None
@@ -149,6 +167,9 @@ class LlamaModel(Layer):
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         h = self.embedding(inputs) if self.has_embedding else inputs.to(self.plan.compute_dtype)
+        if meta.decode is not None:
+            rope = self.rotary.lookup(meta.positions, self.attention_dtype)
+            return self._fused(h, kv_caches, rope, meta.slot_mapping, meta.decode)
         tables = self.rope_tables(meta.positions)
         for offset, block in enumerate(self.blocks):
             rope = self.rope_for_layer(self.start + offset, tables)

@@ -70,6 +70,20 @@ class AttentionGroup:
         return self.token_start + self.batch * self.query_len
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step of B single-token decodes run by the compiled kernel (kernels/decode.py), and
+    how it reads the paged KV cache.
+
+    tables: [B, W] int64 block ids of each row (padded with 0 past its blocks);
+    context_lens: [B] int64 keys each row attends to, its new token included.
+    """
+
+    tables: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+
+
 @dataclass
 class AttentionMetadata:
     """One forward step's attention inputs, shared by every layer."""
@@ -78,6 +92,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] KV slot each new token writes
     groups: list[AttentionGroup]
     logits_indices: torch.Tensor  # [S] rows whose logits are sampled
+    # Set when the step runs on the compiled decode kernel (groups is then empty).
+    decode: DecodeRows | None = None
 
 
 def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,1 @@
+"""Compiled CPU kernels (C++ built on this machine by torch's extension tool)."""

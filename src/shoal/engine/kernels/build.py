@@ -1,0 +1,119 @@
+"""Build and load the compiled decode kernel (decode.cpp), once per machine.
+
+The kernel is compiled for this CPU (-march=native) with torch's C++ extension tool. `make
+install` builds it ahead of time (`python -m shoal.engine.kernels`). Otherwise the first
+model that wants it starts the build (about 35 s on 2 cores) in a background thread and
+decodes on the Python path until the kernel is ready, so a server answers at once either
+way. A failed build (no compiler, say) is logged once and the Python path stays.
+
+SHOAL_FUSED_DECODE=0 turns the kernel off. Builds live under SHOAL_KERNEL_DIR (default
+~/.cache/shoal/kernels), one folder per source, flags and torch version, so a new torch or
+an edited source never loads a stale library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+NAME = "shoal_decode"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+
+
+def enabled() -> bool:
+    return os.environ.get("SHOAL_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "no")
+
+
+def build_dir() -> Path:
+    root = os.environ.get("SHOAL_KERNEL_DIR") or Path.home() / ".cache" / "shoal" / "kernels"
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+                 _cpu_features().encode()):
+        digest.update(part)
+    return Path(root) / f"{NAME}-{digest.hexdigest()[:16]}"
+
+
+def _cpu_features() -> str:
+    """The CPU's instruction-set flags: -march=native code must not load on another CPU
+    that shares the cache folder (a network home directory, say)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+class _Kernel:
+    """The process's one copy of the extension: None until built and loaded."""
+
+    def __init__(self) -> None:
+        self.module: ModuleType | None = None
+        self.failed = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def load(self) -> ModuleType | None:
+        """Build if needed (blocking) and load; None if the build failed."""
+        with self._lock:
+            if self.module is None and not self.failed:
+                try:
+                    self.module = _compile(build_dir())
+                except Exception as exc:  # compiler missing or failing: keep the Python path
+                    self.failed = True
+                    log.warning("decode kernel unavailable, decoding on the Python path: %s",
+                                exc)
+            return self.module
+
+    def get(self) -> ModuleType | None:
+        """The kernel if ready. Loads a finished build at once; starts a missing one in the
+        background (at most once per process) and returns None meanwhile."""
+        if not enabled():
+            return None
+        if self.module is not None or self.failed:
+            return self.module
+        if _built(build_dir()):
+            return self.load()
+        if self._thread is None:
+            log.info("building the decode kernel in the background (once per machine)")
+            self._thread = threading.Thread(target=self.load, name="shoal-kernel-build",
+                                            daemon=True)
+            self._thread.start()
+        return None
+
+
+def _built(directory: Path) -> bool:
+    return any(directory.glob(f"{NAME}*.so"))
+
+
+def _compile(directory: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
+    return load(NAME, [str(SOURCE)], extra_cflags=list(FLAGS),
+                build_directory=str(directory), verbose=False)
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip package's binary may not be on it
+    (a server started as .venv/bin/shoal without an activated environment)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+KERNEL = _Kernel()

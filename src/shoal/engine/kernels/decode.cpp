@@ -1,0 +1,297 @@
+// Fused decode of llama-family blocks on CPU: a few rows (batch-1 to batch-4 decode), bf16
+// activations, int4 / int8 / bf16 weights as the Python path holds them, a float32 paged KV
+// cache.
+//
+// A batch-1 decode step in Python calls ~35 torch ops per block (~1,000 per step); at a few
+// microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
+// runs every block: the matmuls go to the same ATen int4 kernel, and the small ops (RMSNorm,
+// RoPE, the KV write, attention over the paged cache, SiLU, residual adds) are plain loops
+// over a few hundred floats. Rounding follows the Python path: every tensor the Python path
+// keeps in bf16 (norm outputs, projections, the residual stream) is rounded to bf16 here.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+constexpr int64_t kGroupSize = 32;  // int4 quantization group along the input dimension
+
+// One linear layer as the Python path holds it (models/layers/linear.py), for [B, in] bf16
+// inputs of a few rows: the same ATen kernel the Python path calls for such inputs.
+enum class LinearKind : int64_t { kInt4 = 0, kInt8 = 1, kDense = 2 };
+
+struct Linear {
+  LinearKind kind;
+  at::Tensor weight;  // int4: packed; int8: q [out, in]; dense: [out, in] bf16
+  at::Tensor scales;  // int4: scales_and_zeros [in / 32, out, 2]; int8: [out]; dense: unused
+  at::Tensor bias;    // [out] bf16, or undefined
+
+  at::Tensor operator()(const at::Tensor& x) const {  // x: [B, in] bf16 -> [B, out] bf16
+    at::Tensor y;
+    switch (kind) {
+      case LinearKind::kInt4:
+        y = at::_weight_int4pack_mm_for_cpu(x, weight, kGroupSize, scales);
+        break;
+      case LinearKind::kInt8:
+        y = at::_weight_int8pack_mm(x, weight, scales);
+        break;
+      default:
+        return at::linear(x, weight, bias);
+    }
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+};
+
+struct Block {
+  at::Tensor attn_norm, mlp_norm;  // [hidden] bf16
+  Linear qkv, o, gate_up, down;
+};
+
+// out[i] = bf16(x[i] * rsqrt(mean(x^2) + eps) * w[i]), accumulated in float32 and rounded
+// once, as the Python path's layer-norm form of RMSNorm for a few rows does.
+void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i];
+    sum += v * v;
+  }
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16(x[i] * scale * w[i]);
+}
+
+// Rotary embedding in the half-split layout, float32:
+// out = x * cos + roll(x, D/2) * signed_sin, with signed_sin = (-sin, sin).
+void rotate(const bf16* x, const float* cos, const float* sin, float* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float swapped = x[i < half ? i + half : i - half];
+    out[i] = static_cast<float>(x[i]) * cos[i] + swapped * sin[i];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+class LlamaDecoder {
+ public:
+  // linears: per block qkv, o, gate_up, down, each as (weight, scales, bias) with its kind
+  // in kinds (LinearKind); an empty tensor stands for no scales or no bias.
+  // norms: per block attn_norm, mlp_norm.
+  LlamaDecoder(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& linears,
+               const std::vector<int64_t>& kinds, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, double scale, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
+        scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)) {
+    const size_t blocks = norms.size() / 2;
+    TORCH_CHECK(norms.size() % 2 == 0 && kinds.size() == 4 * blocks &&
+                    linears.size() == 3 * kinds.size(),
+                "LlamaDecoder: 2 norms and 4 linears (3 tensors each) per block");
+    TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
+                "LlamaDecoder: heads must be a multiple of kv heads");
+    for (size_t i = 0; i < blocks; ++i) {
+      Block block;
+      block.attn_norm = norms[2 * i].contiguous();
+      block.mlp_norm = norms[2 * i + 1].contiguous();
+      TORCH_CHECK(block.attn_norm.scalar_type() == at::kBFloat16 &&
+                      block.mlp_norm.scalar_type() == at::kBFloat16,
+                  "LlamaDecoder: norm weights must be bfloat16");
+      Linear* parts[4] = {&block.qkv, &block.o, &block.gate_up, &block.down};
+      for (size_t j = 0; j < 4; ++j) {
+        const int64_t kind = kinds[4 * i + j];
+        TORCH_CHECK(kind >= 0 && kind <= 2, "LlamaDecoder: unknown linear kind ", kind);
+        const at::Tensor* t = &linears[3 * (4 * i + j)];
+        TORCH_CHECK(kind != 2 || t[0].scalar_type() == at::kBFloat16,
+                    "LlamaDecoder: dense weights must be bfloat16");
+        *parts[j] = Linear{static_cast<LinearKind>(kind), t[0],
+                           t[1].numel() ? t[1] : at::Tensor(), t[2].numel() ? t[2] : at::Tensor()};
+      }
+      blocks_.push_back(std::move(block));
+    }
+  }
+
+  // hidden: [B, hidden] bf16 -> [B, hidden] bf16 after every block.
+  // caches: per block [2 * H_kv, slots, D] float32 (keys, then values).
+  // cos, sin: [B, D] float32 (sin signed as above); slots: [B] int64, each row's new KV slot;
+  // tables: [B, W] int64 block ids; context: [B] int64, each row's keys (new one included).
+  at::Tensor forward(at::Tensor hidden, const std::vector<at::Tensor>& caches,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                     const at::Tensor& tables, const at::Tensor& context,
+                     int64_t block_size) const {
+    TORCH_CHECK(caches.size() == blocks_.size(), "LlamaDecoder: one KV cache per block");
+    TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2,
+                "LlamaDecoder: hidden must be [B, hidden] bfloat16");
+    const int64_t rows = hidden.size(0), width = hidden.size(1);
+    TORCH_CHECK(blocks_.empty() || width == blocks_[0].attn_norm.size(0),
+                "LlamaDecoder: hidden width differs from the model's");
+    TORCH_CHECK(cos.size(0) == rows && slots.size(0) == rows && tables.size(0) == rows &&
+                    context.size(0) == rows, "LlamaDecoder: per-row inputs disagree on B");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                    cos.size(1) == head_dim_ && sin.sizes() == cos.sizes(),
+                "LlamaDecoder: cos and sin must be [B, head_dim] float32");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
+                    context.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    context.is_contiguous() && tables.dim() == 2,
+                "LlamaDecoder: slots, tables and context must be int64");
+    at::Tensor h = hidden.contiguous().clone();
+    at::Tensor x = at::empty_like(h);
+    const int64_t dim = head_dim_, q_width = heads_ * dim;
+    at::Tensor attn = at::empty({rows, q_width}, h.options());
+    at::Tensor q = at::empty({rows, heads_, dim}, cos.options());  // rotated queries, float32
+    const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+    const auto* cos_p = cos_c.data_ptr<float>();
+    const auto* sin_p = sin_c.data_ptr<float>();
+    const at::Tensor tables_c = tables.contiguous();
+    const auto* table_p = tables_c.data_ptr<int64_t>();
+    const int64_t table_width = tables_c.size(1);
+    const auto* slot_p = slots.data_ptr<int64_t>();
+    const auto* ctx_p = context.data_ptr<int64_t>();
+    TORCH_CHECK(block_size >= 1, "LlamaDecoder: block_size must be >= 1");
+    TORCH_CHECK(!caches.empty() || blocks_.empty(), "LlamaDecoder: no KV caches");
+    const int64_t cache_slots = caches.empty() ? 0 : caches[0].size(1);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < rows; ++b) {
+      // Every slot this step touches lies inside the caches (checked once, not per key).
+      TORCH_CHECK(ctx_p[b] >= 1 && (ctx_p[b] - 1) / block_size < table_width,
+                  "LlamaDecoder: a row's context is longer than its block table");
+      TORCH_CHECK(slot_p[b] >= 0 && slot_p[b] < cache_slots, "LlamaDecoder: slot out of range");
+      for (int64_t i = 0; i <= (ctx_p[b] - 1) / block_size; ++i) {
+        const int64_t block_id = table_p[b * table_width + i];
+        TORCH_CHECK(block_id >= 0 && (block_id + 1) * block_size <= cache_slots,
+                    "LlamaDecoder: block id out of range");
+      }
+      longest = std::max(longest, ctx_p[b]);
+    }
+    std::vector<int64_t> key_slots(longest);
+    std::vector<float> scores(longest * (heads_ / kv_heads_));
+    std::vector<float> acc(dim);
+
+    for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+      const Block& block = blocks_[layer];
+      const at::Tensor& cache = caches[layer];
+      TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kFloat &&
+                      cache.dim() == 3 && cache.size(0) == 2 * kv_heads_ &&
+                      cache.size(1) == cache_slots && cache.size(2) == head_dim_,
+                  "LlamaDecoder: KV caches must be [2 * H_kv, slots, D] contiguous float32");
+      float* cache_p = cache.data_ptr<float>();
+      auto key_row = [&](int64_t head, int64_t slot) {
+        return cache_p + (head * cache_slots + slot) * dim;
+      };
+      bf16* h_p = h.data_ptr<bf16>();
+      bf16* x_p = x.data_ptr<bf16>();
+      const bf16* w = block.attn_norm.data_ptr<bf16>();
+      for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
+      const at::Tensor qkv = block.qkv(x);  // [B, (H + 2 H_kv) D]
+      const bf16* qkv_p = qkv.data_ptr<bf16>();
+      const int64_t qkv_width = qkv.size(1);
+      float* q_p = q.data_ptr<float>();
+      for (int64_t b = 0; b < rows; ++b) {
+        const bf16* row = qkv_p + b * qkv_width;
+        const float* c = cos_p + b * dim;
+        const float* s = sin_p + b * dim;
+        for (int64_t head = 0; head < heads_; ++head)
+          rotate(row + head * dim, c, s, q_p + (b * heads_ + head) * dim, dim);
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          rotate(row + (heads_ + g) * dim, c, s, key_row(g, slot_p[b]), dim);
+          const bf16* v = row + (heads_ + kv_heads_ + g) * dim;
+          float* v_out = key_row(kv_heads_ + g, slot_p[b]);
+          for (int64_t i = 0; i < dim; ++i) v_out[i] = v[i];
+        }
+      }
+      attend(q_p, attn.data_ptr<bf16>(), key_row, table_p, table_width, ctx_p, rows,
+             block_size, key_slots, scores, acc);
+      residual_add(h_p, block.o(attn), rows * width);
+      w = block.mlp_norm.data_ptr<bf16>();
+      for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
+      const at::Tensor gate_up = block.gate_up(x);  // [B, 2 F]: gate, then up
+      const int64_t ffn = gate_up.size(1) / 2;
+      at::Tensor act = at::empty({rows, ffn}, h.options());
+      const bf16* gu_p = gate_up.data_ptr<bf16>();
+      bf16* act_p = act.data_ptr<bf16>();
+      for (int64_t b = 0; b < rows; ++b) {
+        const bf16* gate = gu_p + b * 2 * ffn;
+        const bf16* up = gate + ffn;
+        for (int64_t i = 0; i < ffn; ++i) {
+          const float g = gate[i];
+          const bf16 silu = bf16(g / (1.f + std::exp(-g)));
+          act_p[b * ffn + i] = bf16(static_cast<float>(silu) * up[i]);
+        }
+      }
+      residual_add(h_p, block.down(act), rows * width);
+    }
+    return h;
+  }
+
+ private:
+  // Each query head attends to its row's keys [0, context) through the block table;
+  // query heads sharing a KV head read each key once.
+  template <typename KeyRow>
+  void attend(const float* q_p, bf16* out_p, const KeyRow& key_row, const int64_t* table_p,
+              int64_t table_width, const int64_t* ctx_p, int64_t rows, int64_t block_size,
+              std::vector<int64_t>& key_slots, std::vector<float>& scores,
+              std::vector<float>& acc) const {
+    const int64_t dim = head_dim_, group = heads_ / kv_heads_;
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t length = ctx_p[b];
+      for (int64_t p = 0; p < length; ++p)
+        key_slots[p] = table_p[b * table_width + p / block_size] * block_size + p % block_size;
+      for (int64_t g = 0; g < kv_heads_; ++g) {
+        const float* q0 = q_p + (b * heads_ + g * group) * dim;
+        for (int64_t p = 0; p < length; ++p) {
+          const float* k = key_row(g, key_slots[p]);
+          for (int64_t j = 0; j < group; ++j) scores[j * length + p] = dot(q0 + j * dim, k, dim) * scale_;
+        }
+        for (int64_t j = 0; j < group; ++j) {
+          float* s = scores.data() + j * length;
+          float peak = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < length; ++p) peak = std::max(peak, s[p]);
+          float total = 0.f;
+          for (int64_t p = 0; p < length; ++p) {
+            s[p] = std::exp(s[p] - peak);
+            total += s[p];
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t p = 0; p < length; ++p) {
+            const float* v = key_row(kv_heads_ + g, key_slots[p]);
+            const float weight = s[p];
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) acc[i] += weight * v[i];
+          }
+          bf16* out = out_p + (b * heads_ + g * group + j) * dim;
+          for (int64_t i = 0; i < dim; ++i) out[i] = bf16(acc[i] / total);
+        }
+      }
+    }
+  }
+
+  static void residual_add(bf16* h, const at::Tensor& delta, int64_t n) {
+    const bf16* d = delta.data_ptr<bf16>();
+    for (int64_t i = 0; i < n; ++i) h[i] = bf16(static_cast<float>(h[i]) + d[i]);
+  }
+
+  std::vector<Block> blocks_;
+  int64_t heads_, kv_heads_, head_dim_;
+  float scale_, eps_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const std::vector<int64_t>&, int64_t, int64_t, int64_t, double,
+                          double>())
+      .def("forward", &LlamaDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

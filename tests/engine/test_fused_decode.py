@@ -1,0 +1,179 @@
+"""The compiled decode kernel (engine/kernels) against the Python path it replaces."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from forward_helpers import chunk
+from test_models import BLOCK, PROMPT, load, shuffled_blocks
+
+from shoal.engine.kernels import build
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.models.layers.linear import QUANT_MAX_ROWS
+from shoal.engine.scheduler_output import SchedulerOutput
+
+PROMPTS = [PROMPT, PROMPT[:5], PROMPT[3:] + PROMPT]  # three context lengths
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = build.KERNEL.load()
+    assert module is not None, "the decode kernel did not build (see the warning logged)"
+    return module
+
+
+def runners(checkpoint, fused: bool) -> ModelRunner:
+    loaded = load(checkpoint, "gguf", dtype="bfloat16")
+    loaded.module.fused_decode_allowed = fused
+    return ModelRunner(loaded, 24, BLOCK)
+
+
+def prefill(runner: ModelRunner, tables) -> None:
+    """Each prompt prefilled on its own (the Python path, on either runner)."""
+    for i, (prompt, blocks) in enumerate(zip(PROMPTS, tables)):
+        runner.execute(SchedulerOutput((chunk(str(i), prompt, 0, blocks),)))
+
+
+def decode_step(runner: ModelRunner, tokens, tables, lengths) -> tuple[torch.Tensor, bool]:
+    """One decode step of every row: (logits, whether it ran on the kernel)."""
+    output = SchedulerOutput(tuple(chunk(str(i), [t], n, blocks) for i, (t, n, blocks)
+                                   in enumerate(zip(tokens, lengths, tables))))
+    with torch.inference_mode():
+        meta, ids = runner.prepare(output)
+        return runner.execute_prepared(meta, ids), meta.decode is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_kernel_decode_matches_the_python_path(kernel, tiny_checkpoints, family):
+    checkpoint = tiny_checkpoints[family]
+    fused, python = runners(checkpoint, True), runners(checkpoint, False)
+    # Each row's blocks scattered over the cache, so keys are read through the table.
+    order = shuffled_blocks(24, seed=3)
+    tables = [order[0:8], order[8:16], order[16:24]]
+    prefill(fused, tables)
+    prefill(python, tables)
+    lengths = [len(p) for p in PROMPTS]
+    tokens = [7, 42, 100]
+    for _ in range(6):  # the same tokens fed to both: every step compares like with like
+        ours, on_kernel = decode_step(fused, tokens, tables, lengths)
+        theirs, on_python = decode_step(python, tokens, tables, lengths)
+        assert on_kernel and not on_python
+        assert ours.shape == theirs.shape == (3, checkpoint.hf_model.config.vocab_size)
+        # bf16 rounding differs in a few places; logits stay within bf16 noise.
+        torch.testing.assert_close(ours, theirs, atol=0.01 * theirs.abs().max().item(), rtol=0)
+        cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        assert cosine.min() > 0.9999
+        tokens = [int(row.argmax()) for row in theirs]
+        lengths = [n + 1 for n in lengths]
+
+
+def test_kernel_writes_the_same_kv_cache(kernel, tiny_checkpoints):
+    checkpoint = tiny_checkpoints["llama"]
+    fused, python = runners(checkpoint, True), runners(checkpoint, False)
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    prefill(fused, tables)
+    prefill(python, tables)
+    lengths = [len(p) for p in PROMPTS]
+    decode_step(fused, [1, 2, 3], tables, lengths)
+    decode_step(python, [1, 2, 3], tables, lengths)
+    for row, n in enumerate(lengths):
+        slot = tables[row][n // BLOCK] * BLOCK + n % BLOCK
+        for ours, theirs in zip(fused.kv_caches, python.kv_caches):
+            assert ours[:, slot].abs().sum() > 0
+            torch.testing.assert_close(ours[:, slot], theirs[:, slot], atol=0.02, rtol=0.02)
+
+
+def test_kernel_takes_only_small_decode_steps(kernel, tiny_checkpoints):
+    runner = runners(tiny_checkpoints["llama"], True)
+    many = QUANT_MAX_ROWS + 1
+    tables = [list(range(2 * i, 2 * i + 2)) for i in range(many)]
+    with torch.inference_mode():
+        for i in range(many):
+            runner.execute(SchedulerOutput((chunk(str(i), [5, 6, 7], 0, tables[i]),)))
+    decodes = [chunk(str(i), [9], 3, tables[i]) for i in range(many)]
+    assert runner.prepare(SchedulerOutput(tuple(decodes[:QUANT_MAX_ROWS])))[0].decode is not None
+    assert runner.prepare(SchedulerOutput(tuple(decodes)))[0].decode is None  # dense path
+    mixed = (decodes[0], chunk("new", [1, 2], 0, [20]))
+    assert runner.prepare(SchedulerOutput(mixed))[0].decode is None  # a prefill chunk
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("gemma3", "bfloat16"),
+                                           ("qwen3", "bfloat16")])
+def test_kernel_is_not_used_where_it_does_not_apply(tiny_checkpoints, family, dtype):
+    # fp32 is the exact reference path; Gemma 3 and Qwen3 have q/k norms the kernel lacks.
+    loaded = load(tiny_checkpoints[family], "gguf", dtype=dtype)
+    assert not loaded.module.fused_decode_allowed
+    assert loaded.module.fused_decoder() is None
+
+
+def test_kernel_is_used_on_the_built_in_model(kernel):
+    from shoal.catalog.resolve import DEFAULT_MODEL_ID, resolve_model
+    from shoal.engine.models.loader import load_model
+
+    loaded = load_model(resolve_model(DEFAULT_MODEL_ID), "auto")
+    # "auto" computes in bf16 with 4-bit weights where the CPU has bf16 (the kernel's case),
+    # else in fp32 (the Python path).
+    on_kernel = loaded.compute_dtype == torch.bfloat16
+    assert loaded.module.fused_decode_allowed == on_kernel
+    assert (loaded.module.fused_decoder() is not None) == on_kernel
+
+
+# ---- building and loading ------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """A _Kernel whose build folder is empty and whose compile step is replaced."""
+    monkeypatch.setenv("SHOAL_KERNEL_DIR", str(tmp_path))
+    monkeypatch.delenv("SHOAL_FUSED_DECODE", raising=False)
+    return build._Kernel()
+
+
+def test_a_missing_kernel_builds_in_the_background(fresh_kernel, monkeypatch):
+    release = threading.Event()
+    built = object()
+
+    def slow_compile(directory):
+        assert release.wait(10)
+        return built
+
+    monkeypatch.setattr(build, "_compile", slow_compile)
+    assert fresh_kernel.get() is None  # not built: the caller decodes on the Python path
+    assert fresh_kernel.get() is None  # and a second ask starts no second build
+    release.set()
+    fresh_kernel._thread.join(10)
+    assert fresh_kernel.get() is built
+
+
+def test_a_failed_build_is_logged_once_and_not_retried(fresh_kernel, monkeypatch, caplog):
+    calls = []
+
+    def broken_compile(directory):
+        calls.append(directory)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(build, "_compile", broken_compile)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert fresh_kernel.load() is None
+        assert fresh_kernel.load() is None
+        assert fresh_kernel.get() is None
+    assert len(calls) == 1
+    assert "no compiler" in caplog.text
+
+
+def test_the_kernel_can_be_turned_off(fresh_kernel, monkeypatch):
+    monkeypatch.setattr(build, "_compile", lambda directory: pytest.fail("must not build"))
+    monkeypatch.setenv("SHOAL_FUSED_DECODE", "0")
+    assert fresh_kernel.get() is None
+
+
+def test_build_folder_follows_the_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("SHOAL_KERNEL_DIR", str(tmp_path))
+    first = build.build_dir()
+    assert first.parent == tmp_path and first.name.startswith(build.NAME)
+    edited = tmp_path / "decode.cpp"
+    edited.write_text(build.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(build, "SOURCE", edited)
+    assert build.build_dir() != first
