@@ -177,3 +177,35 @@ def test_build_folder_follows_the_source(monkeypatch, tmp_path):
     edited.write_text(build.SOURCE.read_text() + "\n// edited\n")
     monkeypatch.setattr(build, "SOURCE", edited)
     assert build.build_dir() != first
+
+
+def test_a_finished_build_loads_without_the_build_lock(kernel, monkeypatch, tmp_path):
+    # A process killed while building leaves `lock` behind; loading a finished build must
+    # not wait on it.
+    import shutil
+
+    monkeypatch.setenv("SHOAL_KERNEL_DIR", str(tmp_path))
+    directory = build.build_dir()
+    directory.mkdir()
+    shutil.copy(kernel.__file__, directory / f"{build.NAME}.so")
+    (directory / "lock").touch()
+    monkeypatch.setattr(build, "_compile", lambda directory: pytest.fail("must not build"))
+    module = build._Kernel().get()
+    assert module is not None and hasattr(module, "LlamaDecoder")
+
+
+def test_a_stale_build_lock_is_cleared_before_building(monkeypatch, tmp_path):
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: "built")
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    for directory in (stale, fresh):
+        directory.mkdir()
+        (directory / "lock").touch()
+    old = time.time() - build.STALE_LOCK_S - 60
+    os.utime(stale / "lock", (old, old))
+    assert build._compile(stale) == "built" and not (stale / "lock").exists()
+    assert build._compile(fresh) == "built" and (fresh / "lock").exists()  # a live build's

@@ -14,10 +14,12 @@ an edited source never loads a stale library.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -66,8 +68,10 @@ class _Kernel:
         """Build if needed (blocking) and load; None if the build failed."""
         with self._lock:
             if self.module is None and not self.failed:
+                directory = build_dir()
                 try:
-                    self.module = _compile(build_dir())
+                    built = _built(directory)
+                    self.module = _import(directory) if built else _compile(directory)
                 except Exception as exc:  # compiler missing or failing: keep the Python path
                     self.failed = True
                     log.warning("decode kernel unavailable, decoding on the Python path: %s",
@@ -92,13 +96,35 @@ class _Kernel:
 
 
 def _built(directory: Path) -> bool:
-    return any(directory.glob(f"{NAME}*.so"))
+    return (directory / f"{NAME}.so").is_file()
+
+
+def _import(directory: Path) -> ModuleType:
+    """Import a finished build directly. torch's load() would also do it, but only after
+    taking the build folder's lock file, which a process killed mid-load leaves behind and
+    every later load then waits on forever."""
+    spec = importlib.util.spec_from_file_location(NAME, directory / f"{NAME}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {directory / NAME}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A build lock older than this was left by a killed build (a build takes ~35 s).
+STALE_LOCK_S = 600
 
 
 def _compile(directory: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
     _put_ninja_on_path()
     return load(NAME, [str(SOURCE)], extra_cflags=list(FLAGS),
                 build_directory=str(directory), verbose=False)
