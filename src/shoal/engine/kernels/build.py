@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 NAME = "shoal_decode"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+# -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,
+# so they bind to the one torch itself loaded (two runtimes would fight over the cores).
+FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 def enabled() -> bool:

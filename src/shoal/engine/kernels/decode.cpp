@@ -9,6 +9,7 @@
 // over a few hundred floats. Rounding follows the Python path: every tensor the Python path
 // keeps in bf16 (norm outputs, projections, the residual stream) is rounded to bf16 here.
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -22,6 +23,9 @@ namespace {
 using bf16 = at::BFloat16;
 
 constexpr int64_t kGroupSize = 32;  // int4 quantization group along the input dimension
+// Attention runs on several threads from this many (key, KV head) pairs per layer; below
+// it a parallel region costs more than it saves.
+constexpr int64_t kParallelKeys = 1536;
 
 // One linear layer as the Python path holds it (models/layers/linear.py), for [B, in] bf16
 // inputs of a few rows: the same ATen kernel the Python path calls for such inputs.
@@ -161,7 +165,6 @@ class LlamaDecoder {
     TORCH_CHECK(block_size >= 1, "LlamaDecoder: block_size must be >= 1");
     TORCH_CHECK(!caches.empty() || blocks_.empty(), "LlamaDecoder: no KV caches");
     const int64_t cache_slots = caches.empty() ? 0 : caches[0].size(1);
-    int64_t longest = 0;
     for (int64_t b = 0; b < rows; ++b) {
       // Every slot this step touches lies inside the caches (checked once, not per key).
       TORCH_CHECK(ctx_p[b] >= 1 && (ctx_p[b] - 1) / block_size < table_width,
@@ -172,11 +175,7 @@ class LlamaDecoder {
         TORCH_CHECK(block_id >= 0 && (block_id + 1) * block_size <= cache_slots,
                     "LlamaDecoder: block id out of range");
       }
-      longest = std::max(longest, ctx_p[b]);
     }
-    std::vector<int64_t> key_slots(longest);
-    std::vector<float> scores(longest * (heads_ / kv_heads_));
-    std::vector<float> acc(dim);
 
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {
       const Block& block = blocks_[layer];
@@ -211,7 +210,7 @@ class LlamaDecoder {
         }
       }
       attend(q_p, attn.data_ptr<bf16>(), key_row, table_p, table_width, ctx_p, rows,
-             block_size, key_slots, scores, acc);
+             block_size);
       residual_add(h_p, block.o(attn), rows * width);
       w = block.mlp_norm.data_ptr<bf16>();
       for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
@@ -235,44 +234,63 @@ class LlamaDecoder {
   }
 
  private:
-  // Each query head attends to its row's keys [0, context) through the block table;
-  // query heads sharing a KV head read each key once.
+  // Each query head attends to its row's keys [0, context) through the block table.
+  // Work items are (row, KV head) pairs: the query heads sharing a KV head read each key
+  // once. Items run on torch's intra-op threads when there are enough keys to pay for it.
   template <typename KeyRow>
   void attend(const float* q_p, bf16* out_p, const KeyRow& key_row, const int64_t* table_p,
-              int64_t table_width, const int64_t* ctx_p, int64_t rows, int64_t block_size,
-              std::vector<int64_t>& key_slots, std::vector<float>& scores,
-              std::vector<float>& acc) const {
-    const int64_t dim = head_dim_, group = heads_ / kv_heads_;
-    for (int64_t b = 0; b < rows; ++b) {
-      const int64_t length = ctx_p[b];
-      for (int64_t p = 0; p < length; ++p)
-        key_slots[p] = table_p[b * table_width + p / block_size] * block_size + p % block_size;
-      for (int64_t g = 0; g < kv_heads_; ++g) {
-        const float* q0 = q_p + (b * heads_ + g * group) * dim;
-        for (int64_t p = 0; p < length; ++p) {
-          const float* k = key_row(g, key_slots[p]);
-          for (int64_t j = 0; j < group; ++j) scores[j * length + p] = dot(q0 + j * dim, k, dim) * scale_;
-        }
-        for (int64_t j = 0; j < group; ++j) {
-          float* s = scores.data() + j * length;
-          float peak = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < length; ++p) peak = std::max(peak, s[p]);
-          float total = 0.f;
-          for (int64_t p = 0; p < length; ++p) {
-            s[p] = std::exp(s[p] - peak);
-            total += s[p];
-          }
-          std::fill(acc.begin(), acc.end(), 0.f);
-          for (int64_t p = 0; p < length; ++p) {
-            const float* v = key_row(kv_heads_ + g, key_slots[p]);
-            const float weight = s[p];
-#pragma omp simd
-            for (int64_t i = 0; i < dim; ++i) acc[i] += weight * v[i];
-          }
-          bf16* out = out_p + (b * heads_ + g * group + j) * dim;
-          for (int64_t i = 0; i < dim; ++i) out[i] = bf16(acc[i] / total);
-        }
+              int64_t table_width, const int64_t* ctx_p, int64_t rows,
+              int64_t block_size) const {
+    std::vector<int64_t> first(rows + 1, 0);  // row b's key slots: [first[b], first[b + 1])
+    for (int64_t b = 0; b < rows; ++b) first[b + 1] = first[b] + ctx_p[b];
+    std::vector<int64_t> key_slots(first[rows]);
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t p = 0; p < ctx_p[b]; ++p)
+        key_slots[first[b] + p] =
+            table_p[b * table_width + p / block_size] * block_size + p % block_size;
+    const int64_t items = rows * kv_heads_;
+    const int64_t grain = first[rows] * kv_heads_ >= kParallelKeys ? 1 : items;
+    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc(head_dim_);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / kv_heads_, g = item % kv_heads_;
+        attend_group(q_p, out_p, key_row, key_slots.data() + first[b], ctx_p[b], b, g,
+                     scores, acc);
       }
+    });
+  }
+
+  // Row b's query heads of KV head g over its `length` keys; out: [B, H * D] bf16.
+  template <typename KeyRow>
+  void attend_group(const float* q_p, bf16* out_p, const KeyRow& key_row,
+                    const int64_t* key_slots, int64_t length, int64_t b, int64_t g,
+                    std::vector<float>& scores, std::vector<float>& acc) const {
+    const int64_t dim = head_dim_, group = heads_ / kv_heads_;
+    scores.resize(group * length);
+    const float* q0 = q_p + (b * heads_ + g * group) * dim;
+    for (int64_t p = 0; p < length; ++p) {
+      const float* k = key_row(g, key_slots[p]);
+      for (int64_t j = 0; j < group; ++j)
+        scores[j * length + p] = dot(q0 + j * dim, k, dim) * scale_;
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      float* s = scores.data() + j * length;
+      float peak = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < length; ++p) peak = std::max(peak, s[p]);
+      float total = 0.f;
+      for (int64_t p = 0; p < length; ++p) {
+        s[p] = std::exp(s[p] - peak);
+        total += s[p];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < length; ++p) {
+        const float* v = key_row(kv_heads_ + g, key_slots[p]);
+        const float weight = s[p];
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) acc[i] += weight * v[i];
+      }
+      bf16* out = out_p + (b * heads_ + g * group + j) * dim;
+      for (int64_t i = 0; i < dim; ++i) out[i] = bf16(acc[i] / total);
     }
   }
 
