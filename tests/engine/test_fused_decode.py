@@ -9,13 +9,17 @@ import pytest
 import torch
 from forward_helpers import chunk
 from test_models import BLOCK, PROMPT, load, shuffled_blocks
+from tiny_models import VOCAB
 
 from shoal.engine.kernels import build
+from shoal.engine.kernels.decode import FUSED_MAX_ROWS
 from shoal.engine.model_runner import ModelRunner
-from shoal.engine.models.layers.linear import QUANT_MAX_ROWS
+from shoal.engine.models.layers.linear import QUANT_MAX_ROWS, Int4Linear
 from shoal.engine.scheduler_output import SchedulerOutput
 
-PROMPTS = [PROMPT, PROMPT[:5], PROMPT[3:] + PROMPT]  # three context lengths
+# Rows of different context lengths; more than QUANT_MAX_ROWS of them run the dense copies.
+PROMPTS = [PROMPT, PROMPT[:5], PROMPT[3:] + PROMPT, PROMPT[7:], PROMPT * 2, PROMPT[:1]]
+BLOCKS_PER_ROW = 8
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def kernel():
 def runners(checkpoint, fused: bool) -> ModelRunner:
     loaded = load(checkpoint, "gguf", dtype="bfloat16")
     loaded.module.fused_decode_allowed = fused
-    return ModelRunner(loaded, 24, BLOCK)
+    return ModelRunner(loaded, BLOCKS_PER_ROW * len(PROMPTS), BLOCK)
 
 
 def prefill(runner: ModelRunner, tables) -> None:
@@ -46,22 +50,24 @@ def decode_step(runner: ModelRunner, tokens, tables, lengths) -> tuple[torch.Ten
         return runner.execute_prepared(meta, ids), meta.decode is not None
 
 
+@pytest.mark.parametrize("rows", [3, len(PROMPTS)])  # 6 rows: the dense copies
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_kernel_decode_matches_the_python_path(kernel, tiny_checkpoints, family):
+def test_kernel_decode_matches_the_python_path(kernel, tiny_checkpoints, family, rows):
+    assert len(PROMPTS) > QUANT_MAX_ROWS >= 3
     checkpoint = tiny_checkpoints[family]
     fused, python = runners(checkpoint, True), runners(checkpoint, False)
     # Each row's blocks scattered over the cache, so keys are read through the table.
-    order = shuffled_blocks(24, seed=3)
-    tables = [order[0:8], order[8:16], order[16:24]]
+    order = shuffled_blocks(BLOCKS_PER_ROW * rows, seed=3)
+    tables = [order[i * BLOCKS_PER_ROW:(i + 1) * BLOCKS_PER_ROW] for i in range(rows)]
     prefill(fused, tables)
     prefill(python, tables)
-    lengths = [len(p) for p in PROMPTS]
-    tokens = [7, 42, 100]
+    lengths = [len(p) for p in PROMPTS[:rows]]
+    tokens = [(7 + 31 * i) % VOCAB for i in range(rows)]
     for _ in range(6):  # the same tokens fed to both: every step compares like with like
         ours, on_kernel = decode_step(fused, tokens, tables, lengths)
         theirs, on_python = decode_step(python, tokens, tables, lengths)
         assert on_kernel and not on_python
-        assert ours.shape == theirs.shape == (3, checkpoint.hf_model.config.vocab_size)
+        assert ours.shape == theirs.shape == (rows, checkpoint.hf_model.config.vocab_size)
         # bf16 rounding differs in a few places; logits stay within bf16 noise.
         torch.testing.assert_close(ours, theirs, atol=0.01 * theirs.abs().max().item(), rtol=0)
         cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
@@ -76,7 +82,7 @@ def test_kernel_writes_the_same_kv_cache(kernel, tiny_checkpoints):
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
     prefill(fused, tables)
     prefill(python, tables)
-    lengths = [len(p) for p in PROMPTS]
+    lengths = [len(p) for p in PROMPTS[:3]]
     decode_step(fused, [1, 2, 3], tables, lengths)
     decode_step(python, [1, 2, 3], tables, lengths)
     for row, n in enumerate(lengths):
@@ -86,18 +92,28 @@ def test_kernel_writes_the_same_kv_cache(kernel, tiny_checkpoints):
             torch.testing.assert_close(ours[:, slot], theirs[:, slot], atol=0.02, rtol=0.02)
 
 
-def test_kernel_takes_only_small_decode_steps(kernel, tiny_checkpoints):
-    runner = runners(tiny_checkpoints["llama"], True)
-    many = QUANT_MAX_ROWS + 1
-    tables = [list(range(2 * i, 2 * i + 2)) for i in range(many)]
-    with torch.inference_mode():
-        for i in range(many):
-            runner.execute(SchedulerOutput((chunk(str(i), [5, 6, 7], 0, tables[i]),)))
-    decodes = [chunk(str(i), [9], 3, tables[i]) for i in range(many)]
-    assert runner.prepare(SchedulerOutput(tuple(decodes[:QUANT_MAX_ROWS])))[0].decode is not None
-    assert runner.prepare(SchedulerOutput(tuple(decodes)))[0].decode is None  # dense path
-    mixed = (decodes[0], chunk("new", [1, 2], 0, [20]))
+def test_kernel_takes_decode_steps_up_to_its_row_limit(kernel, tiny_checkpoints):
+    loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16")
+    runner = ModelRunner(loaded, FUSED_MAX_ROWS + 2, BLOCK)
+    assert runner.model.fused_decoder().max_rows == FUSED_MAX_ROWS  # dense copies present
+    many = FUSED_MAX_ROWS + 1
+    decodes = [chunk(str(i), [9], 3, [i]) for i in range(many)]
+    assert runner.prepare(SchedulerOutput(tuple(decodes[:-1])))[0].decode is not None
+    assert runner.prepare(SchedulerOutput(tuple(decodes)))[0].decode is None
+    mixed = (decodes[0], chunk("new", [1, 2], 0, [many]))
     assert runner.prepare(SchedulerOutput(mixed))[0].decode is None  # a prefill chunk
+
+
+def test_without_dense_copies_the_kernel_takes_few_rows(kernel, tiny_checkpoints):
+    loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16")
+    for module in loaded.module.modules():
+        if isinstance(module, Int4Linear):
+            module.dense = None  # as when the dense copies do not fit in memory
+    runner = ModelRunner(loaded, 8, BLOCK)
+    assert runner.model.fused_decoder().max_rows == QUANT_MAX_ROWS
+    decodes = [chunk(str(i), [9], 3, [i]) for i in range(QUANT_MAX_ROWS + 1)]
+    assert runner.prepare(SchedulerOutput(tuple(decodes[:-1])))[0].decode is not None
+    assert runner.prepare(SchedulerOutput(tuple(decodes)))[0].decode is None
 
 
 @pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("gemma3", "bfloat16"),

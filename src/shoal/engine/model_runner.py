@@ -21,7 +21,6 @@ from shoal.engine.models.layers.attention import (
     StageWrite,
     attention_dtype_for,
 )
-from shoal.engine.models.layers.linear import QUANT_MAX_ROWS
 from shoal.engine.models.loader import LoadedModel
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -121,12 +120,15 @@ class ModelRunner:
                              f"{chunk.context_len} tokens")
 
     def _fused_rows(self, chunks: tuple[ScheduledChunk, ...]) -> DecodeRows | None:
-        """The step's rows for the compiled decode kernel: a few single-token decodes on a
-        model it applies to (kernels/decode.py), else None (the Python path)."""
-        if len(chunks) > QUANT_MAX_ROWS or any(len(c.token_ids) != 1 for c in chunks):
+        """The step's rows for the compiled decode kernel: single-token decodes, as many as
+        it takes, on a model it applies to (kernels/decode.py); else None (the Python path)."""
+        if any(len(c.token_ids) != 1 for c in chunks):
             return None
         fused = getattr(self.model, "fused_decoder", None)
-        if fused is None or self.kv_caches[0].dtype != torch.float32 or fused() is None:
+        if fused is None or self.kv_caches[0].dtype != torch.float32:
+            return None
+        decoder = fused()
+        if decoder is None or len(chunks) > decoder.max_rows:
             return None
         size = self.block_size
         needed = [-(-c.context_len // size) for c in chunks]

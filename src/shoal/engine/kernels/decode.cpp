@@ -1,4 +1,4 @@
-// Fused decode of llama-family blocks on CPU: a few rows (batch-1 to batch-4 decode), bf16
+// Fused decode of llama-family blocks on CPU: a batch of single-token rows, bf16
 // activations, int4 / int8 / bf16 weights as the Python path holds them, a float32 paged KV
 // cache.
 //
@@ -28,16 +28,37 @@ constexpr int64_t kGroupSize = 32;  // int4 quantization group along the input d
 constexpr int64_t kParallelKeys = 1536;
 
 // One linear layer as the Python path holds it (models/layers/linear.py), for [B, in] bf16
-// inputs of a few rows: the same ATen kernel the Python path calls for such inputs.
+// inputs: the same ATen kernel the Python path calls for such inputs. Quantized weights serve
+// up to quant_max_rows rows; bigger inputs use the layer's dense copy, prepacked for oneDNN.
 enum class LinearKind : int64_t { kInt4 = 0, kInt8 = 1, kDense = 2 };
+
+// mkldnn::_linear_pointwise(X, W, B?, attr, scalars, algorithm): the prepacked linear.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string());
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
 
 struct Linear {
   LinearKind kind;
   at::Tensor weight;  // int4: packed; int8: q [out, in]; dense: [out, in] bf16
   at::Tensor scales;  // int4: scales_and_zeros [in / 32, out, 2]; int8: [out]; dense: unused
   at::Tensor bias;    // [out] bf16, or undefined
+  at::Tensor dense;   // quantized kinds: the oneDNN-packed bf16 copy, or undefined
 
-  at::Tensor operator()(const at::Tensor& x) const {  // x: [B, in] bf16 -> [B, out] bf16
+  // x: [B, in] bf16 -> [B, out] bf16
+  at::Tensor operator()(const at::Tensor& x, int64_t quant_max_rows) const {
+    if (kind != LinearKind::kDense && x.size(0) > quant_max_rows && dense.defined())
+      return packed_linear(x, dense, bias);
     at::Tensor y;
     switch (kind) {
       case LinearKind::kInt4:
@@ -91,18 +112,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 class LlamaDecoder {
  public:
-  // linears: per block qkv, o, gate_up, down, each as (weight, scales, bias) with its kind
-  // in kinds (LinearKind); an empty tensor stands for no scales or no bias.
-  // norms: per block attn_norm, mlp_norm.
+  // linears: per block qkv, o, gate_up, down, each as (weight, scales, bias, dense copy)
+  // with its kind in kinds (LinearKind); an empty tensor stands for none.
+  // norms: per block attn_norm, mlp_norm. quant_max_rows: see Linear.
   LlamaDecoder(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& linears,
                const std::vector<int64_t>& kinds, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double scale, double eps)
+               int64_t head_dim, double scale, double eps, int64_t quant_max_rows)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-        scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)) {
+        scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)),
+        quant_max_rows_(quant_max_rows) {
     const size_t blocks = norms.size() / 2;
     TORCH_CHECK(norms.size() % 2 == 0 && kinds.size() == 4 * blocks &&
-                    linears.size() == 3 * kinds.size(),
-                "LlamaDecoder: 2 norms and 4 linears (3 tensors each) per block");
+                    linears.size() == 4 * kinds.size(),
+                "LlamaDecoder: 2 norms and 4 linears (4 tensors each) per block");
     TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
                 "LlamaDecoder: heads must be a multiple of kv heads");
     for (size_t i = 0; i < blocks; ++i) {
@@ -116,11 +138,14 @@ class LlamaDecoder {
       for (size_t j = 0; j < 4; ++j) {
         const int64_t kind = kinds[4 * i + j];
         TORCH_CHECK(kind >= 0 && kind <= 2, "LlamaDecoder: unknown linear kind ", kind);
-        const at::Tensor* t = &linears[3 * (4 * i + j)];
+        const at::Tensor* t = &linears[4 * (4 * i + j)];
         TORCH_CHECK(kind != 2 || t[0].scalar_type() == at::kBFloat16,
                     "LlamaDecoder: dense weights must be bfloat16");
-        *parts[j] = Linear{static_cast<LinearKind>(kind), t[0],
-                           t[1].numel() ? t[1] : at::Tensor(), t[2].numel() ? t[2] : at::Tensor()};
+        auto given = [](const at::Tensor& tensor) {
+          return tensor.numel() ? tensor : at::Tensor();
+        };
+        *parts[j] = Linear{static_cast<LinearKind>(kind), t[0], given(t[1]), given(t[2]),
+                           given(t[3])};
       }
       blocks_.push_back(std::move(block));
     }
@@ -192,7 +217,7 @@ class LlamaDecoder {
       bf16* x_p = x.data_ptr<bf16>();
       const bf16* w = block.attn_norm.data_ptr<bf16>();
       for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
-      const at::Tensor qkv = block.qkv(x);  // [B, (H + 2 H_kv) D]
+      const at::Tensor qkv = block.qkv(x, quant_max_rows_);  // [B, (H + 2 H_kv) D]
       const bf16* qkv_p = qkv.data_ptr<bf16>();
       const int64_t qkv_width = qkv.size(1);
       float* q_p = q.data_ptr<float>();
@@ -211,10 +236,10 @@ class LlamaDecoder {
       }
       attend(q_p, attn.data_ptr<bf16>(), key_row, table_p, table_width, ctx_p, rows,
              block_size);
-      residual_add(h_p, block.o(attn), rows * width);
+      residual_add(h_p, block.o(attn, quant_max_rows_), rows * width);
       w = block.mlp_norm.data_ptr<bf16>();
       for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
-      const at::Tensor gate_up = block.gate_up(x);  // [B, 2 F]: gate, then up
+      const at::Tensor gate_up = block.gate_up(x, quant_max_rows_);  // [B, 2 F]: gate, then up
       const int64_t ffn = gate_up.size(1) / 2;
       at::Tensor act = at::empty({rows, ffn}, h.options());
       const bf16* gu_p = gate_up.data_ptr<bf16>();
@@ -228,7 +253,7 @@ class LlamaDecoder {
           act_p[b * ffn + i] = bf16(static_cast<float>(silu) * up[i]);
         }
       }
-      residual_add(h_p, block.down(act), rows * width);
+      residual_add(h_p, block.down(act, quant_max_rows_), rows * width);
     }
     return h;
   }
@@ -302,6 +327,7 @@ class LlamaDecoder {
   std::vector<Block> blocks_;
   int64_t heads_, kv_heads_, head_dim_;
   float scale_, eps_;
+  int64_t quant_max_rows_;
 };
 
 }  // namespace
@@ -310,6 +336,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<int64_t>&, int64_t, int64_t, int64_t, double,
-                          double>())
+                          double, int64_t>())
       .def("forward", &LlamaDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
