@@ -1,6 +1,6 @@
 """One node versus a 2-rank pipeline and a 2-rank tensor instance, on loopback; prints JSON.
 
-    python bench/distributed.py [--model ID] [--dtype auto] [--tokens 64] [--prompt 200]
+    python bench/distributed.py [--model ID] [--dtype auto] [--tokens 128] [--prompt 200]
                                 [--rounds 3] [--layout both|separate|shared]
 
 Each configuration runs as separate processes (one per rank) joined by torch.distributed
@@ -224,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_ID)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layout", choices=("both", "separate", "shared"), default="both")
