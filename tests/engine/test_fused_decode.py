@@ -225,3 +225,20 @@ def test_a_stale_build_lock_is_cleared_before_building(monkeypatch, tmp_path):
     os.utime(stale / "lock", (old, old))
     assert build._compile(stale) == "built" and not (stale / "lock").exists()
     assert build._compile(fresh) == "built" and (fresh / "lock").exists()  # a live build's
+
+
+def test_a_broken_build_is_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("SHOAL_KERNEL_DIR", str(tmp_path))
+    monkeypatch.delenv("SHOAL_FUSED_DECODE", raising=False)
+    directory = build.build_dir()
+    directory.mkdir()
+    library = directory / f"{build.NAME}.so"
+    library.write_bytes(b"\x7fELF truncated")  # a build killed while linking
+    rebuilt = object()
+
+    def fresh_compile(path):
+        assert path == directory and not library.exists()  # the broken file is gone first
+        return rebuilt
+
+    monkeypatch.setattr(build, "_compile", fresh_compile)
+    assert build._Kernel().load() is rebuilt

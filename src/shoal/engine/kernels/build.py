@@ -72,8 +72,7 @@ class _Kernel:
             if self.module is None and not self.failed:
                 directory = build_dir()
                 try:
-                    built = _built(directory)
-                    self.module = _import(directory) if built else _compile(directory)
+                    self.module = _import_or_rebuild(directory)
                 except Exception as exc:  # compiler missing or failing: keep the Python path
                     self.failed = True
                     log.warning("decode kernel unavailable, decoding on the Python path: %s",
@@ -95,6 +94,18 @@ class _Kernel:
                                             daemon=True)
             self._thread.start()
         return None
+
+
+def _import_or_rebuild(directory: Path) -> ModuleType:
+    """The finished build, or a new one where there is none or it does not load (a build
+    killed while linking leaves a truncated library behind)."""
+    if _built(directory):
+        try:
+            return _import(directory)
+        except ImportError as exc:
+            log.warning("the built decode kernel does not load (%s); building it again", exc)
+            (directory / f"{NAME}.so").unlink(missing_ok=True)
+    return _compile(directory)
 
 
 def _built(directory: Path) -> bool:
