@@ -57,6 +57,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
                                            loaded.cache_dtype, self.device, stage_tokens)
         self.stage = DecodeStage(num_blocks * block_size, stage_tokens) if stage_tokens else None
+        # The compiled decode kernel reads a float32 cache only.
+        self._kernel_cache = loaded.cache_dtype == torch.float32
         self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
 
     @torch.inference_mode()
@@ -122,21 +124,14 @@ class ModelRunner:
     def _fused_rows(self, chunks: tuple[ScheduledChunk, ...]) -> DecodeRows | None:
         """The step's rows for the compiled decode kernel: single-token decodes, as many as
         it takes, on a model it applies to (kernels/decode.py); else None (the Python path)."""
-        if any(len(c.token_ids) != 1 for c in chunks):
+        if not self._kernel_cache or any(len(c.token_ids) != 1 for c in chunks):
             return None
-        fused = getattr(self.model, "fused_decoder", None)
-        if fused is None or self.kv_caches[0].dtype != torch.float32:
-            return None
-        decoder = fused()
+        decoder = self.model.fused_decoder()
         if decoder is None or len(chunks) > decoder.max_rows:
             return None
-        size = self.block_size
-        needed = [-(-c.context_len // size) for c in chunks]
-        width = max(needed)
-        tables = [list(c.block_ids[:n]) + [0] * (width - n) for c, n in zip(chunks, needed)]
-        return DecodeRows(tables=torch.tensor(tables, dtype=torch.long),
+        return DecodeRows(tables=self._block_tables(chunks),
                           context_lens=torch.tensor([c.context_len for c in chunks]),
-                          block_size=size)
+                          block_size=self.block_size)
 
     def _slot_mapping(self, chunks) -> torch.Tensor:
         size = self.block_size
@@ -234,17 +229,20 @@ class ModelRunner:
         """[B * L] KV slots, row-major [B, L] (L = length, by default the longest window);
         padding repeats each row's last real slot."""
         size = self.block_size
-        # [B, max blocks] block ids; padding uses block 0 (its keys are masked out).
-        needed = [-(-c.context_len // size) for c in members]
-        width = max(needed)
-        tables = torch.tensor([list(c.block_ids[:n]) + [0] * (width - n)
-                               for c, n in zip(members, needed)], dtype=torch.long)
+        tables = self._block_tables(members)  # padding uses block 0 (its keys are masked out)
         lo = torch.tensor(keys.lo, dtype=torch.long)[:, None]
         ctx = torch.tensor(keys.ctx, dtype=torch.long)[:, None]
         positions = torch.arange(keys.length if length is None else length)
         key_pos = torch.minimum(lo + positions[None, :], ctx - 1)  # [B, L]
         gather = tables.gather(1, key_pos // size) * size + key_pos % size
         return gather.flatten().to(self.device)
+
+    def _block_tables(self, members) -> torch.Tensor:
+        """[B, max blocks] int64: each member's blocks up to its context, padded with 0."""
+        needed = [-(-c.context_len // self.block_size) for c in members]
+        width = max(needed)
+        return torch.tensor([list(c.block_ids[:n]) + [0] * (width - n)
+                             for c, n in zip(members, needed)], dtype=torch.long)
 
     def _mask(self, keys: _KeyWindow, query_len: int, window: int | None) -> torch.Tensor:
         """[B, 1, Tq, L] additive mask: 0 where query t of row b sees key l, else -inf."""

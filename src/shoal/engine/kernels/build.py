@@ -84,15 +84,14 @@ class _Kernel:
         background (at most once per process) and returns None meanwhile."""
         if not enabled():
             return None
-        if self.module is not None or self.failed:
-            return self.module
+        if self.module is not None or self.failed or self._thread is not None:
+            return self.module  # None while the background build runs
         if _built(build_dir()):
             return self.load()
-        if self._thread is None:
-            log.info("building the decode kernel in the background (once per machine)")
-            self._thread = threading.Thread(target=self.load, name="shoal-kernel-build",
-                                            daemon=True)
-            self._thread.start()
+        log.info("building the decode kernel in the background (once per machine)")
+        self._thread = threading.Thread(target=self.load, name="shoal-kernel-build",
+                                        daemon=True)
+        self._thread.start()
         return None
 
 

@@ -4,7 +4,8 @@
 //
 // A batch-1 decode step in Python calls ~35 torch ops per block (~1,000 per step); at a few
 // microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
-// runs every block: the matmuls go to the same ATen int4 kernel, and the small ops (RMSNorm,
+// runs every block: the matmuls go to the ATen kernels the Python path uses (see Linear),
+// and the small ops (RMSNorm,
 // RoPE, the KV write, attention over the paged cache, SiLU, residual adds) are plain loops
 // over a few hundred floats. Rounding follows the Python path: every tensor the Python path
 // keeps in bf16 (norm outputs, projections, the residual stream) is rounded to bf16 here.
@@ -81,7 +82,8 @@ struct Block {
 };
 
 // out[i] = bf16(x[i] * rsqrt(mean(x^2) + eps) * w[i]), accumulated in float32 and rounded
-// once, as the Python path's layer-norm form of RMSNorm for a few rows does.
+// once, as the Python path's layer-norm form of RMSNorm for a few rows does (its rms_norm
+// for more rows rounds twice; bf16 paths are judged by quality, not identity).
 void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -190,15 +192,22 @@ class LlamaDecoder {
     TORCH_CHECK(block_size >= 1, "LlamaDecoder: block_size must be >= 1");
     TORCH_CHECK(!caches.empty() || blocks_.empty(), "LlamaDecoder: no KV caches");
     const int64_t cache_slots = caches.empty() ? 0 : caches[0].size(1);
+    // Row b's keys lie in slots key_slots[first[b] .. first[b + 1]), the same in every layer.
+    // Checked here, once, to lie inside the caches (the loops below do not check).
+    std::vector<int64_t> first(rows + 1, 0);
     for (int64_t b = 0; b < rows; ++b) {
-      // Every slot this step touches lies inside the caches (checked once, not per key).
       TORCH_CHECK(ctx_p[b] >= 1 && (ctx_p[b] - 1) / block_size < table_width,
                   "LlamaDecoder: a row's context is longer than its block table");
       TORCH_CHECK(slot_p[b] >= 0 && slot_p[b] < cache_slots, "LlamaDecoder: slot out of range");
-      for (int64_t i = 0; i <= (ctx_p[b] - 1) / block_size; ++i) {
-        const int64_t block_id = table_p[b * table_width + i];
+      first[b + 1] = first[b] + ctx_p[b];
+    }
+    std::vector<int64_t> key_slots(first[rows]);
+    for (int64_t b = 0; b < rows; ++b) {
+      for (int64_t p = 0; p < ctx_p[b]; ++p) {
+        const int64_t block_id = table_p[b * table_width + p / block_size];
         TORCH_CHECK(block_id >= 0 && (block_id + 1) * block_size <= cache_slots,
                     "LlamaDecoder: block id out of range");
+        key_slots[first[b] + p] = block_id * block_size + p % block_size;
       }
     }
 
@@ -234,8 +243,7 @@ class LlamaDecoder {
           for (int64_t i = 0; i < dim; ++i) v_out[i] = v[i];
         }
       }
-      attend(q_p, attn.data_ptr<bf16>(), key_row, table_p, table_width, ctx_p, rows,
-             block_size);
+      attend(q_p, attn.data_ptr<bf16>(), key_row, key_slots, first, rows);
       residual_add(h_p, block.o(attn, quant_max_rows_), rows * width);
       w = block.mlp_norm.data_ptr<bf16>();
       for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
@@ -263,24 +271,17 @@ class LlamaDecoder {
   // Work items are (row, KV head) pairs: the query heads sharing a KV head read each key
   // once. Items run on torch's intra-op threads when there are enough keys to pay for it.
   template <typename KeyRow>
-  void attend(const float* q_p, bf16* out_p, const KeyRow& key_row, const int64_t* table_p,
-              int64_t table_width, const int64_t* ctx_p, int64_t rows,
-              int64_t block_size) const {
-    std::vector<int64_t> first(rows + 1, 0);  // row b's key slots: [first[b], first[b + 1])
-    for (int64_t b = 0; b < rows; ++b) first[b + 1] = first[b] + ctx_p[b];
-    std::vector<int64_t> key_slots(first[rows]);
-    for (int64_t b = 0; b < rows; ++b)
-      for (int64_t p = 0; p < ctx_p[b]; ++p)
-        key_slots[first[b] + p] =
-            table_p[b * table_width + p / block_size] * block_size + p % block_size;
+  void attend(const float* q_p, bf16* out_p, const KeyRow& key_row,
+              const std::vector<int64_t>& key_slots, const std::vector<int64_t>& first,
+              int64_t rows) const {
     const int64_t items = rows * kv_heads_;
     const int64_t grain = first[rows] * kv_heads_ >= kParallelKeys ? 1 : items;
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc(head_dim_);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / kv_heads_, g = item % kv_heads_;
-        attend_group(q_p, out_p, key_row, key_slots.data() + first[b], ctx_p[b], b, g,
-                     scores, acc);
+        attend_group(q_p, out_p, key_row, key_slots.data() + first[b], first[b + 1] - first[b],
+                     b, g, scores, acc);
       }
     });
   }

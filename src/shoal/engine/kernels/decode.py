@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from shoal.engine.models.llama import LlamaModel
 
 
+# Decode steps of up to this many rows run on the kernel (given dense copies). Beyond it the
+# per-op overhead it saves is a small share of a step.
+FUSED_MAX_ROWS = 32
+
+
 def fusable(model: LlamaModel) -> bool:
     config, plan = model.config, model.plan
     if not (model.fused_decode_family and plan.device.type == "cpu" and plan.shard is None
@@ -38,11 +43,6 @@ _KINDS = {Int4Linear: 0, Int8Linear: 1, DenseLinear: 2}
 
 def _linears(block) -> tuple:
     return block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down
-
-
-# Decode steps of up to this many rows run on the kernel (given dense copies). Beyond it the
-# per-op overhead it saves is a small share of a step.
-FUSED_MAX_ROWS = 32
 
 
 def _linear_tensors(layer) -> tuple[torch.Tensor | None, ...]:
