@@ -9,6 +9,7 @@ import pytest
 import torch
 from forward_helpers import chunk
 from test_models import BLOCK, PROMPT, load, shuffled_blocks
+import tiny_models
 from tiny_models import VOCAB
 
 from shoal.engine.kernels import build
@@ -29,15 +30,15 @@ def kernel():
     return module
 
 
-def runners(checkpoint, fused: bool) -> ModelRunner:
+def runners(checkpoint, fused: bool, num_blocks: int = BLOCKS_PER_ROW * len(PROMPTS)):
     loaded = load(checkpoint, "gguf", dtype="bfloat16")
     loaded.module.fused_decode_allowed = fused
-    return ModelRunner(loaded, BLOCKS_PER_ROW * len(PROMPTS), BLOCK)
+    return ModelRunner(loaded, num_blocks, BLOCK)
 
 
-def prefill(runner: ModelRunner, tables) -> None:
+def prefill(runner: ModelRunner, tables, prompts=PROMPTS) -> None:
     """Each prompt prefilled on its own (the Python path, on either runner)."""
-    for i, (prompt, blocks) in enumerate(zip(PROMPTS, tables)):
+    for i, (prompt, blocks) in enumerate(zip(prompts, tables)):
         runner.execute(SchedulerOutput((chunk(str(i), prompt, 0, blocks),)))
 
 
@@ -50,18 +51,48 @@ def decode_step(runner: ModelRunner, tokens, tables, lengths) -> tuple[torch.Ten
         return runner.execute_prepared(meta, ids), meta.decode is not None
 
 
+# Head shapes beside the tiny models' own (head size 16, 2 query heads per KV head):
+# a head size with no vector form (8: the scalar loop), and 8 query heads per KV head
+# (the vector form takes them 4 at a time).
+SHAPES = {"head-size-8": dict(num_attention_heads=8, num_key_value_heads=2),
+          "group-of-8": dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16)}
+
+
+@pytest.fixture(scope="module")
+def shaped_checkpoints(tmp_path_factory):
+    return {name: tiny_models.build("llama", tmp_path_factory.mktemp(name), **shape)
+            for name, shape in SHAPES.items()}
+
+
 @pytest.mark.parametrize("rows", [3, len(PROMPTS)])  # 6 rows: the dense copies
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_kernel_decode_matches_the_python_path(kernel, tiny_checkpoints, family, rows):
     assert len(PROMPTS) > QUANT_MAX_ROWS >= 3
-    checkpoint = tiny_checkpoints[family]
-    fused, python = runners(checkpoint, True), runners(checkpoint, False)
+    assert_decode_matches(tiny_checkpoints[family], PROMPTS[:rows])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_decode_matches_for_other_head_shapes(kernel, shaped_checkpoints, shape):
+    assert_decode_matches(shaped_checkpoints[shape], PROMPTS)
+
+
+def test_kernel_decode_matches_with_its_threads(kernel, tiny_checkpoints):
+    # 12 rows of ~80 keys: the row passes and attention run on torch's intra-op threads.
+    assert torch.get_num_threads() > 1
+    prompts = [(PROMPT * 7)[i:] for i in range(12)]
+    assert_decode_matches(tiny_checkpoints["llama"], prompts)
+
+
+def assert_decode_matches(checkpoint, prompts) -> None:
+    rows = len(prompts)
+    per_row = -(-(max(len(p) for p in prompts) + 6) // BLOCK)  # blocks for prompt + 6 steps
+    fused, python = (runners(checkpoint, on_kernel, per_row * rows) for on_kernel in (True, False))
     # Each row's blocks scattered over the cache, so keys are read through the table.
-    order = shuffled_blocks(BLOCKS_PER_ROW * rows, seed=3)
-    tables = [order[i * BLOCKS_PER_ROW:(i + 1) * BLOCKS_PER_ROW] for i in range(rows)]
-    prefill(fused, tables)
-    prefill(python, tables)
-    lengths = [len(p) for p in PROMPTS[:rows]]
+    order = shuffled_blocks(per_row * rows, seed=3)
+    tables = [order[i * per_row:(i + 1) * per_row] for i in range(rows)]
+    prefill(fused, tables, prompts)
+    prefill(python, tables, prompts)
+    lengths = [len(p) for p in prompts]
     tokens = [(7 + 31 * i) % VOCAB for i in range(rows)]
     for _ in range(6):  # the same tokens fed to both: every step compares like with like
         ours, on_kernel = decode_step(fused, tokens, tables, lengths)

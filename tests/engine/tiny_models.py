@@ -23,12 +23,14 @@ class TinyCheckpoint:
     gguf_reference: torch.nn.Module  # reference with the GGUF's (dequantized) weights
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
+    """The family's tiny config; overrides replace its shape (heads, head_dim, ...)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=family != "llama")
+    common.update(overrides)
     if family == "llama":
         return tf.LlamaConfig(num_hidden_layers=2, rope_theta=10000.0, **common)
     if family == "qwen2":
@@ -41,11 +43,11 @@ def hf_config(family: str):
                                query_pre_attn_scalar=32, **common)
 
 
-def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = hf_config(family)
+    config = hf_config(family, **overrides)
     config._attn_implementation = "eager"
     classes = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
                "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}
@@ -58,13 +60,13 @@ def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def build(family: str, directory: Path) -> TinyCheckpoint:
-    model = hf_model(family)
+def build(family: str, directory: Path, **overrides) -> TinyCheckpoint:
+    model = hf_model(family, **overrides)
     st_dir = directory / f"{family}-hf"
     model.save_pretrained(st_dir, safe_serialization=True)
     gguf_path = directory / f"{family}.gguf"
     dequantized = write_gguf(model, family, gguf_path)
-    reference = hf_model(family)
+    reference = hf_model(family, **overrides)
     reference.load_state_dict(dequantized, strict=False)
     if reference.config.tie_word_embeddings:
         reference.tie_weights()

@@ -28,6 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.cpp")
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("attention.h", "vector.h"))
 NAME = "shoal_decode"
 # -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,
 # so they bind to the one torch itself loaded (two runtimes would fight over the cores).
@@ -41,8 +42,9 @@ def enabled() -> bool:
 def build_dir() -> Path:
     root = os.environ.get("SHOAL_KERNEL_DIR") or Path.home() / ".cache" / "shoal" / "kernels"
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
-                 _cpu_features().encode()):
+    sources = (SOURCE, *HEADERS)
+    for part in (*(path.read_bytes() for path in sources), " ".join(FLAGS).encode(),
+                 torch.__version__.encode(), _cpu_features().encode()):
         digest.update(part)
     return Path(root) / f"{NAME}-{digest.hexdigest()[:16]}"
 

@@ -5,9 +5,8 @@
 // A batch-1 decode step in Python calls ~35 torch ops per block (~1,000 per step); at a few
 // microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
 // runs every block: the matmuls go to the ATen kernels the Python path uses (see Linear),
-// and the small ops (RMSNorm,
-// RoPE, the KV write, attention over the paged cache, SiLU, residual adds) are plain loops
-// over a few hundred floats. Rounding follows the Python path: every tensor the Python path
+// attention reads the paged cache in place (attention.h), and the small ops (RMSNorm, RoPE,
+// the KV write, SiLU, residual adds) are plain loops over a few hundred floats. Rounding follows the Python path: every tensor the Python path
 // keeps in bf16 (norm outputs, projections, the residual stream) is rounded to bf16 here.
 
 #include <ATen/Parallel.h>
@@ -19,6 +18,9 @@
 #include <limits>
 #include <vector>
 
+#include "attention.h"
+#include "vector.h"
+
 namespace {
 
 using bf16 = at::BFloat16;
@@ -27,6 +29,10 @@ constexpr int64_t kGroupSize = 32;  // int4 quantization group along the input d
 // Attention runs on several threads from this many (key, KV head) pairs per layer; below
 // it a parallel region costs more than it saves.
 constexpr int64_t kParallelKeys = 1536;
+constexpr int64_t kParallelRows = 8;
+
+using shoal_vec::f32x16;
+using shoal_vec::kLanes;
 
 // One linear layer as the Python path holds it (models/layers/linear.py), for [B, in] bf16
 // inputs: the same ATen kernel the Python path calls for such inputs. Quantized weights serve
@@ -85,14 +91,50 @@ struct Block {
 // once, as the Python path's layer-norm form of RMSNorm for a few rows does (its rms_norm
 // for more rows rounds twice; bf16 paths are judged by quality, not identity).
 void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    float v = x[i];
-    sum += v * v;
+  f32x16 squares{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const f32x16 v = shoal_vec::load(x + i);
+    squares += v * v;
   }
+  float sum = shoal_vec::hsum(squares);
+  for (; i < n; ++i) sum += static_cast<float>(x[i]) * x[i];
   const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16(x[i] * scale * w[i]);
+  for (i = 0; i + kLanes <= n; i += kLanes)
+    shoal_vec::store(out + i, shoal_vec::load(x + i) * scale * shoal_vec::load(w + i));
+  for (; i < n; ++i) out[i] = bf16(x[i] * scale * w[i]);
+}
+
+// h[i] = bf16(h[i] + delta[i]): the residual stream stays bf16, as in the Python path.
+void residual_add(bf16* h, const bf16* delta, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    shoal_vec::store(h + i, shoal_vec::load(h + i) + shoal_vec::load(delta + i));
+  for (; i < n; ++i) h[i] = bf16(static_cast<float>(h[i]) + delta[i]);
+}
+
+// out[i] = bf16(bf16(silu(gate[i])) * up[i]): torch's silu on a bf16 tensor, then the
+// product, each rounded to bf16.
+void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const f32x16 g = shoal_vec::load(gate + i);
+    const f32x16 silu = shoal_vec::round_bf16(g / (1.f + shoal_vec::exp(-g)));
+    shoal_vec::store(out + i, silu * shoal_vec::load(up + i));
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = bf16(static_cast<float>(bf16(g / (1.f + std::exp(-g)))) * up[i]);
+  }
+}
+
+// body(b) for every row b; on torch's intra-op threads once a batch has kParallelRows rows
+// (below that a parallel region costs more than the rows' few microseconds of work).
+template <typename Body>
+void for_rows(int64_t rows, const Body& body) {
+  at::parallel_for(0, rows, rows >= kParallelRows ? 1 : rows, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) body(b);
+  });
 }
 
 // Rotary embedding in the half-split layout, float32:
@@ -103,13 +145,6 @@ void rotate(const bf16* x, const float* cos, const float* sin, float* out, int64
     const float swapped = x[i < half ? i + half : i - half];
     out[i] = static_cast<float>(x[i]) * cos[i] + swapped * sin[i];
   }
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
 class LlamaDecoder {
@@ -192,6 +227,7 @@ class LlamaDecoder {
     TORCH_CHECK(block_size >= 1, "LlamaDecoder: block_size must be >= 1");
     TORCH_CHECK(!caches.empty() || blocks_.empty(), "LlamaDecoder: no KV caches");
     const int64_t cache_slots = caches.empty() ? 0 : caches[0].size(1);
+    const shoal_attention::Layout layout{heads_, kv_heads_, head_dim_, cache_slots, scale_};
     // Row b's keys lie in slots key_slots[first[b] .. first[b + 1]), the same in every layer.
     // Checked here, once, to lie inside the caches (the loops below do not check).
     std::vector<int64_t> first(rows + 1, 0);
@@ -211,6 +247,10 @@ class LlamaDecoder {
       }
     }
 
+    // A block's down projection is added to h in the next block's first pass over the
+    // rows, together with that block's norm.
+    at::Tensor pending;
+    const int64_t group = heads_ / kv_heads_;
     for (size_t layer = 0; layer < blocks_.size(); ++layer) {
       const Block& block = blocks_[layer];
       const at::Tensor& cache = caches[layer];
@@ -224,107 +264,59 @@ class LlamaDecoder {
       };
       bf16* h_p = h.data_ptr<bf16>();
       bf16* x_p = x.data_ptr<bf16>();
-      const bf16* w = block.attn_norm.data_ptr<bf16>();
-      for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
+      const bf16* attn_norm = block.attn_norm.data_ptr<bf16>();
+      const bf16* pending_p = pending.defined() ? pending.data_ptr<bf16>() : nullptr;
+      for_rows(rows, [&](int64_t b) {
+        if (pending_p != nullptr) residual_add(h_p + b * width, pending_p + b * width, width);
+        rms_norm(h_p + b * width, attn_norm, x_p + b * width, width, eps_);
+      });
       const at::Tensor qkv = block.qkv(x, quant_max_rows_);  // [B, (H + 2 H_kv) D]
       const bf16* qkv_p = qkv.data_ptr<bf16>();
       const int64_t qkv_width = qkv.size(1);
       float* q_p = q.data_ptr<float>();
-      for (int64_t b = 0; b < rows; ++b) {
+      // Row b's queries of KV head g rotated into q, its key rotated and its value copied
+      // into the cache: the attention item (b, g) does this before it reads them.
+      auto prepare = [&](int64_t b, int64_t g) {
         const bf16* row = qkv_p + b * qkv_width;
         const float* c = cos_p + b * dim;
         const float* s = sin_p + b * dim;
-        for (int64_t head = 0; head < heads_; ++head)
+        for (int64_t head = g * group; head < (g + 1) * group; ++head)
           rotate(row + head * dim, c, s, q_p + (b * heads_ + head) * dim, dim);
-        for (int64_t g = 0; g < kv_heads_; ++g) {
-          rotate(row + (heads_ + g) * dim, c, s, key_row(g, slot_p[b]), dim);
-          const bf16* v = row + (heads_ + kv_heads_ + g) * dim;
-          float* v_out = key_row(kv_heads_ + g, slot_p[b]);
-          for (int64_t i = 0; i < dim; ++i) v_out[i] = v[i];
-        }
-      }
-      attend(q_p, attn.data_ptr<bf16>(), key_row, key_slots, first, rows);
-      residual_add(h_p, block.o(attn, quant_max_rows_), rows * width);
-      w = block.mlp_norm.data_ptr<bf16>();
-      for (int64_t b = 0; b < rows; ++b) rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
+        rotate(row + (heads_ + g) * dim, c, s, key_row(g, slot_p[b]), dim);
+        const bf16* v = row + (heads_ + kv_heads_ + g) * dim;
+        float* v_out = key_row(kv_heads_ + g, slot_p[b]);
+        for (int64_t i = 0; i < dim; ++i) v_out[i] = v[i];
+      };
+      shoal_attention::attend(layout, q_p, cache_p, key_slots, first, rows, kParallelKeys,
+                              attn.data_ptr<bf16>(), prepare);
+      const at::Tensor o = block.o(attn, quant_max_rows_);
+      const bf16* o_p = o.data_ptr<bf16>();
+      const bf16* mlp_norm = block.mlp_norm.data_ptr<bf16>();
+      for_rows(rows, [&](int64_t b) {
+        residual_add(h_p + b * width, o_p + b * width, width);
+        rms_norm(h_p + b * width, mlp_norm, x_p + b * width, width, eps_);
+      });
       const at::Tensor gate_up = block.gate_up(x, quant_max_rows_);  // [B, 2 F]: gate, then up
       const int64_t ffn = gate_up.size(1) / 2;
       at::Tensor act = at::empty({rows, ffn}, h.options());
       const bf16* gu_p = gate_up.data_ptr<bf16>();
       bf16* act_p = act.data_ptr<bf16>();
-      for (int64_t b = 0; b < rows; ++b) {
-        const bf16* gate = gu_p + b * 2 * ffn;
-        const bf16* up = gate + ffn;
-        for (int64_t i = 0; i < ffn; ++i) {
-          const float g = gate[i];
-          const bf16 silu = bf16(g / (1.f + std::exp(-g)));
-          act_p[b * ffn + i] = bf16(static_cast<float>(silu) * up[i]);
-        }
-      }
-      residual_add(h_p, block.down(act, quant_max_rows_), rows * width);
+      for_rows(rows, [&](int64_t b) {
+        silu_mul(gu_p + b * 2 * ffn, gu_p + b * 2 * ffn + ffn, act_p + b * ffn, ffn);
+      });
+      pending = block.down(act, quant_max_rows_);
+    }
+    if (pending.defined()) {
+      bf16* h_p = h.data_ptr<bf16>();
+      const bf16* pending_p = pending.data_ptr<bf16>();
+      for_rows(rows, [&](int64_t b) {
+        residual_add(h_p + b * width, pending_p + b * width, width);
+      });
     }
     return h;
   }
 
  private:
-  // Each query head attends to its row's keys [0, context) through the block table.
-  // Work items are (row, KV head) pairs: the query heads sharing a KV head read each key
-  // once. Items run on torch's intra-op threads when there are enough keys to pay for it.
-  template <typename KeyRow>
-  void attend(const float* q_p, bf16* out_p, const KeyRow& key_row,
-              const std::vector<int64_t>& key_slots, const std::vector<int64_t>& first,
-              int64_t rows) const {
-    const int64_t items = rows * kv_heads_;
-    const int64_t grain = first[rows] * kv_heads_ >= kParallelKeys ? 1 : items;
-    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc(head_dim_);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / kv_heads_, g = item % kv_heads_;
-        attend_group(q_p, out_p, key_row, key_slots.data() + first[b], first[b + 1] - first[b],
-                     b, g, scores, acc);
-      }
-    });
-  }
-
-  // Row b's query heads of KV head g over its `length` keys; out: [B, H * D] bf16.
-  template <typename KeyRow>
-  void attend_group(const float* q_p, bf16* out_p, const KeyRow& key_row,
-                    const int64_t* key_slots, int64_t length, int64_t b, int64_t g,
-                    std::vector<float>& scores, std::vector<float>& acc) const {
-    const int64_t dim = head_dim_, group = heads_ / kv_heads_;
-    scores.resize(group * length);
-    const float* q0 = q_p + (b * heads_ + g * group) * dim;
-    for (int64_t p = 0; p < length; ++p) {
-      const float* k = key_row(g, key_slots[p]);
-      for (int64_t j = 0; j < group; ++j)
-        scores[j * length + p] = dot(q0 + j * dim, k, dim) * scale_;
-    }
-    for (int64_t j = 0; j < group; ++j) {
-      float* s = scores.data() + j * length;
-      float peak = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < length; ++p) peak = std::max(peak, s[p]);
-      float total = 0.f;
-      for (int64_t p = 0; p < length; ++p) {
-        s[p] = std::exp(s[p] - peak);
-        total += s[p];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < length; ++p) {
-        const float* v = key_row(kv_heads_ + g, key_slots[p]);
-        const float weight = s[p];
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) acc[i] += weight * v[i];
-      }
-      bf16* out = out_p + (b * heads_ + g * group + j) * dim;
-      for (int64_t i = 0; i < dim; ++i) out[i] = bf16(acc[i] / total);
-    }
-  }
-
-  static void residual_add(bf16* h, const at::Tensor& delta, int64_t n) {
-    const bf16* d = delta.data_ptr<bf16>();
-    for (int64_t i = 0; i < n; ++i) h[i] = bf16(static_cast<float>(h[i]) + d[i]);
-  }
-
   std::vector<Block> blocks_;
   int64_t heads_, kv_heads_, head_dim_;
   float scale_, eps_;
