@@ -6,10 +6,10 @@ import logging
 import threading
 
 import pytest
+import tiny_models
 import torch
 from forward_helpers import chunk
 from test_models import BLOCK, PROMPT, load, shuffled_blocks
-import tiny_models
 from tiny_models import VOCAB
 
 from shoal.engine.kernels import build
@@ -54,8 +54,8 @@ def decode_step(runner: ModelRunner, tokens, tables, lengths) -> tuple[torch.Ten
 # Head shapes beside the tiny models' own (head size 16, 2 query heads per KV head):
 # a head size with no vector form (8: the scalar loop), and 8 query heads per KV head
 # (the vector form takes them 4 at a time).
-SHAPES = {"head-size-8": dict(num_attention_heads=8, num_key_value_heads=2),
-          "group-of-8": dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16)}
+SHAPES = {"head-size-8": {"num_attention_heads": 8, "num_key_value_heads": 2},
+          "group-of-8": {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 16}}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def assert_decode_matches(checkpoint, prompts) -> None:
 def test_kernel_writes_the_same_kv_cache(kernel, tiny_checkpoints):
     checkpoint = tiny_checkpoints["llama"]
     fused, python = runners(checkpoint, True), runners(checkpoint, False)
-    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    tables = [list(range(8)), list(range(8, 16)), list(range(16, 24))]
     prefill(fused, tables)
     prefill(python, tables)
     lengths = [len(p) for p in PROMPTS[:3]]
@@ -245,7 +245,7 @@ def test_a_stale_build_lock_is_cleared_before_building(monkeypatch, tmp_path):
     import os
     import time
 
-    import torch.utils.cpp_extension as cpp_extension
+    from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: "built")
     stale, fresh = tmp_path / "stale", tmp_path / "fresh"
