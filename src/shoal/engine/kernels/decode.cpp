@@ -6,7 +6,8 @@
 // microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
 // runs every block: the matmuls go to the ATen kernels the Python path uses (see Linear),
 // attention reads the paged cache in place (attention.h), and the small ops (RMSNorm, RoPE,
-// the KV write, SiLU, residual adds) are plain loops over a few hundred floats. Rounding follows the Python path: every tensor the Python path
+// the KV write, SiLU, residual adds) are loops over a few hundred floats, on 16-lane
+// vectors where they are hot (vector.h). Rounding follows the Python path: every tensor it
 // keeps in bf16 (norm outputs, projections, the residual stream) is rounded to bf16 here.
 
 #include <ATen/Parallel.h>
