@@ -138,8 +138,11 @@ inline void attend_scalar(const float* q, const float* keys, const float* values
 using VectorFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
                           float, float*, bf16*);
 
-// Query heads go through attend_vector up to 4 at a time (4 heads x 8 vectors of queries fill
-// half of AVX-512's registers); nullptr where the head size has no vector form.
+// Query heads go through attend_vector up to this many at a time (4 heads x 8 vectors of
+// queries fill half of AVX-512's registers).
+constexpr int64_t kMaxHeadsAtOnce = 4;
+
+// nullptr where the head size has no vector form.
 template <int NV>
 VectorFn vector_fn(int64_t heads_at_once) {
   switch (heads_at_once) {
@@ -159,8 +162,6 @@ inline VectorFn pick_vector_fn(int64_t dim, int64_t heads_at_once) {
     default: return nullptr;
   }
 }
-
-constexpr int64_t kMaxHeadsAtOnce = 4;
 
 // Row b's query heads of KV head g over its keys key_slots[0 .. length).
 inline void attend_item(const Layout& layout, const float* q_p, const float* cache_p,

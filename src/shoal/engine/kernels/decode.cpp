@@ -13,10 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "attention.h"
@@ -30,6 +28,7 @@ constexpr int64_t kGroupSize = 32;  // int4 quantization group along the input d
 // Attention runs on several threads from this many (key, KV head) pairs per layer; below
 // it a parallel region costs more than it saves.
 constexpr int64_t kParallelKeys = 1536;
+// The per-row passes (norms, residual adds, SiLU) run on several threads from this many rows.
 constexpr int64_t kParallelRows = 8;
 
 using shoal_vec::f32x16;
