@@ -7,7 +7,8 @@ Each configuration runs as separate processes (one per rank) joined by torch.dis
 (gloo) on 127.0.0.1, the way a multi-node instance runs. For each: time to first token of a
 --prompt token prompt, batch-1 decode tokens/s, and rank 0's time blocked on the other ranks
 per decoded token (for the pipeline that wait includes rank 1's layers; for tensor shards it
-is the all-reduces). Also: the round trip of a hidden-state sized message between two ranks.
+is the all-reduces). Also: the round trip of a hidden-state sized message between two ranks
+over their link (how the ranks send them) and over gloo, and a two-rank all-reduce.
 The pipeline's overhead is its decode time per token over one node's, minus 1.
 
 Two layouts of the ranks on this machine's cores:
@@ -142,7 +143,8 @@ def single(args: dict) -> dict:
     return first_result(run_single, [(args,)])
 
 
-def ping(rank: int, port: int, hidden: int, results) -> None:
+def ping(rank: int, port: int, hidden: int, cores, results) -> None:
+    pin(cores[rank] if cores else None)
     import torch
 
     from shoal.engine.parallel.config import ParallelConfig
@@ -152,28 +154,48 @@ def ping(rank: int, port: int, hidden: int, results) -> None:
                                           layer_start=0, layer_end=1, master_addr="127.0.0.1",
                                           master_port=port), torch.device("cpu"))
     tensor = torch.zeros(1, hidden)
-    rounds = 500
-    start = time.perf_counter()
-    for _ in range(rounds):
+    peer = 1 - rank
+
+    def link_round() -> None:  # how hidden states travel between pipeline ranks
+        nonlocal tensor
         if rank == 0:
-            group.send_tensor(tensor, 1)
-            tensor = group.recv_tensor((1, hidden), torch.float32, 1)
-        else:
-            tensor = group.recv_tensor((1, hidden), torch.float32, 0)
-            group.send_tensor(tensor, 0)
-    round_trip = (time.perf_counter() - start) / rounds
-    start = time.perf_counter()
-    for _ in range(rounds):
-        group.all_reduce_(tensor)
+            group.send_tensor(tensor, peer)
+        tensor = group.recv_tensor((1, hidden), torch.float32, peer)
+        if rank == 1:
+            group.send_tensor(tensor, peer)
+
+    gloo = group.process_group
+
+    def gloo_round() -> None:  # the same through torch.distributed's gloo group
+        if rank == 0:
+            gloo.send([tensor], peer, 0).wait()
+        gloo.recv([tensor], peer, 0).wait()
+        if rank == 1:
+            gloo.send([tensor], peer, 0).wait()
+
+    timings = {"hidden_round_trip_us": link_round,
+               "hidden_round_trip_gloo_us": gloo_round,
+               "all_reduce_us": lambda: group.all_reduce_(tensor)}
+    result = {}
+    for name, once in timings.items():
+        rounds = 500
+        start = time.perf_counter()
+        for _ in range(rounds):
+            once()
+        result[name] = 1e6 * (time.perf_counter() - start) / rounds
     if rank == 0:
-        results.put({"hidden_round_trip_us": 1e6 * round_trip,
-                     "all_reduce_us": 1e6 * (time.perf_counter() - start) / rounds})
+        results.put(result)
     group.close()
 
 
 def messaging(hidden: int) -> dict:
+    """Hand-off and all-reduce times between two ranks, each on its own half of the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // 2
+    per_rank = [cores[:share], cores[share:2 * share]] if share else None
     port = free_port()
-    return first_result(ping, [(rank, port, hidden) for rank in (0, 1)], timeout_s=120)
+    return first_result(ping, [(rank, port, hidden, per_rank) for rank in (0, 1)],
+                        timeout_s=120)
 
 
 def layout_configs(layout: str, base: dict, layers: int) -> dict[str, tuple]:

@@ -11,11 +11,12 @@ import torch
 from rank_processes import run_ranks
 
 from shoal.engine.parallel.config import ParallelConfig
-from shoal.engine.parallel.group import FRAME_BYTES, GroupError, RankGroup
+from shoal.engine.parallel.group import GroupError, RankGroup
 
-# payloads around one frame's capacity (FRAME_BYTES minus its 8-byte length)
+# payloads on either side of the size up to which a frame goes out in one send, and one
+# larger than a loopback socket's buffers
 BIG = [bytes(range(256)) * (n // 256) + bytes(n % 256)
-       for n in (FRAME_BYTES - 8, FRAME_BYTES - 7, 3 * FRAME_BYTES + 5)]
+       for n in (65536, 65537, 9 * 2**20 + 5)]
 
 
 def config(rank: int, world: int, port: int, **extra) -> ParallelConfig:
@@ -40,6 +41,9 @@ def exchange(rank: int, world: int, port: int) -> dict:
         out["tensor"] = group.recv_tensor((6,), torch.bfloat16, 0).tolist()
     values = torch.full((3,), float(rank + 1))
     out["sum"] = group.all_reduce_(values).tolist()
+    # A prefill-sized sum: both ranks send at once, more than their socket buffers hold.
+    large = torch.full((4096, 640), float(rank + 1))
+    out["large_sum"] = group.all_reduce_(large).unique().tolist()
     return out
 
 
@@ -49,6 +53,7 @@ def test_ranks_exchange_messages_tensors_and_sums(world):
     total = float(sum(range(1, world + 1)))
     for rank, out in results.items():
         assert out["sum"] == [total] * 3, out
+        assert out["large_sum"] == [total]
         if rank:
             assert out["bytes"] == (f"plan for {rank}".encode(), b"")
             assert out["big"] == BIG

@@ -30,6 +30,9 @@ class ParallelConfig:
     keepalive_s: float = 1.0
     # Hidden states between pipeline ranks as int8 with one scale per token.
     compress_hidden: bool = False
+    # A wait on another rank polls its link this long before it sleeps (parallel/links.py):
+    # while steps flow the waiting core stays awake, at the cost of keeping it busy.
+    spin_s: float = 0.02
 
     def __post_init__(self) -> None:
         if self.world_size < 2 or not 0 <= self.rank < self.world_size:
@@ -45,6 +48,8 @@ class ParallelConfig:
             raise ValueError("keepalive_s must be under half of collective_timeout_s")
         if self.connect_timeout_s <= 0:
             raise ValueError("connect_timeout_s must be positive")
+        if self.spin_s < 0:
+            raise ValueError("spin_s must not be negative")
 
     @property
     def tp_rank(self) -> int:

@@ -163,14 +163,16 @@ class Follower:
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Serve plans; returns on a shutdown plan or a stop request; GroupError when rank 0
         falls silent (its keep-alives bound the wait) or a peer dies."""
+        busy = False  # the last plan was a step: the next one is due within a token's time
         try:
             while not stop_requested():
-                plan = decode_plan(self._group.recv_bytes(0))
+                plan = decode_plan(self._group.recv_bytes(0, spin=busy))
                 if plan.kind == "shutdown":
                     return
                 if self._mirror is not None:
                     self._mirror.apply(plan)
-                if plan.kind == "step":
+                busy = plan.kind == "step"
+                if busy:
                     self._step(plan)
         finally:
             self._group.close()

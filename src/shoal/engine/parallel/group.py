@@ -1,16 +1,15 @@
 """The process group of one instance's ranks (torch.distributed), with every wait bounded.
 
-Ranks meet through a TCPStore on rank 0's rendezvous address. On CPU the group is gloo with
-its device bound to the interface that reaches rank 0 (gloo's default device follows the
-host name, which on some machines routes loopback traffic through a slow path: ~2 ms per
-message instead of ~0.1 ms). On CUDA, tensors of the forward pass ride an NCCL group and
-the small control messages a gloo group beside it.
+Ranks meet through a TCPStore on rank 0's rendezvous address and form a gloo group, its
+device bound to the interface that reaches rank 0 (gloo's default device follows the host
+name, which on some machines routes loopback traffic through a slow path: ~2 ms per message
+instead of ~0.1 ms). On CUDA, tensors of the forward pass ride an NCCL group beside it.
 
-A byte message between ranks travels as one fixed-size frame (FRAME_BYTES: an int64 length,
-then the payload) and, only when the payload does not fit, a second message with the rest,
-so a receiver never guesses a size. A step plan or a sampled answer fits in one frame: each
-gloo message costs a hand-off to gloo's I/O thread on both sides (~0.1-0.2 ms on loopback),
-and the sampled answer lies on every decoded token's critical path.
+Through the same store every pair of ranks also opens a PeerLinks socket (links.py). Byte
+messages (step plans, sampled tokens) ride it, and so do CPU tensors between two ranks:
+pipeline hidden states and two-rank all-reduces, which lie on every decoded token's critical
+path, where a gloo message costs 0.1-1 ms of hand-offs and a socket ~35 µs. Sums over more
+than two ranks, and every CUDA tensor, go through torch.distributed.
 
 A rank that died or fell silent turns any wait into GroupError within collective_timeout_s
 (a dead process usually at once: its sockets close).
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import time
 from datetime import timedelta
 
@@ -28,13 +26,11 @@ import torch
 import torch.distributed as dist
 
 from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.parallel.links import LinkError, PeerLinks
 
 log = logging.getLogger("shoal.parallel")
 
 _TAG = 0
-FRAME_BYTES = 4096
-_LENGTH = struct.Struct("<q")  # a frame's first 8 bytes
-_CAPACITY = FRAME_BYTES - _LENGTH.size  # payload bytes one frame carries
 
 
 class GroupError(RuntimeError):
@@ -58,15 +54,17 @@ def local_address_towards(host: str) -> str:
 class RankGroup:
     """This rank's view of the group; build it with join()."""
 
-    def __init__(self, config: ParallelConfig, control: dist.ProcessGroup,
-                 tensors: dist.ProcessGroup, device: torch.device,
+    def __init__(self, config: ParallelConfig, gloo: dist.ProcessGroup,
+                 tensors: dist.ProcessGroup, links: PeerLinks, device: torch.device,
                  store: dist.TCPStore) -> None:
         self.config = config
         self.rank = config.rank
         self.world_size = config.world_size
         self.device = device
-        self._control = control  # gloo: headers, plans, sampled tokens
-        self._tensors = tensors  # hidden states and all-reduces (NCCL on CUDA)
+        self._gloo = gloo
+        self._tensors = tensors  # CUDA tensors and sums over more than two ranks
+        self._links = links  # byte messages, CPU tensors between two ranks
+        self._spin_s = config.spin_s
         self._store = store  # kept alive: rank 0 hosts it
         self._timeout = timedelta(seconds=config.collective_timeout_s)
         self.wait_s = 0.0  # time spent blocked on other ranks (bench/distributed.py reads it)
@@ -80,65 +78,73 @@ class RankGroup:
             store = dist.TCPStore(config.master_addr, config.master_port, config.world_size,
                                   is_master=config.rank == 0, timeout=connect,
                                   wait_for_workers=True)
-            control = _gloo_group(store, config, local_address_towards(config.master_addr))
-            tensors = control
+            address = local_address_towards(config.master_addr)
+            gloo = _gloo_group(store, config, address)
+            tensors = gloo
             if device.type == "cuda":
                 options = dist.ProcessGroupNCCL.Options()
                 tensors = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), config.rank,
                                                 config.world_size, options)
-        except (RuntimeError, OSError, ValueError) as error:  # DistStoreError is a RuntimeError
+            links = PeerLinks.connect(store, config.rank, config.world_size, address,
+                                      config.connect_timeout_s)
+        except (RuntimeError, OSError, ValueError) as error:  # DistStoreError, LinkError too
             raise GroupError(f"rank {config.rank} could not join its group at "
                              f"{config.master_addr}:{config.master_port} within "
                              f"{config.connect_timeout_s:.0f} s: {error}") from error
         log.info("rank %d of %d joined its group at %s:%d", config.rank, config.world_size,
                  config.master_addr, config.master_port)
-        return cls(config, control, tensors, device, store)
+        return cls(config, gloo, tensors, links, device, store)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The ranks' torch.distributed (gloo) group."""
+        return self._gloo
 
     # --- point to point ------------------------------------------------------------------------
 
     def send_bytes(self, payload: bytes, dst: int) -> None:
-        frame = bytearray(FRAME_BYTES)
-        _LENGTH.pack_into(frame, 0, len(payload))
-        frame[_LENGTH.size:_LENGTH.size + min(len(payload), _CAPACITY)] = payload[:_CAPACITY]
-        self._wait(self._control.send([torch.frombuffer(frame, dtype=torch.uint8)], dst, _TAG),
-                   f"send to rank {dst}")
-        if len(payload) > _CAPACITY:
-            rest = torch.frombuffer(bytearray(payload[_CAPACITY:]), dtype=torch.uint8)
-            self._wait(self._control.send([rest], dst, _TAG), f"send to rank {dst}")
+        self._link_wait(lambda timeout: self._links.send(dst, payload, timeout),
+                        f"send to rank {dst}")
 
-    def recv_bytes(self, src: int, timeout_s: float | None = None) -> bytes:
-        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        self._wait(self._control.recv([frame], src, _TAG), f"wait for rank {src}", timeout_s)
-        data = frame.numpy()
-        (size,) = _LENGTH.unpack_from(data, 0)
-        head = data[_LENGTH.size:_LENGTH.size + min(size, _CAPACITY)].tobytes()
-        if size <= _CAPACITY:
-            return head
-        rest = torch.empty(size - _CAPACITY, dtype=torch.uint8)
-        self._wait(self._control.recv([rest], src, _TAG), f"wait for rank {src}")
-        return head + rest.numpy().tobytes()
+    def recv_bytes(self, src: int, timeout_s: float | None = None, spin: bool = True) -> bytes:
+        """The next message from src; spin=False when it is not expected soon (no polling
+        first: see ParallelConfig.spin_s)."""
+        spin_s = self._spin_s if spin else 0.0
+        return self._link_wait(lambda timeout: self._links.recv(src, timeout, spin_s),
+                               f"wait for rank {src}", timeout_s)
 
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
         """tensor's values to dst, which knows its shape and dtype (from the step plan)."""
-        self._wait(self._tensors.send([tensor.contiguous()], dst, _TAG), f"send to rank {dst}")
+        tensor = tensor.contiguous()
+        if tensor.device.type != "cpu":
+            self._wait(self._tensors.send([tensor], dst, _TAG), f"send to rank {dst}")
+            return
+        self._link_wait(lambda timeout: self._links.send(dst, _bytes_of(tensor), timeout),
+                        f"send to rank {dst}")
 
     def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(self._tensors.recv([tensor], src, _TAG), f"wait for rank {src}")
+        if tensor.device.type != "cpu":
+            self._wait(self._tensors.recv([tensor], src, _TAG), f"wait for rank {src}")
+            return tensor
+        self._link_wait(lambda timeout: self._links.recv_into(src, _bytes_of(tensor), timeout,
+                                                              self._spin_s),
+                        f"wait for rank {src}")
         return tensor
 
     # --- collectives ---------------------------------------------------------------------------
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum tensor over the ranks, in place. Two ranks swap their parts and add (one
-        exchange: a fraction of a ring all-reduce's latency at these sizes)."""
+        """Sum tensor over the ranks, in place. Two ranks on CPU swap their parts over their
+        link and add (one exchange: a fraction of a ring all-reduce's latency at these
+        sizes)."""
         if self.world_size == 2 and tensor.device.type == "cpu":
             peer = 1 - self.rank
+            tensor = tensor.contiguous()
             other = torch.empty_like(tensor)
-            sent = self._tensors.send([tensor], peer, _TAG)
-            received = self._tensors.recv([other], peer, _TAG)
-            self._wait(sent, f"exchange with rank {peer}")
-            self._wait(received, f"exchange with rank {peer}")
+            self._link_wait(lambda timeout: self._links.exchange(
+                peer, _bytes_of(tensor), _bytes_of(other), timeout, self._spin_s),
+                f"exchange with rank {peer}")
             # Rank order of the sum is fixed, so both ranks hold the same bits.
             first, second = (tensor, other) if self.rank == 0 else (other, tensor)
             torch.add(first, second, out=tensor)
@@ -148,7 +154,8 @@ class RankGroup:
 
     def close(self) -> None:
         """Drop the group (the other ranks see their next wait fail)."""
-        for group in {id(self._control): self._control, id(self._tensors): self._tensors}.values():
+        self._links.close()
+        for group in {id(self._gloo): self._gloo, id(self._tensors): self._tensors}.values():
             shutdown = getattr(group, "shutdown", None)
             if shutdown is not None:
                 try:
@@ -165,6 +172,22 @@ class RankGroup:
             raise GroupError(f"rank {self.rank}: {what} failed: {_first_line(error)}") from None
         finally:
             self.wait_s += time.perf_counter() - started
+
+    def _link_wait(self, transfer, what: str, timeout_s: float | None = None):
+        """transfer(timeout in seconds) on the links, timed and with errors as GroupError."""
+        timeout = self.config.collective_timeout_s if timeout_s is None else timeout_s
+        started = time.perf_counter()
+        try:
+            return transfer(timeout)
+        except LinkError as error:
+            raise GroupError(f"rank {self.rank}: {what} failed: {error}") from None
+        finally:
+            self.wait_s += time.perf_counter() - started
+
+
+def _bytes_of(tensor: torch.Tensor):
+    """A contiguous CPU tensor's memory as a flat byte array (no copy), for the links."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def _gloo_group(store: dist.Store, config: ParallelConfig, address: str) -> dist.ProcessGroup:

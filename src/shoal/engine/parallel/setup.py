@@ -74,10 +74,10 @@ def _agree(group: RankGroup, parallel: ParallelConfig, sizes: list[int],
     wait_s = parallel.connect_timeout_s
     if parallel.rank != 0:
         group.send_bytes(msgpack.packb(sizes), 0)
-        agreed = msgpack.unpackb(group.recv_bytes(0, timeout_s=wait_s))
+        agreed = msgpack.unpackb(group.recv_bytes(0, timeout_s=wait_s, spin=False))
         return agreed[0], tuple(agreed[1])
     for rank in range(1, parallel.world_size):
-        theirs = msgpack.unpackb(group.recv_bytes(rank, timeout_s=wait_s))
+        theirs = msgpack.unpackb(group.recv_bytes(rank, timeout_s=wait_s, spin=False))
         sizes = [min(mine, other) for mine, other in zip(sizes, theirs)]
     if sizes[0] < 1:
         raise GroupError("a rank has no memory for its KV cache")

@@ -1,0 +1,235 @@
+"""PeerLinks: one TCP connection from each rank of an instance to each other rank.
+
+The messages on a decoded token's critical path ride these links: step plans, sampled
+tokens, the hidden states a pipeline rank hands on, and two ranks' all-reduce exchanges.
+A gloo send or receive hands each message to gloo's I/O thread and back, and waits for the
+receiver's "ready" note before the payload moves: 0.1-1 ms per message on loopback here,
+against ~35 µs for a plain socket (bench/distributed.py prints both). A token of a 2-rank
+pipeline crosses two such hand-offs; a tensor-parallel token crosses two per layer.
+
+A message is one frame: an int64 length, then the payload. Every wait has a deadline, and a
+closed connection (its process died) is a LinkError at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import time
+
+_LENGTH = struct.Struct("<q")
+_HELLO = struct.Struct("<8sq")  # magic, the dialing rank
+_MAGIC = b"shoal-lk"
+_MAX_MESSAGE = 2**30  # byte messages are plans and answers: far smaller
+
+
+class LinkError(RuntimeError):
+    """A peer closed its link, broke the protocol, or did not answer in time."""
+
+
+class PeerLinks:
+    """This rank's connected sockets, by peer rank; build it with connect()."""
+
+    def __init__(self, rank: int, sockets: dict[int, socket.socket]) -> None:
+        self.rank = rank
+        self._sockets = sockets
+
+    @classmethod
+    def connect(cls, store, rank: int, world_size: int, address: str,
+                timeout_s: float) -> PeerLinks:
+        """Meet every other rank within timeout_s: each rank listens and publishes its
+        address in the group's store (torch.distributed's TCPStore); a rank dials every rank
+        below it and accepts the ones above."""
+        deadline = time.monotonic() + timeout_s
+        listener = socket.create_server((address, 0))
+        sockets: dict[int, socket.socket] = {}
+        try:
+            host, port = listener.getsockname()[:2]
+            store.set(f"links/{rank}", f"{host} {port}")
+            for peer in range(rank):
+                host, port = store.get(f"links/{peer}").decode().split()
+                sock = socket.create_connection((host, int(port)), _remaining(deadline))
+                sock.sendall(_HELLO.pack(_MAGIC, rank))
+                sockets[peer] = sock
+            while len(sockets) < world_size - 1:
+                peer, sock = _accept(listener, rank, world_size, deadline)
+                if peer in sockets:
+                    sock.close()
+                    raise LinkError(f"rank {peer} dialed twice")
+                sockets[peer] = sock
+        except (OSError, LinkError) as error:
+            for sock in sockets.values():
+                sock.close()
+            if isinstance(error, LinkError):
+                raise
+            raise LinkError(f"rank {rank} could not link up with the other ranks within "
+                            f"{timeout_s:.0f} s: {error}") from None
+        finally:
+            listener.close()
+        for sock in sockets.values():
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)  # every transfer waits in poll(), with a deadline
+        return cls(rank, sockets)
+
+    def send(self, dst: int, payload, timeout_s: float) -> None:
+        """One frame to dst; payload is any bytes-like object (a tensor's numpy view)."""
+        data = memoryview(payload).cast("B")
+        _transfer(self._socket(dst), _frame(data), [], _Wait(dst, timeout_s, 0.0))
+
+    def recv(self, src: int, timeout_s: float, spin_s: float = 0.0) -> bytes:
+        """The next frame from src, whatever its length. A wait polls for spin_s before it
+        sleeps: waking a sleeping core costs tens to hundreds of µs per message, and a
+        core kept busy stays warm for the work the message brings."""
+        sock, wait = self._socket(src), _Wait(src, timeout_s, spin_s)
+        header = bytearray(_LENGTH.size)
+        _transfer(sock, [], [memoryview(header)], wait)
+        (size,) = _LENGTH.unpack(header)
+        if not 0 <= size <= _MAX_MESSAGE:
+            raise LinkError(f"rank {src} sent a frame of {size} bytes")
+        payload = bytearray(size)
+        _transfer(sock, [], [memoryview(payload)], wait)
+        return bytes(payload)
+
+    def recv_into(self, src: int, buffer, timeout_s: float, spin_s: float = 0.0) -> None:
+        """The next frame from src into buffer, which must be exactly its length."""
+        sock, wait = self._socket(src), _Wait(src, timeout_s, spin_s)
+        header = bytearray(_LENGTH.size)
+        _transfer(sock, [], [memoryview(header)], wait)
+        view = memoryview(buffer).cast("B")
+        (size,) = _LENGTH.unpack(header)
+        if size != view.nbytes:
+            raise LinkError(f"rank {src} sent {size} bytes where {view.nbytes} were due")
+        _transfer(sock, [], [view], wait)
+
+    def exchange(self, peer: int, payload, buffer, timeout_s: float,
+                 spin_s: float = 0.0) -> None:
+        """Send payload to peer while receiving its frame of the same length into buffer:
+        both directions move at once, so neither side blocks on a full socket buffer."""
+        into = memoryview(buffer).cast("B")
+        header = bytearray(_LENGTH.size)
+        _transfer(self._socket(peer), _frame(memoryview(payload).cast("B")),
+                  [memoryview(header), into], _Wait(peer, timeout_s, spin_s))
+        (size,) = _LENGTH.unpack(header)
+        if size != into.nbytes:
+            raise LinkError(f"rank {peer} sent {size} bytes where {into.nbytes} were due")
+
+    def close(self) -> None:
+        """Close every link (each peer's next wait on this rank fails at once)."""
+        for sock in self._sockets.values():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        self._sockets.clear()
+
+    def _socket(self, peer: int) -> socket.socket:
+        sock = self._sockets.get(peer)
+        if sock is None:
+            raise LinkError(f"no link from rank {self.rank} to rank {peer} (closed?)")
+        return sock
+
+
+def _frame(payload: memoryview) -> list[memoryview]:
+    """A frame as buffers to send in turn: header and payload joined when small (one send)."""
+    header = _LENGTH.pack(payload.nbytes)
+    if payload.nbytes <= 65536:
+        return [memoryview(header + payload)]
+    return [memoryview(header), payload]
+
+
+class _Wait:
+    """One transfer's bounds: the peer it waits on, its deadline, and its polling."""
+
+    def __init__(self, peer: int, timeout_s: float, spin_s: float) -> None:
+        now = time.monotonic()
+        self.peer = peer
+        self.deadline = now + timeout_s
+        self.spin_until = now + min(spin_s, timeout_s)
+
+
+def _transfer(sock: socket.socket, out: list[memoryview], into: list[memoryview],
+              wait: _Wait) -> None:
+    """Send every buffer of out and fill every buffer of into, in order, by the deadline,
+    each direction as the socket allows."""
+    sending = [part for part in out if part.nbytes]
+    filling = [part for part in into if part.nbytes]
+    peer = wait.peer
+    while sending or filling:
+        moved = False
+        if sending:
+            sent = _attempt(sock.send, sending[0], peer)
+            if sent:
+                moved = True
+                sending[0] = sending[0][sent:]
+                if not sending[0].nbytes:
+                    sending.pop(0)
+        if filling:
+            count = _attempt(sock.recv_into, filling[0], peer)
+            if count == 0:
+                raise LinkError(f"rank {peer} closed its link")
+            if count:
+                moved = True
+                filling[0] = filling[0][count:]
+                if not filling[0].nbytes:
+                    filling.pop(0)
+        if moved:
+            continue
+        if time.monotonic() < wait.spin_until:
+            os.sched_yield()  # a thread with work on this core goes first
+            continue
+        remaining = wait.deadline - time.monotonic()
+        poller = select.poll()  # not select(): a server's descriptors may pass 1024
+        poller.register(sock, (select.POLLIN if filling else 0)
+                        | (select.POLLOUT if sending else 0))
+        if remaining <= 0 or not poller.poll(remaining * 1e3):
+            raise LinkError(f"rank {peer} did not answer in time")
+
+
+def _attempt(operation, buffer: memoryview, peer: int) -> int | None:
+    """operation(buffer) on a non-blocking socket: its byte count, None if it would block."""
+    try:
+        return operation(buffer)
+    except BlockingIOError:
+        return None
+    except OSError as error:  # reset, broken pipe: the peer's process is gone
+        raise LinkError(f"link to rank {peer}: {error.strerror or error}") from None
+
+
+def _accept(listener: socket.socket, rank: int, world_size: int,
+            deadline: float) -> tuple[int, socket.socket]:
+    """The next rank above this one to dial in; strangers are turned away."""
+    while True:
+        listener.settimeout(_remaining(deadline))
+        sock, _ = listener.accept()
+        # A rank says hello as soon as it connects; a silent stranger waits 2 s at most.
+        sock.settimeout(min(_remaining(deadline), 2.0))
+        try:
+            hello = _recv_exact(sock, _HELLO.size)
+        except OSError:
+            sock.close()
+            continue
+        magic, peer = _HELLO.unpack(hello)
+        if magic == _MAGIC and rank < peer < world_size:
+            return peer, sock
+        sock.close()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("closed during hello")
+        data += chunk
+    return bytes(data)
+
+
+def _remaining(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise LinkError("the other ranks did not all link up in time")
+    return remaining
+
