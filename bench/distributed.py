@@ -1,7 +1,7 @@
 """One node versus a 2-rank pipeline and a 2-rank tensor instance, on loopback; prints JSON.
 
     python bench/distributed.py [--model ID] [--dtype auto] [--tokens 128] [--prompt 200]
-                                [--rounds 3] [--layout both|separate|shared]
+                                [--rounds 9] [--layout both|separate|shared]
 
 Each configuration runs as separate processes (one per rank) joined by torch.distributed
 (gloo) on 127.0.0.1, the way a multi-node instance runs. For each: time to first token of a
@@ -18,9 +18,10 @@ Two layouts of the ranks on this machine's cores:
   the cores' threads; tensor ranks compute at once and split them. "One node" uses every
   core. On a small machine this is the worst case: the ranks' thread teams contend for the
   same cores at every hand-over.
-Configurations run in turn, --rounds times, and the medians are reported: this kind of
-machine's speed drifts within a minute, and turn-about keeps every configuration under the
-same drift. Every process gets the OpenMP settings of shoal's runner processes
+Each configuration's processes start once and stay up; the configurations then measure in
+turn, --rounds times (a fresh prompt each turn), and the medians are reported: this kind of
+machine's speed drifts within a minute, and short turns about keep every configuration
+under the same drift. Every process gets the OpenMP settings of shoal's runner processes
 (runner/process_env.py), without which a pipeline's idle rank spins on the cores the busy
 one needs.
 """
@@ -31,6 +32,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import time
@@ -53,29 +55,34 @@ def engine_config(model: str, dtype: str, threads: int, parallel=None):
                         kv_cache_bytes=256 * 2**20, parallel=parallel)
 
 
-def measure(engine, prompt_tokens: int, new_tokens: int) -> dict:
+def measure(engine, prompt_tokens: int, new_tokens: int, turn: int) -> dict:
+    """One request of a prompt_tokens prompt (its own words each turn: no prefix-cache hit)
+    and new_tokens greedy tokens, after a short warm-up request."""
     from shoal.engine.sampling import SamplingParams
 
-    text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(prompt_tokens * 2))
-    prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:prompt_tokens]
+    text = " ".join(WORDS[(i * 7 + turn) % len(WORDS)] for i in range(prompt_tokens * 2))
+    prompt = engine.tokenizer.encode(f"Turn {turn}: {text}",
+                                     add_special_tokens=False)[:prompt_tokens]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    engine.add_request("warm", prompt[:32], SamplingParams(temperature=0.0, max_tokens=4))
+    warm = engine.tokenizer.encode(f"Warm-up {turn}: {text[:200]}", add_special_tokens=False)
+    engine.add_request(f"warm-{turn}", warm[:32], SamplingParams(temperature=0.0, max_tokens=4))
     while engine.has_unfinished_requests():
         engine.step()
-    waited = getattr(engine.executor, "wait_s", 0.0)
-    engine.add_request("bench", prompt, params)
+    waited = 0.0
+    engine.add_request(f"bench-{turn}", prompt, params)
     start = time.perf_counter()
     first = None
     while engine.has_unfinished_requests():
         for output in engine.step():
             if first is None and output.token_ids:
                 first = time.perf_counter()
+                waited = getattr(engine.executor, "wait_s", 0.0)  # decode waits from here
     end = time.perf_counter()
     waited = getattr(engine.executor, "wait_s", 0.0) - waited
     decode_s = end - first
     return {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / decode_s,
             "decode_ms_per_token": 1e3 * decode_s / (new_tokens - 1),
-            "rank0_wait_ms_per_token": 1e3 * waited / new_tokens}
+            "rank0_wait_ms_per_token": 1e3 * waited / (new_tokens - 1)}
 
 
 def pin(cores: list[int] | None) -> None:
@@ -84,28 +91,71 @@ def pin(cores: list[int] | None) -> None:
         os.sched_setaffinity(0, cores)
 
 
-def run_rank(rank: int, args: dict, port: int, results) -> None:
+def serve_rank(rank: int, args: dict, port: int | None, commands, results) -> None:
+    """One process of a configuration: rank 0 (or one node) measures a turn per command
+    until it gets None; a follower rank serves rank 0's plans until rank 0 closes."""
     pin(args["cores"][rank] if args.get("cores") else None)
-    from shoal.engine.config import EngineConfig  # noqa: F401 - torch loaded per process
     from shoal.engine.parallel.config import ParallelConfig
 
-    layers = args["layers"][rank]
-    parallel = ParallelConfig(rank=rank, world_size=2, sharding=args["sharding"],
-                              layer_start=layers[0], layer_end=layers[1],
-                              master_addr="127.0.0.1", master_port=port)
+    parallel = None
+    if port is not None:
+        layers = args["layers"][rank]
+        parallel = ParallelConfig(rank=rank, world_size=2, sharding=args["sharding"],
+                                  layer_start=layers[0], layer_end=layers[1],
+                                  master_addr="127.0.0.1", master_port=port)
     config = engine_config(args["model"], args["dtype"], args["threads"], parallel)
-    if rank == 0:
-        from shoal.engine.engine import Engine
-
-        engine = Engine(config)
-        try:
-            results.put(measure(engine, args["prompt"], args["tokens"]))
-        finally:
-            engine.close()
-    else:
+    if rank != 0:
         from shoal.engine.parallel.follower import FollowerEngine
 
         FollowerEngine(config).run()
+        return
+    from shoal.engine.engine import Engine
+
+    engine = Engine(config)
+    results.put("ready")
+    try:
+        while True:
+            try:
+                turn = commands.get(timeout=0.25)
+            except queue.Empty:
+                engine.idle()  # keeps the other rank's waits alive
+                continue
+            if turn is None:
+                return
+            results.put(measure(engine, args["prompt"], args["tokens"], turn))
+    finally:
+        engine.close()
+
+
+class Configuration:
+    """The processes of one configuration, started once and kept for every turn (each
+    waits, its cores idle, while another configuration measures)."""
+
+    def __init__(self, args: dict) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.args = args
+        self._commands = context.Queue()
+        self._results = context.Queue()
+        ranks = (0, 1) if "sharding" in args else (0,)
+        port = free_port() if len(ranks) > 1 else None
+        self._procs = [context.Process(target=serve_rank, daemon=True,
+                                       args=(rank, args, port, self._commands, self._results))
+                       for rank in ranks]
+        for proc in self._procs:
+            proc.start()
+        if self._results.get(timeout=600) != "ready":
+            raise RuntimeError("a configuration did not start")
+
+    def measure(self, turn: int) -> dict:
+        self._commands.put(turn)
+        return self._results.get(timeout=600)
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        for proc in self._procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def first_result(target, argument_sets: list[tuple], timeout_s: float = 600) -> dict:
@@ -124,23 +174,6 @@ def first_result(target, argument_sets: list[tuple], timeout_s: float = 600) -> 
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-
-
-def run_parallel(args: dict) -> dict:
-    port = free_port()
-    return first_result(run_rank, [(rank, args, port) for rank in (0, 1)])
-
-
-def run_single(args: dict, results) -> None:
-    pin(args["cores"][0] if args.get("cores") else None)
-    from shoal.engine.engine import Engine
-
-    engine = Engine(engine_config(args["model"], args["dtype"], args["threads"]))
-    results.put(measure(engine, args["prompt"], args["tokens"]))
-
-
-def single(args: dict) -> dict:
-    return first_result(run_single, [(args,)])
 
 
 def ping(rank: int, port: int, hidden: int, cores, results) -> None:
@@ -198,8 +231,8 @@ def messaging(hidden: int) -> dict:
                         timeout_s=120)
 
 
-def layout_configs(layout: str, base: dict, layers: int) -> dict[str, tuple]:
-    """name -> (runner, args) of the three configurations in one layout of the cores."""
+def layout_configs(layout: str, base: dict, layers: int) -> dict[str, dict]:
+    """name -> process arguments of the three configurations in one layout of the cores."""
     cores = sorted(os.sched_getaffinity(0))
     half = layers // 2
     pipeline = {"sharding": "pipeline", "layers": [(0, half), (half, layers)]}
@@ -207,15 +240,12 @@ def layout_configs(layout: str, base: dict, layers: int) -> dict[str, tuple]:
     if layout == "separate":
         share = max(1, len(cores) // 2)
         per_rank = [cores[:share], cores[share:2 * share] or cores[:share]]
-        return {"one_node": (single, {**base, "threads": share, "cores": per_rank[:1]}),
-                "pipeline_2": (run_parallel, {**base, **pipeline, "threads": share,
-                                              "cores": per_rank}),
-                "tensor_2": (run_parallel, {**base, **tensor, "threads": share,
-                                            "cores": per_rank})}
-    return {"one_node": (single, {**base, "threads": len(cores)}),
-            "pipeline_2": (run_parallel, {**base, **pipeline, "threads": len(cores)}),
-            "tensor_2": (run_parallel, {**base, **tensor,
-                                        "threads": max(1, len(cores) // 2)})}
+        return {"one_node": {**base, "threads": share, "cores": per_rank[:1]},
+                "pipeline_2": {**base, **pipeline, "threads": share, "cores": per_rank},
+                "tensor_2": {**base, **tensor, "threads": share, "cores": per_rank}}
+    return {"one_node": {**base, "threads": len(cores)},
+            "pipeline_2": {**base, **pipeline, "threads": len(cores)},
+            "tensor_2": {**base, **tensor, "threads": max(1, len(cores) // 2)}}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -223,13 +253,18 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def measure_layout(layout: str, base: dict, layers: int, rounds: int) -> dict:
-    configs = layout_configs(layout, base, layers)
+    configs = {name: Configuration(args)
+               for name, args in layout_configs(layout, base, layers).items()}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, (runner, args) in configs.items():
-            runs[name].append(runner(args))
+    try:
+        for turn in range(rounds):
+            for name, config in configs.items():
+                runs[name].append(config.measure(turn))
+    finally:
+        for config in configs.values():
+            config.stop()
     result = {name: median_run(config_runs) for name, config_runs in runs.items()}
-    result["threads_per_rank"] = configs["pipeline_2"][1]["threads"]
+    result["threads_per_rank"] = configs["pipeline_2"].args["threads"]
     result["pipeline_overhead_per_token"] = (result["pipeline_2"]["decode_ms_per_token"]
                                              / result["one_node"]["decode_ms_per_token"] - 1)
     result["pipeline_overhead_each_round"] = [
@@ -248,7 +283,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--layout", choices=("both", "separate", "shared"), default="both")
     args = parser.parse_args()
     # Every configuration runs with the environment shoal gives its runner processes.
