@@ -162,19 +162,15 @@ def _transfer(sock: socket.socket, out: list[memoryview], into: list[memoryview]
         if sending:
             sent = _attempt(sock.send, sending[0], peer)
             if sent:
+                _consume(sending, sent)
                 moved = True
-                sending[0] = sending[0][sent:]
-                if not sending[0].nbytes:
-                    sending.pop(0)
         if filling:
             count = _attempt(sock.recv_into, filling[0], peer)
             if count == 0:
                 raise LinkError(f"rank {peer} closed its link")
             if count:
+                _consume(filling, count)
                 moved = True
-                filling[0] = filling[0][count:]
-                if not filling[0].nbytes:
-                    filling.pop(0)
         if moved:
             continue
         if time.monotonic() < wait.spin_until:
@@ -186,6 +182,13 @@ def _transfer(sock: socket.socket, out: list[memoryview], into: list[memoryview]
                         | (select.POLLOUT if sending else 0))
         if remaining <= 0 or not poller.poll(remaining * 1e3):
             raise LinkError(f"rank {peer} did not answer in time")
+
+
+def _consume(buffers: list[memoryview], count: int) -> None:
+    """Drop count bytes from the front of buffers[0] (and the buffer once it is done)."""
+    buffers[0] = buffers[0][count:]
+    if not buffers[0].nbytes:
+        buffers.pop(0)
 
 
 def _attempt(operation, buffer: memoryview, peer: int) -> int | None:
