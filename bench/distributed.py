@@ -176,8 +176,16 @@ def first_result(target, argument_sets: list[tuple], timeout_s: float = 600) -> 
                 proc.kill()
 
 
+def core_halves() -> list[list[int]]:
+    """This machine's cores split in two halves, one per rank (both the one core if that is
+    all there is)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // 2)
+    return [cores[:share], cores[share:2 * share] or cores[:share]]
+
+
 def ping(rank: int, port: int, hidden: int, cores, results) -> None:
-    pin(cores[rank] if cores else None)
+    pin(cores[rank])
     import torch
 
     from shoal.engine.parallel.config import ParallelConfig
@@ -210,8 +218,8 @@ def ping(rank: int, port: int, hidden: int, cores, results) -> None:
                "hidden_round_trip_gloo_us": gloo_round,
                "all_reduce_us": lambda: group.all_reduce_(tensor)}
     result = {}
+    rounds = 500
     for name, once in timings.items():
-        rounds = 500
         start = time.perf_counter()
         for _ in range(rounds):
             once()
@@ -223,9 +231,7 @@ def ping(rank: int, port: int, hidden: int, cores, results) -> None:
 
 def messaging(hidden: int) -> dict:
     """Hand-off and all-reduce times between two ranks, each on its own half of the cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // 2
-    per_rank = [cores[:share], cores[share:2 * share]] if share else None
+    per_rank = core_halves()
     port = free_port()
     return first_result(ping, [(rank, port, hidden, per_rank) for rank in (0, 1)],
                         timeout_s=120)
@@ -238,8 +244,8 @@ def layout_configs(layout: str, base: dict, layers: int) -> dict[str, dict]:
     pipeline = {"sharding": "pipeline", "layers": [(0, half), (half, layers)]}
     tensor = {"sharding": "tensor", "layers": [(0, layers), (0, layers)]}
     if layout == "separate":
-        share = max(1, len(cores) // 2)
-        per_rank = [cores[:share], cores[share:2 * share] or cores[:share]]
+        per_rank = core_halves()
+        share = len(per_rank[0])
         return {"one_node": {**base, "threads": share, "cores": per_rank[:1]},
                 "pipeline_2": {**base, **pipeline, "threads": share, "cores": per_rank},
                 "tensor_2": {**base, **tensor, "threads": share, "cores": per_rank}}

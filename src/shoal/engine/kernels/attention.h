@@ -38,6 +38,17 @@ inline void prefetch_row(const float* row) {
   for (int c = 0; c < NV; ++c) __builtin_prefetch(row + kLanes * c);
 }
 
+// Position p's row of a key or value plane ([slots, kLanes * NV]) into vectors, prefetching
+// the row kPrefetchKeys positions ahead (rows lie wherever the block table put them).
+template <int NV>
+inline void load_row(const float* plane, const int64_t* key_slots, int64_t p, int64_t length,
+                     f32x16 (&row)[NV]) {
+  constexpr int64_t D = kLanes * NV;
+  if (p + kPrefetchKeys < length) prefetch_row<NV>(plane + key_slots[p + kPrefetchKeys] * D);
+  const float* r = plane + key_slots[p] * D;
+  for (int c = 0; c < NV; ++c) row[c] = shoal_vec::load(r + kLanes * c);
+}
+
 // The shape of one layer's attention and where its cache lies.
 // cache: [2 * kv_heads, slots, dim] float32, keys of KV head g in plane g, values in
 // plane kv_heads + g. q: [B, heads, dim] float32 (rotated). out: [B, heads * dim] bf16.
@@ -79,10 +90,8 @@ void attend_vector(const float* q, const float* keys, const float* values,
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < NV; ++c) qv[j][c] = shoal_vec::load(q + j * D + kLanes * c);
   for (int64_t p = 0; p < length; ++p) {
-    if (p + kPrefetchKeys < length) prefetch_row<NV>(keys + key_slots[p + kPrefetchKeys] * D);
-    const float* k = keys + key_slots[p] * D;
     f32x16 kv[NV];
-    for (int c = 0; c < NV; ++c) kv[c] = shoal_vec::load(k + kLanes * c);
+    load_row<NV>(keys, key_slots, p, length, kv);
     for (int j = 0; j < G; ++j) {
       f32x16 dot = qv[j][0] * kv[0];
       for (int c = 1; c < NV; ++c) dot += qv[j][c] * kv[c];
@@ -93,10 +102,8 @@ void attend_vector(const float* q, const float* keys, const float* values,
   softmax_rows(scores, G, length, inverse_total);
   f32x16 acc[G][NV] = {};
   for (int64_t p = 0; p < length; ++p) {
-    if (p + kPrefetchKeys < length) prefetch_row<NV>(values + key_slots[p + kPrefetchKeys] * D);
-    const float* v = values + key_slots[p] * D;
     f32x16 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = shoal_vec::load(v + kLanes * c);
+    load_row<NV>(values, key_slots, p, length, vv);
     for (int j = 0; j < G; ++j) {
       const float weight = scores[j * length + p];
       for (int c = 0; c < NV; ++c) acc[j][c] += weight * vv[c];

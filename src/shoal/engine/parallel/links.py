@@ -83,9 +83,7 @@ class PeerLinks:
         sleeps: waking a sleeping core costs tens to hundreds of µs per message, and a
         core kept busy stays warm for the work the message brings."""
         sock, wait = self._socket(src), _Wait(src, timeout_s, spin_s)
-        header = bytearray(_LENGTH.size)
-        _transfer(sock, [], [memoryview(header)], wait)
-        (size,) = _LENGTH.unpack(header)
+        size = _read_length(sock, wait)
         if not 0 <= size <= _MAX_MESSAGE:
             raise LinkError(f"rank {src} sent a frame of {size} bytes")
         payload = bytearray(size)
@@ -95,12 +93,8 @@ class PeerLinks:
     def recv_into(self, src: int, buffer, timeout_s: float, spin_s: float = 0.0) -> None:
         """The next frame from src into buffer, which must be exactly its length."""
         sock, wait = self._socket(src), _Wait(src, timeout_s, spin_s)
-        header = bytearray(_LENGTH.size)
-        _transfer(sock, [], [memoryview(header)], wait)
         view = memoryview(buffer).cast("B")
-        (size,) = _LENGTH.unpack(header)
-        if size != view.nbytes:
-            raise LinkError(f"rank {src} sent {size} bytes where {view.nbytes} were due")
+        _check_length(_read_length(sock, wait), view, src)
         _transfer(sock, [], [view], wait)
 
     def exchange(self, peer: int, payload, buffer, timeout_s: float,
@@ -111,9 +105,7 @@ class PeerLinks:
         header = bytearray(_LENGTH.size)
         _transfer(self._socket(peer), _frame(memoryview(payload).cast("B")),
                   [memoryview(header), into], _Wait(peer, timeout_s, spin_s))
-        (size,) = _LENGTH.unpack(header)
-        if size != into.nbytes:
-            raise LinkError(f"rank {peer} sent {size} bytes where {into.nbytes} were due")
+        _check_length(_LENGTH.unpack(header)[0], into, peer)
 
     def close(self) -> None:
         """Close every link (each peer's next wait on this rank fails at once)."""
@@ -138,6 +130,19 @@ def _frame(payload: memoryview) -> list[memoryview]:
     if payload.nbytes <= 65536:
         return [memoryview(header + payload)]
     return [memoryview(header), payload]
+
+
+def _read_length(sock: socket.socket, wait: _Wait) -> int:
+    """A frame's length header."""
+    header = bytearray(_LENGTH.size)
+    _transfer(sock, [], [memoryview(header)], wait)
+    return _LENGTH.unpack(header)[0]
+
+
+def _check_length(size: int, buffer: memoryview, peer: int) -> None:
+    """A frame bound for a buffer of known size must be exactly that size."""
+    if size != buffer.nbytes:
+        raise LinkError(f"rank {peer} sent {size} bytes where {buffer.nbytes} were due")
 
 
 class _Wait:
