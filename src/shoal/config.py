@@ -91,10 +91,14 @@ class EngineDefaults:
     threads: int | None = None
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError("kv cache dtype must be auto, bfloat16 or float32, not "
+                             f"{self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, not {self.threads}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1024 * 1024:
@@ -171,6 +175,7 @@ class NodeConfig:
                             threads=self.engine.threads,
                             kv_cache_bytes=self.engine.kv_cache_bytes,
                             max_model_len=self.engine.max_model_len,
+                            kv_cache_dtype=self.engine.kv_cache_dtype,  # type: ignore[arg-type]
                             cache_dir=self.data_dir / "cache")
 
 
@@ -245,6 +250,7 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       dtype: str | None = None, threads: int | None = None,
                       kv_cache_memory: str | None = None, max_model_len: int | None = None,
                       keep_alive: str | None = None, preload: bool | None = None,
+                      kv_cache_dtype: str | None = None,
                       cluster: ClusterSettings | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment."""
@@ -260,7 +266,8 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         threads=_as_int(_pick(threads, env, "SHOAL_THREADS"), "threads"),
         kv_cache_bytes=None if size is None else parse_size(size),
         max_model_len=_as_int(_pick(max_model_len, env, "SHOAL_MAX_MODEL_LEN"),
-                              "max model length"))
+                              "max model length"),
+        kv_cache_dtype=_pick(kv_cache_dtype, env, "SHOAL_KV_CACHE_DTYPE") or "auto")
     runner = RunnerLimits(
         load_timeout_s=_as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
         or 600.0,

@@ -8,9 +8,12 @@ from shoal.engine.model_runner import ModelRunner
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
-def chunk(request_id: str, token_ids, start: int, blocks, sample: bool = True) -> ScheduledChunk:
+def chunk(request_id: str, token_ids, start: int, blocks, sample: bool = True,
+          prompt: bool | None = None) -> ScheduledChunk:
+    """A chunk; by default more than one token means prompt tokens, one a generated token."""
     return ScheduledChunk(request_id=request_id, token_ids=tuple(token_ids),
-                          start_position=start, block_ids=tuple(blocks), needs_sample=sample)
+                          start_position=start, block_ids=tuple(blocks), needs_sample=sample,
+                          prompt=len(token_ids) > 1 if prompt is None else prompt)
 
 
 def step(runner: ModelRunner, *chunks: ScheduledChunk) -> torch.Tensor:
@@ -21,9 +24,9 @@ def all_position_logits(runner: ModelRunner, token_ids: list[int], blocks) -> to
     """Logits [T, vocab] for every prompt position (one prefill; bypasses sampling rows)."""
     output = SchedulerOutput(chunks=(chunk("all", token_ids, 0, blocks),))
     with torch.inference_mode():
-        meta, ids = runner.prepare(output)
-        hidden = runner.model(ids, meta, runner.kv_caches)
-        return runner.model.compute_logits(hidden)
+        part = runner.prepare(output).parts[0]
+        hidden = runner.model(part.token_ids, part.meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden, part.meta.prompt_from)
 
 
 def greedy(runner: ModelRunner, prompt: list[int], steps: int, blocks) -> list[int]:

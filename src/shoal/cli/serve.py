@@ -15,6 +15,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=None, help="state and caches (SHOAL_DATA_DIR)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=None,
                         help="compute dtype (SHOAL_DTYPE; default auto)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32"),
+                        default=None, help="KV cache elements (SHOAL_KV_CACHE_DTYPE; default "
+                        "auto: bfloat16 with bf16 compute, float32 with --dtype float32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per runner (SHOAL_THREADS)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
@@ -70,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
         name=args.name)
     config = build_node_config(host=args.host, port=args.port, models=args.model,
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
+                               kv_cache_dtype=args.kv_cache_dtype,
                                kv_cache_memory=args.kv_cache_memory,
                                keep_alive=args.keep_alive, preload=args.preload,
                                cluster=cluster)

@@ -52,6 +52,8 @@ class EngineConfig:
     # Upper bound on context per request; None takes the model's own context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # KV cache elements: auto follows the compute dtype (bf16 halves what attention reads).
+    kv_cache_dtype: DType = "auto"
     # Directory for derived artefacts (e.g. a tokenizer.json built from GGUF metadata).
     cache_dir: Path | None = None
     # This runner's rank in a multi-rank instance; None for a model served whole.
@@ -60,6 +62,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError("kv_cache_dtype must be auto, bfloat16 or float32, not "
+                             f"{self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -63,7 +63,8 @@ class Engine:
         self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
         if config.parallel is None:
             self.loaded = load_model(config.source, config.dtype, device=config.device,
-                                     progress=lambda f: report("weights", f))
+                                     progress=lambda f: report("weights", f),
+                                     kv_cache_dtype=config.kv_cache_dtype)
             kv_plan = plan_kv_cache(config, self.loaded.config, self.loaded)
             num_blocks, self.max_model_len = kv_plan.num_blocks, kv_plan.max_model_len
             self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,

@@ -25,6 +25,25 @@ from shoal.engine.models.loader import LoadedModel
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
+@dataclass
+class StepPart:
+    """Chunks computed in one forward pass, rows in the order of `chunks` (indices into
+    the step's chunks)."""
+
+    meta: AttentionMetadata
+    token_ids: torch.Tensor  # [T] int64
+    chunks: list[int]
+
+
+@dataclass
+class PreparedStep:
+    """A step's parts; sample_order maps the parts' logits rows back to chunk order (None
+    when they already are)."""
+
+    parts: list[StepPart]
+    sample_order: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _KeyWindow:
     """Keys positions [lo_b, ctx_b) of each request b in a group, padded to `length`."""
@@ -57,8 +76,6 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
                                            loaded.cache_dtype, self.device, stage_tokens)
         self.stage = DecodeStage(num_blocks * block_size, stage_tokens) if stage_tokens else None
-        # The compiled decode kernel reads a float32 cache only.
-        self._kernel_cache = loaded.cache_dtype == torch.float32
         self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
 
     @torch.inference_mode()
@@ -66,50 +83,99 @@ class ModelRunner:
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [num_sampled, vocab], one row per chunk with needs_sample in chunk
         order. A stage without the output head returns hidden states [T_total, hidden]
-        instead, and a stage without the embedding takes them as `hidden_states`."""
-        meta, token_ids = self.prepare(scheduler_output)
-        return self.execute_prepared(meta, token_ids, hidden_states)
+        instead (rows in the order of prepare()'s parts), and a stage without the
+        embedding takes them as `hidden_states`."""
+        return self.execute_prepared(self.prepare(scheduler_output), hidden_states)
 
     @torch.inference_mode()
-    def execute_prepared(self, meta: AttentionMetadata, token_ids: torch.Tensor,
+    def execute_prepared(self, step: PreparedStep,
                          hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """execute() on metadata from prepare(): a pipeline rank prepares while the rank
+        """execute() on a step from prepare(): a pipeline rank prepares while the rank
         before it computes, then waits for its hidden states."""
-        inputs = token_ids if self.model.has_embedding else hidden_states
-        if inputs is None:
+        if not self.model.has_embedding and hidden_states is None:
             raise ValueError("this stage has no embedding: pass hidden_states")
-        hidden = self.model(inputs, meta, self.kv_caches)
-        if not self.model.has_head:
-            return hidden
-        if meta.logits_indices.shape[0] != hidden.shape[0]:
-            hidden = hidden[meta.logits_indices]
-        return self.model.compute_logits(hidden)
+        outputs = []
+        row = 0
+        for part in step.parts:
+            count = part.token_ids.shape[0]
+            inputs = part.token_ids if self.model.has_embedding else \
+                hidden_states[row:row + count]
+            row += count
+            hidden = self.model(inputs, part.meta, self.kv_caches)
+            if not self.model.has_head:
+                outputs.append(hidden)
+                continue
+            meta = part.meta
+            if meta.logits_indices.shape[0] != hidden.shape[0]:
+                hidden = hidden[meta.logits_indices]
+            outputs.append(self.model.compute_logits(hidden, meta.logits_prompt_from))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        if not self.model.has_head or step.sample_order is None:
+            return out
+        return out[step.sample_order]
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Flat token ids [T], positions, KV slots and attention groups for one step."""
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """Flat token ids, positions, KV slots and attention groups for one step, in parts.
+
+        Generated tokens (single-token chunks that are not prompt) run on the compiled
+        decode kernel where it applies; everything else on the Python path, its generated
+        tokens first. A token is thus always computed the same way whatever shares its step.
+        """
         chunks = scheduler_output.chunks
+        for chunk in chunks:
+            self._check(chunk)
+        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.prompt]
+        fused = self.model.fused_decoder() if decodes else None
+        parts: list[StepPart] = []
+        rest = list(range(len(chunks)))
+        if fused is not None and len(decodes) <= fused.max_rows:
+            parts.append(self._part(chunks, decodes, fused=True))
+            rest = [i for i in rest if i not in set(decodes)]
+        if rest:
+            ordered = ([i for i in rest if not chunks[i].prompt]
+                       + [i for i in rest if chunks[i].prompt])
+            parts.append(self._part(chunks, ordered, fused=False))
+        if self.stage is not None and not any(
+                g.stage_write for part in parts for g in part.meta.groups):
+            self.stage.reset()
+        in_parts = [i for part in parts for i in part.chunks if chunks[i].needs_sample]
+        in_chunks = [i for i, c in enumerate(chunks) if c.needs_sample]
+        order = None
+        if in_parts != in_chunks:
+            where = {chunk_index: row for row, chunk_index in enumerate(in_parts)}
+            order = torch.tensor([where[i] for i in in_chunks], dtype=torch.long,
+                                 device=self.device)
+        return PreparedStep(parts=parts, sample_order=order)
+
+    def _part(self, chunks: tuple[ScheduledChunk, ...], indices: list[int],
+              fused: bool) -> StepPart:
+        members = tuple(chunks[i] for i in indices)
         token_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
-        for chunk in chunks:
-            self._check(chunk)
+        prompt_from = logits_prompt_from = None
+        for chunk in members:
+            if chunk.prompt and prompt_from is None:
+                prompt_from, logits_prompt_from = len(token_ids), len(logits_rows)
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.context_len))
             if chunk.needs_sample:
                 logits_rows.append(len(token_ids) - 1)
-        decode = self._fused_rows(chunks)
-        groups = [] if decode is not None else self._groups(chunks)
-        if self.stage is not None and not any(g.stage_write for g in groups):
-            self.stage.reset()
         device = self.device
-        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        decode = None
+        if fused:
+            decode = DecodeRows(tables=self._block_tables(members),
+                                context_lens=torch.tensor([c.context_len for c in members]),
+                                block_size=self.block_size)
         meta = AttentionMetadata(
-            positions=position_tensor,
-            slot_mapping=self._slot_mapping(chunks).to(device),
-            groups=groups,
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=self._slot_mapping(members).to(device),
+            groups=[] if fused else self._groups(members),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
-            decode=decode)
-        return meta, torch.tensor(token_ids, dtype=torch.long, device=device)
+            decode=decode, prompt_from=prompt_from, logits_prompt_from=logits_prompt_from)
+        return StepPart(meta=meta, token_ids=torch.tensor(token_ids, dtype=torch.long,
+                                                          device=device),
+                        chunks=indices)
 
     def _check(self, chunk: ScheduledChunk) -> None:
         if not chunk.token_ids:
@@ -120,18 +186,6 @@ class ModelRunner:
         if -(-chunk.context_len // self.block_size) > len(chunk.block_ids):
             raise ValueError(f"request {chunk.request_id}: block table too short for "
                              f"{chunk.context_len} tokens")
-
-    def _fused_rows(self, chunks: tuple[ScheduledChunk, ...]) -> DecodeRows | None:
-        """The step's rows for the compiled decode kernel: single-token decodes, as many as
-        it takes, on a model it applies to (kernels/decode.py); else None (the Python path)."""
-        if not self._kernel_cache or any(len(c.token_ids) != 1 for c in chunks):
-            return None
-        decoder = self.model.fused_decoder()
-        if decoder is None or len(chunks) > decoder.max_rows:
-            return None
-        return DecodeRows(tables=self._block_tables(chunks),
-                          context_lens=torch.tensor([c.context_len for c in chunks]),
-                          block_size=self.block_size)
 
     def _slot_mapping(self, chunks) -> torch.Tensor:
         size = self.block_size

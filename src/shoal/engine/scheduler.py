@@ -225,6 +225,7 @@ class Scheduler:
             start_position=start,
             block_ids=tuple(request.block_ids),
             needs_sample=end == request.num_tokens,
+            prompt=start < len(request.prompt_token_ids),
         )
 
     def _blocks_for(self, num_tokens: int) -> int:

@@ -14,6 +14,9 @@ class ScheduledChunk:
     block_ids[p // block_size] * block_size + p % block_size).
     needs_sample is true when the chunk ends at the request's last known token, so the
     model's logits for the chunk's final position choose the next token.
+    prompt is true when the chunk starts inside the request's prompt: its tokens take the
+    prompt arithmetic (kernels/quant.h), a generated token's step the decode arithmetic,
+    whatever else shares the step.
     """
 
     request_id: str
@@ -21,6 +24,7 @@ class ScheduledChunk:
     start_position: int
     block_ids: tuple[int, ...]
     needs_sample: bool
+    prompt: bool = False
 
     @property
     def context_len(self) -> int:

@@ -1,6 +1,7 @@
-"""`python -m shoal.engine.kernels`: build the decode kernel now (make install runs this).
+"""`python -m shoal.engine.kernels`: build the compiled kernels now (make install runs this).
 
-Exits 0 even when the build fails: shoal then decodes on the Python path, and says so.
+Exits 0 even when the build fails: shoal then loads weights dequantized and decodes on the
+Python path, and says so.
 """
 
 from __future__ import annotations
@@ -9,18 +10,18 @@ import logging
 import sys
 import time
 
-from shoal.engine.kernels.build import KERNEL, build_dir, enabled
+from shoal.engine.kernels.build import KERNEL, build_dir
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not enabled():
-        print("decode kernel: off (SHOAL_FUSED_DECODE=0)")
-        return 0
     start = time.monotonic()
     module = KERNEL.load()
-    state = "ready" if module is not None else "unavailable (the Python path will be used)"
-    print(f"decode kernel: {state} in {build_dir()} ({time.monotonic() - start:.0f} s)")
+    if module is None:
+        state = "unavailable (weights will load dequantized)"
+    else:
+        state = f"ready, packed weights on {module.quant_default_backend()}"
+    print(f"kernels: {state} in {build_dir()} ({time.monotonic() - start:.0f} s)")
     return 0
 
 

@@ -1,5 +1,5 @@
-// Decode attention over the paged float32 KV cache: one query token per row, its keys read
-// through the row's block table (no gather).
+// Decode attention over the paged KV cache (float32 or bf16 elements, E below): one query
+// token per row, its keys read through the row's block table (no gather).
 //
 // Work items are (row, KV head) pairs; the query heads that share a KV head read each key
 // and value once. For head sizes that are multiples of 16 (32, 64, 128, ...) an item runs
@@ -32,26 +32,28 @@ using shoal_vec::kLanes;
 // next block).
 constexpr int64_t kPrefetchKeys = 8;
 
-// Brings a row of NV * 16 floats toward the cache, one prefetch per 64-byte line.
-template <int NV>
-inline void prefetch_row(const float* row) {
-  for (int c = 0; c < NV; ++c) __builtin_prefetch(row + kLanes * c);
+// Brings a row of NV * 16 elements toward the cache, one prefetch per 64-byte line.
+template <int NV, typename E>
+inline void prefetch_row(const E* row) {
+  constexpr int kPerLine = 64 / sizeof(E);
+  for (int c = 0; c < NV * kLanes; c += kPerLine) __builtin_prefetch(row + c);
 }
 
-// Position p's row of a key or value plane ([slots, kLanes * NV]) into vectors, prefetching
-// the row kPrefetchKeys positions ahead (rows lie wherever the block table put them).
-template <int NV>
-inline void load_row(const float* plane, const int64_t* key_slots, int64_t p, int64_t length,
+// Position p's row of a key or value plane ([slots, kLanes * NV]) into float vectors,
+// prefetching the row kPrefetchKeys positions ahead (rows lie wherever the block table
+// put them).
+template <int NV, typename E>
+inline void load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_t length,
                      f32x16 (&row)[NV]) {
   constexpr int64_t D = kLanes * NV;
   if (p + kPrefetchKeys < length) prefetch_row<NV>(plane + key_slots[p + kPrefetchKeys] * D);
-  const float* r = plane + key_slots[p] * D;
+  const E* r = plane + key_slots[p] * D;
   for (int c = 0; c < NV; ++c) row[c] = shoal_vec::load(r + kLanes * c);
 }
 
 // The shape of one layer's attention and where its cache lies.
-// cache: [2 * kv_heads, slots, dim] float32, keys of KV head g in plane g, values in
-// plane kv_heads + g. q: [B, heads, dim] float32 (rotated). out: [B, heads * dim] bf16.
+// cache: [2 * kv_heads, slots, dim] of E, keys of KV head g in plane g, values in plane
+// kv_heads + g. q: [B, heads, dim] float32 (rotated). out: [B, heads * dim] bf16.
 struct Layout {
   int64_t heads, kv_heads, dim, slots;
   float scale;
@@ -81,8 +83,8 @@ inline void softmax_rows(float* scores, int64_t group, int64_t length, float* in
 
 // Query heads [j0, j0 + G) of one item, head size kLanes * NV. q: the item's first query head;
 // keys / values: the KV head's planes; scores: scratch [group, length].
-template <int NV, int G>
-void attend_vector(const float* q, const float* keys, const float* values,
+template <int NV, int G, typename E>
+void attend_vector(const float* q, const E* keys, const E* values,
                    const int64_t* key_slots, int64_t length, float scale, float* scores,
                    bf16* out) {
   constexpr int64_t D = kLanes * NV;
@@ -116,99 +118,106 @@ void attend_vector(const float* q, const float* keys, const float* values,
 }
 
 // Any head size and group: the same arithmetic in scalar loops.
-inline void attend_scalar(const float* q, const float* keys, const float* values,
+template <typename E>
+void attend_scalar(const float* q, const E* keys, const E* values,
                           const int64_t* key_slots, int64_t length, int64_t group, int64_t dim,
                           float scale, float* scores, bf16* out) {
   for (int64_t p = 0; p < length; ++p) {
-    const float* k = keys + key_slots[p] * dim;
+    const E* k = keys + key_slots[p] * dim;
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = q + j * dim;
       float dot = 0.f;
-      for (int64_t i = 0; i < dim; ++i) dot += qj[i] * k[i];
+      for (int64_t i = 0; i < dim; ++i) dot += qj[i] * static_cast<float>(k[i]);
       scores[j * length + p] = dot * scale;
     }
   }
   std::vector<float> inverse_total(group), acc(group * dim, 0.f);
   softmax_rows(scores, group, length, inverse_total.data());
   for (int64_t p = 0; p < length; ++p) {
-    const float* v = values + key_slots[p] * dim;
+    const E* v = values + key_slots[p] * dim;
     for (int64_t j = 0; j < group; ++j) {
       const float weight = scores[j * length + p];
       float* a = acc.data() + j * dim;
-      for (int64_t i = 0; i < dim; ++i) a[i] += weight * v[i];
+      for (int64_t i = 0; i < dim; ++i) a[i] += weight * static_cast<float>(v[i]);
     }
   }
   for (int64_t j = 0; j < group; ++j)
     for (int64_t i = 0; i < dim; ++i) out[j * dim + i] = bf16(acc[j * dim + i] * inverse_total[j]);
 }
 
-using VectorFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                          float, float*, bf16*);
+template <typename E>
+using VectorFn = void (*)(const float*, const E*, const E*, const int64_t*, int64_t, float,
+                          float*, bf16*);
 
 // Query heads go through attend_vector up to this many at a time (4 heads x 8 vectors of
-// queries fill half of AVX-512's registers).
-constexpr int64_t kMaxHeadsAtOnce = 4;
+// queries fill half of AVX-512's registers); heads of 256 go one at a time.
+inline int64_t max_heads_at_once(int64_t dim) { return dim > 128 ? 1 : 4; }
 
 // nullptr where the head size has no vector form.
-template <int NV>
-VectorFn vector_fn(int64_t heads_at_once) {
+template <int NV, typename E>
+VectorFn<E> vector_fn(int64_t heads_at_once) {
   switch (heads_at_once) {
-    case 1: return attend_vector<NV, 1>;
-    case 2: return attend_vector<NV, 2>;
-    case 3: return attend_vector<NV, 3>;
-    default: return attend_vector<NV, 4>;
+    case 1: return attend_vector<NV, 1, E>;
+    case 2: return attend_vector<NV, 2, E>;
+    case 3: return attend_vector<NV, 3, E>;
+    default: return attend_vector<NV, 4, E>;
   }
 }
 
-inline VectorFn pick_vector_fn(int64_t dim, int64_t heads_at_once) {
+template <typename E>
+VectorFn<E> pick_vector_fn(int64_t dim, int64_t heads_at_once) {
   switch (dim) {
-    case 16: return vector_fn<1>(heads_at_once);
-    case 32: return vector_fn<2>(heads_at_once);
-    case 64: return vector_fn<4>(heads_at_once);
-    case 128: return vector_fn<8>(heads_at_once);
+    case 16: return vector_fn<1, E>(heads_at_once);
+    case 32: return vector_fn<2, E>(heads_at_once);
+    case 64: return vector_fn<4, E>(heads_at_once);
+    case 128: return vector_fn<8, E>(heads_at_once);
+    case 256: return attend_vector<16, 1, E>;
     default: return nullptr;
   }
 }
 
 // Row b's query heads of KV head g over its keys key_slots[0 .. length).
-inline void attend_item(const Layout& layout, const float* q_p, const float* cache_p,
-                        const int64_t* key_slots, int64_t length, int64_t b, int64_t g,
-                        std::vector<float>& scores, bf16* out_p) {
+template <typename E>
+void attend_item(const Layout& layout, const float* q_p, const E* cache_p,
+                 const int64_t* key_slots, int64_t length, int64_t b, int64_t g,
+                 std::vector<float>& scores, bf16* out_p) {
   const int64_t dim = layout.dim, group = layout.heads / layout.kv_heads;
-  const float* keys = cache_p + g * layout.slots * dim;
-  const float* values = cache_p + (layout.kv_heads + g) * layout.slots * dim;
+  const E* keys = cache_p + g * layout.slots * dim;
+  const E* values = cache_p + (layout.kv_heads + g) * layout.slots * dim;
   const int64_t head0 = b * layout.heads + g * group;  // the item's first query head
-  if (pick_vector_fn(dim, 1) == nullptr) {
+  if (pick_vector_fn<E>(dim, 1) == nullptr) {
     scores.resize(group * length);
     attend_scalar(q_p + head0 * dim, keys, values, key_slots, length, group, dim,
                   layout.scale, scores.data(), out_p + head0 * dim);
     return;
   }
-  scores.resize(std::min(group, kMaxHeadsAtOnce) * length);
-  for (int64_t j0 = 0; j0 < group; j0 += kMaxHeadsAtOnce) {
-    const int64_t at_once = std::min(kMaxHeadsAtOnce, group - j0);
-    pick_vector_fn(dim, at_once)(q_p + (head0 + j0) * dim, keys, values, key_slots, length,
-                                 layout.scale, scores.data(), out_p + (head0 + j0) * dim);
+  const int64_t most = max_heads_at_once(dim);
+  scores.resize(std::min(group, most) * length);
+  for (int64_t j0 = 0; j0 < group; j0 += most) {
+    const int64_t at_once = std::min(most, group - j0);
+    pick_vector_fn<E>(dim, at_once)(q_p + (head0 + j0) * dim, keys, values, key_slots, length,
+                                    layout.scale, scores.data(), out_p + (head0 + j0) * dim);
   }
 }
 
-// All rows and KV heads of one layer. Row b's keys lie in key_slots[first[b] .. first[b+1]).
-// prepare(b, g) runs first in each item: it writes the row's rotated queries of KV head g
-// and its new key and value, which the item then reads. Items run on torch's intra-op
-// threads once there are parallel_keys key-head pairs.
-template <typename Prepare>
-void attend(const Layout& layout, const float* q_p, const float* cache_p,
-            const std::vector<int64_t>& key_slots, const std::vector<int64_t>& first,
-            int64_t rows, int64_t parallel_keys, bf16* out_p, const Prepare& prepare) {
+// All rows and KV heads of one layer. Row b's keys are key_slots[start[b] .. start[b] +
+// length[b]). prepare(b, g) runs first in each item: it writes the row's rotated queries
+// of KV head g and its new key and value, which the item then reads. Items run on torch's
+// intra-op threads once there are parallel_keys key-head pairs.
+template <typename E, typename Prepare>
+void attend(const Layout& layout, const float* q_p, const E* cache_p, const int64_t* key_slots,
+            const int64_t* start, const int64_t* length, int64_t rows, int64_t parallel_keys,
+            bf16* out_p, const Prepare& prepare) {
   const int64_t items = rows * layout.kv_heads;
-  const int64_t grain = first[rows] * layout.kv_heads >= parallel_keys ? 1 : items;
+  int64_t keys = 0;
+  for (int64_t b = 0; b < rows; ++b) keys += length[b];
+  const int64_t grain = keys * layout.kv_heads >= parallel_keys ? 1 : items;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / layout.kv_heads, g = item % layout.kv_heads;
       prepare(b, g);
-      attend_item(layout, q_p, cache_p, key_slots.data() + first[b], first[b + 1] - first[b],
-                  b, g, scores, out_p);
+      attend_item(layout, q_p, cache_p, key_slots + start[b], length[b], b, g, scores, out_p);
     }
   });
 }

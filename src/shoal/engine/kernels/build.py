@@ -1,14 +1,14 @@
-"""Build and load the compiled decode kernel (decode.cpp), once per machine.
+"""Build and load the compiled kernels, once per machine: the decode kernel (decode.cpp) and
+the packed GGUF weight matmul (quant_*.cpp).
 
-The kernel is compiled for this CPU (-march=native) with torch's C++ extension tool. `make
-install` builds it ahead of time (`python -m shoal.engine.kernels`). Otherwise the first
-model that wants it starts the build (about 35 s on 2 cores) in a background thread and
-decodes on the Python path until the kernel is ready, so a server answers at once either
-way. A failed build (no compiler, say) is logged once and the Python path stays.
+The extension is compiled for this CPU (-march=native) with torch's C++ extension tool.
+`make install` builds it ahead of time (`python -m shoal.engine.kernels`). A model that
+keeps its weights packed needs it and waits for the build (about 90 s on 2 cores) when it is
+missing; a failed build (no compiler, say) is logged once, and models then load with
+dequantized weights and decode on the Python path.
 
-SHOAL_FUSED_DECODE=0 turns the kernel off. Builds live under SHOAL_KERNEL_DIR (default
-~/.cache/shoal/kernels), one folder per source, flags and torch version, so a new torch or
-an edited source never loads a stale library.
+Builds live under SHOAL_KERNEL_DIR (default ~/.cache/shoal/kernels), one folder per source,
+flags and torch version, so a new torch or an edited source never loads a stale library.
 """
 
 from __future__ import annotations
@@ -27,22 +27,24 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.cpp")
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("attention.h", "vector.h"))
-NAME = "shoal_decode"
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
+                                          "quant_paths.cpp", "quant_bindings.cpp"))
+HEADERS = tuple(_HERE / name for name in ("attention.h", "decode_rows.h", "vector.h", "quant.h",
+                                          "quant_amx.h", "quant_avx512.h", "quant_formats.h", "quant_kernels.h",
+                                          "quant_simd.h", "quant_strip.h"))
+NAME = "shoal_kernels"
 # -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,
 # so they bind to the one torch itself loaded (two runtimes would fight over the cores).
-FLAGS = ("-O3", "-march=native", "-fopenmp")
-
-
-def enabled() -> bool:
-    return os.environ.get("SHOAL_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "no")
+# -ffp-contract=off: the compiler must not fuse a multiply and an add into one rounding on
+# its own; the packed matmul's results depend on every row taking the same roundings.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 
 
 def build_dir() -> Path:
     root = os.environ.get("SHOAL_KERNEL_DIR") or Path.home() / ".cache" / "shoal" / "kernels"
     digest = hashlib.sha256()
-    sources = (SOURCE, *HEADERS)
+    sources = (*SOURCES, *HEADERS)
     for part in (*(path.read_bytes() for path in sources), " ".join(FLAGS).encode(),
                  torch.__version__.encode(), _cpu_features().encode()):
         digest.update(part)
@@ -66,7 +68,6 @@ class _Kernel:
         self.module: ModuleType | None = None
         self.failed = False
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     def load(self) -> ModuleType | None:
         """Build if needed (blocking) and load; None if the build failed."""
@@ -75,26 +76,11 @@ class _Kernel:
                 directory = build_dir()
                 try:
                     self.module = _import_or_rebuild(directory)
-                except Exception as exc:  # compiler missing or failing: keep the Python path
+                except Exception as exc:  # compiler missing or failing: no packed weights
                     self.failed = True
-                    log.warning("decode kernel unavailable, decoding on the Python path: %s",
-                                exc)
+                    log.warning("compiled kernels unavailable (weights load dequantized, "
+                                "decoding runs on the Python path): %s", exc)
             return self.module
-
-    def get(self) -> ModuleType | None:
-        """The kernel if ready. Loads a finished build at once; starts a missing one in the
-        background (at most once per process) and returns None meanwhile."""
-        if not enabled():
-            return None
-        if self.module is not None or self.failed or self._thread is not None:
-            return self.module  # None while the background build runs
-        if _built(build_dir()):
-            return self.load()
-        log.info("building the decode kernel in the background (once per machine)")
-        self._thread = threading.Thread(target=self.load, name="shoal-kernel-build",
-                                        daemon=True)
-        self._thread.start()
-        return None
 
 
 def _import_or_rebuild(directory: Path) -> ModuleType:
@@ -104,7 +90,7 @@ def _import_or_rebuild(directory: Path) -> ModuleType:
         try:
             return _import(directory)
         except ImportError as exc:
-            log.warning("the built decode kernel does not load (%s); building it again", exc)
+            log.warning("the built kernels do not load (%s); building them again", exc)
             (directory / f"{NAME}.so").unlink(missing_ok=True)
     return _compile(directory)
 
@@ -125,7 +111,7 @@ def _import(directory: Path) -> ModuleType:
     return module
 
 
-# A build lock older than this was left by a killed build (a build takes ~35 s).
+# A build lock older than this was left by a killed build (a build takes ~90 s).
 STALE_LOCK_S = 600
 
 
@@ -140,7 +126,7 @@ def _compile(directory: Path) -> ModuleType:
     except FileNotFoundError:
         pass
     _put_ninja_on_path()
-    return load(NAME, [str(SOURCE)], extra_cflags=list(FLAGS),
+    return load(NAME, [str(path) for path in SOURCES], extra_cflags=list(FLAGS),
                 build_directory=str(directory), verbose=False)
 
 

@@ -1,334 +1,300 @@
-// Fused decode of llama-family blocks on CPU: a batch of single-token rows, bf16
-// activations, int4 / int8 / bf16 weights as the Python path holds them, a float32 paged KV
-// cache.
+// Fused decode on CPU: every block of a llama-family or Gemma 3 model for a batch of
+// single-token rows in one call, bf16 activations, packed weights (quant.h), a paged KV
+// cache of float32 or bf16.
 //
 // A batch-1 decode step in Python calls ~35 torch ops per block (~1,000 per step); at a few
 // microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
-// runs every block: the matmuls go to the ATen kernels the Python path uses (see Linear),
-// attention reads the paged cache in place (attention.h), and the small ops (RMSNorm, RoPE,
-// the KV write, SiLU, residual adds) are loops over a few hundred floats, on 16-lane
-// vectors where they are hot (vector.h). Rounding follows the Python path: every tensor it
-// keeps in bf16 (norm outputs, projections, the residual stream) is rounded to bf16 here.
+// runs every block: the projections are QuantLinear calls, attention reads the paged cache
+// in place (attention.h), and the small ops (norms, RoPE, the KV write, the gated
+// activation, residual adds) are loops over a few hundred floats (decode_rows.h).
+//
+// Gemma 3 adds per-head q / k norms (float32), norms on the attention and MLP outputs, a
+// gelu-tanh gate, and sliding layers that attend to the last `window` keys with their own
+// rotary table.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "attention.h"
-#include "vector.h"
+#include "decode_rows.h"
+#include "quant.h"
 
 namespace {
 
-using bf16 = at::BFloat16;
+using shoal_decode::bf16;
+using shoal_quant::QuantLinear;
 
-constexpr int64_t kGroupSize = 32;  // int4 quantization group along the input dimension
 // Attention runs on several threads from this many (key, KV head) pairs per layer; below
 // it a parallel region costs more than it saves.
 constexpr int64_t kParallelKeys = 1536;
-// The per-row passes (norms, residual adds, SiLU) run on several threads from this many rows.
-constexpr int64_t kParallelRows = 8;
 
-using shoal_vec::f32x16;
-using shoal_vec::kLanes;
-
-// One linear layer as the Python path holds it (models/layers/linear.py), for [B, in] bf16
-// inputs: the same ATen kernel the Python path calls for such inputs. Quantized weights serve
-// up to quant_max_rows rows; bigger inputs use the layer's dense copy, prepacked for oneDNN.
-enum class LinearKind : int64_t { kInt4 = 0, kInt8 = 1, kDense = 2 };
-
-// mkldnn::_linear_pointwise(X, W, B?, attr, scalars, algorithm): the prepacked linear.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
-                         const at::Tensor& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.emplace_back(x);
-  stack.emplace_back(packed);
-  stack.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string());
-  op.callBoxed(&stack);
-  return stack.back().toTensor();
-}
-
-struct Linear {
-  LinearKind kind;
-  at::Tensor weight;  // int4: packed; int8: q [out, in]; dense: [out, in] bf16
-  at::Tensor scales;  // int4: scales_and_zeros [in / 32, out, 2]; int8: [out]; dense: unused
-  at::Tensor bias;    // [out] bf16, or undefined
-  at::Tensor dense;   // quantized kinds: the oneDNN-packed bf16 copy, or undefined
-
-  // x: [B, in] bf16 -> [B, out] bf16
-  at::Tensor operator()(const at::Tensor& x, int64_t quant_max_rows) const {
-    if (kind != LinearKind::kDense && x.size(0) > quant_max_rows && dense.defined())
-      return packed_linear(x, dense, bias);
-    at::Tensor y;
-    switch (kind) {
-      case LinearKind::kInt4:
-        y = at::_weight_int4pack_mm_for_cpu(x, weight, kGroupSize, scales);
-        break;
-      case LinearKind::kInt8:
-        y = at::_weight_int8pack_mm(x, weight, scales);
-        break;
-      default:
-        return at::linear(x, weight, bias);
-    }
-    if (bias.defined()) y.add_(bias);
-    return y;
-  }
+// Norm weights of one block, in the order Python passes them (absent ones are empty).
+struct Norms {
+  at::Tensor attn, mlp;             // [hidden] bf16
+  at::Tensor post_attn, post_mlp;   // [hidden] bf16 (Gemma)
+  at::Tensor q, k;                  // [head_dim] float32 (Gemma; Qwen3)
 };
 
 struct Block {
-  at::Tensor attn_norm, mlp_norm;  // [hidden] bf16
-  Linear qkv, o, gate_up, down;
+  Norms norms;
+  std::shared_ptr<QuantLinear> qkv, o, gate_up, down;
+  bool sliding;
 };
 
-// out[i] = bf16(x[i] * rsqrt(mean(x^2) + eps) * w[i]), accumulated in float32 and rounded
-// once, as the Python path's layer-norm form of RMSNorm for a few rows does (its rms_norm
-// for more rows rounds twice; bf16 paths are judged by quality, not identity).
-void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
-  f32x16 squares{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const f32x16 v = shoal_vec::load(x + i);
-    squares += v * v;
-  }
-  float sum = shoal_vec::hsum(squares);
-  for (; i < n; ++i) sum += static_cast<float>(x[i]) * x[i];
-  const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (i = 0; i + kLanes <= n; i += kLanes)
-    shoal_vec::store(out + i, shoal_vec::load(x + i) * scale * shoal_vec::load(w + i));
-  for (; i < n; ++i) out[i] = bf16(x[i] * scale * w[i]);
-}
+at::Tensor given(const at::Tensor& tensor) { return tensor.numel() ? tensor.contiguous() : at::Tensor(); }
 
-// h[i] = bf16(h[i] + delta[i]): the residual stream stays bf16, as in the Python path.
-void residual_add(bf16* h, const bf16* delta, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    shoal_vec::store(h + i, shoal_vec::load(h + i) + shoal_vec::load(delta + i));
-  for (; i < n; ++i) h[i] = bf16(static_cast<float>(h[i]) + delta[i]);
-}
+const bf16* bf16_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<bf16>() : nullptr; }
 
-// out[i] = bf16(bf16(silu(gate[i])) * up[i]): torch's silu on a bf16 tensor, then the
-// product, each rounded to bf16.
-void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const f32x16 g = shoal_vec::load(gate + i);
-    const f32x16 silu = shoal_vec::round_bf16(g / (1.f + shoal_vec::exp(-g)));
-    shoal_vec::store(out + i, silu * shoal_vec::load(up + i));
-  }
-  for (; i < n; ++i) {
-    const float g = gate[i];
-    out[i] = bf16(static_cast<float>(bf16(g / (1.f + std::exp(-g)))) * up[i]);
-  }
-}
-
-// body(b) for every row b; on torch's intra-op threads once a batch has kParallelRows rows
-// (below that a parallel region costs more than the rows' few microseconds of work).
-template <typename Body>
-void for_rows(int64_t rows, const Body& body) {
-  at::parallel_for(0, rows, rows >= kParallelRows ? 1 : rows, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) body(b);
-  });
-}
-
-// Rotary embedding in the half-split layout, float32:
-// out = x * cos + roll(x, D/2) * signed_sin, with signed_sin = (-sin, sin).
-void rotate(const bf16* x, const float* cos, const float* sin, float* out, int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < dim; ++i) {
-    const float swapped = x[i < half ? i + half : i - half];
-    out[i] = static_cast<float>(x[i]) * cos[i] + swapped * sin[i];
-  }
-}
-
-class LlamaDecoder {
+class Decoder {
  public:
-  // linears: per block qkv, o, gate_up, down, each as (weight, scales, bias, dense copy)
-  // with its kind in kinds (LinearKind); an empty tensor stands for none.
-  // norms: per block attn_norm, mlp_norm. quant_max_rows: see Linear.
-  LlamaDecoder(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& linears,
-               const std::vector<int64_t>& kinds, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double scale, double eps, int64_t quant_max_rows)
+  // norms: per block attn, mlp, post_attn, post_mlp, q, k (empty tensors where absent);
+  // linears: per block qkv, o, gate_up, down; sliding: per block.
+  Decoder(const std::vector<at::Tensor>& norms,
+          const std::vector<std::shared_ptr<QuantLinear>>& linears,
+          const std::vector<bool>& sliding, int64_t heads, int64_t kv_heads, int64_t head_dim,
+          double scale, double eps, int64_t window, bool gelu)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-        scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)),
-        quant_max_rows_(quant_max_rows) {
-    const size_t blocks = norms.size() / 2;
-    TORCH_CHECK(norms.size() % 2 == 0 && kinds.size() == 4 * blocks &&
-                    linears.size() == 4 * kinds.size(),
-                "LlamaDecoder: 2 norms and 4 linears (4 tensors each) per block");
+        scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)), window_(window),
+        gelu_(gelu) {
+    const size_t blocks = sliding.size();
+    TORCH_CHECK(norms.size() == 6 * blocks && linears.size() == 4 * blocks,
+                "Decoder: 6 norms and 4 linears per block");
     TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
-                "LlamaDecoder: heads must be a multiple of kv heads");
+                "Decoder: heads must be a multiple of kv heads");
     for (size_t i = 0; i < blocks; ++i) {
-      Block block;
-      block.attn_norm = norms[2 * i].contiguous();
-      block.mlp_norm = norms[2 * i + 1].contiguous();
-      TORCH_CHECK(block.attn_norm.scalar_type() == at::kBFloat16 &&
-                      block.mlp_norm.scalar_type() == at::kBFloat16,
-                  "LlamaDecoder: norm weights must be bfloat16");
-      Linear* parts[4] = {&block.qkv, &block.o, &block.gate_up, &block.down};
-      for (size_t j = 0; j < 4; ++j) {
-        const int64_t kind = kinds[4 * i + j];
-        TORCH_CHECK(kind >= 0 && kind <= 2, "LlamaDecoder: unknown linear kind ", kind);
-        const at::Tensor* t = &linears[4 * (4 * i + j)];
-        TORCH_CHECK(kind != 2 || t[0].scalar_type() == at::kBFloat16,
-                    "LlamaDecoder: dense weights must be bfloat16");
-        auto given = [](const at::Tensor& tensor) {
-          return tensor.numel() ? tensor : at::Tensor();
-        };
-        *parts[j] = Linear{static_cast<LinearKind>(kind), t[0], given(t[1]), given(t[2]),
-                           given(t[3])};
-      }
+      const at::Tensor* n = &norms[6 * i];
+      Block block{{given(n[0]), given(n[1]), given(n[2]), given(n[3]), given(n[4]),
+                   given(n[5])},
+                  linears[4 * i], linears[4 * i + 1], linears[4 * i + 2], linears[4 * i + 3],
+                  sliding[i]};
+      TORCH_CHECK(block.norms.attn.scalar_type() == at::kBFloat16 &&
+                      block.norms.mlp.scalar_type() == at::kBFloat16,
+                  "Decoder: norm weights must be bfloat16");
+      TORCH_CHECK(!block.norms.q.defined() || block.norms.q.scalar_type() == at::kFloat,
+                  "Decoder: q / k norm weights must be float32");
+      TORCH_CHECK(block.qkv && block.o && block.gate_up && block.down,
+                  "Decoder: a block lacks a projection");
       blocks_.push_back(std::move(block));
     }
   }
 
   // hidden: [B, hidden] bf16 -> [B, hidden] bf16 after every block.
-  // caches: per block [2 * H_kv, slots, D] float32 (keys, then values).
-  // cos, sin: [B, D] float32 (sin signed as above); slots: [B] int64, each row's new KV slot;
+  // caches: per block [2 * H_kv, slots, D] float32 or bf16 (keys, then values).
+  // rope: (cos, signed sin) [B, D] float32 for full layers, then for sliding layers (the
+  // same pair again where a model has one table); slots: [B] int64, each row's new KV slot;
   // tables: [B, W] int64 block ids; context: [B] int64, each row's keys (new one included).
-  at::Tensor forward(at::Tensor hidden, const std::vector<at::Tensor>& caches,
-                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+  at::Tensor forward(const at::Tensor& hidden, const std::vector<at::Tensor>& caches,
+                     const std::vector<at::Tensor>& rope, const at::Tensor& slots,
                      const at::Tensor& tables, const at::Tensor& context,
                      int64_t block_size) const {
-    TORCH_CHECK(caches.size() == blocks_.size(), "LlamaDecoder: one KV cache per block");
+    TORCH_CHECK(caches.size() == blocks_.size(), "Decoder: one KV cache per block");
     TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2,
-                "LlamaDecoder: hidden must be [B, hidden] bfloat16");
-    const int64_t rows = hidden.size(0), width = hidden.size(1);
-    TORCH_CHECK(blocks_.empty() || width == blocks_[0].attn_norm.size(0),
-                "LlamaDecoder: hidden width differs from the model's");
-    TORCH_CHECK(cos.size(0) == rows && slots.size(0) == rows && tables.size(0) == rows &&
-                    context.size(0) == rows, "LlamaDecoder: per-row inputs disagree on B");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                    cos.size(1) == head_dim_ && sin.sizes() == cos.sizes(),
-                "LlamaDecoder: cos and sin must be [B, head_dim] float32");
+                "Decoder: hidden must be [B, hidden] bfloat16");
+    TORCH_CHECK(rope.size() == 4, "Decoder: rope is (cos, sin) for full, then sliding layers");
+    const int64_t rows = hidden.size(0);
+    for (const at::Tensor& t : rope)
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                      t.size(0) == rows && t.size(1) == head_dim_,
+                  "Decoder: cos and sin must be [B, head_dim] float32");
     TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
                     context.scalar_type() == at::kLong && slots.is_contiguous() &&
-                    context.is_contiguous() && tables.dim() == 2,
-                "LlamaDecoder: slots, tables and context must be int64");
-    at::Tensor h = hidden.contiguous().clone();
-    at::Tensor x = at::empty_like(h);
-    const int64_t dim = head_dim_, q_width = heads_ * dim;
-    at::Tensor attn = at::empty({rows, q_width}, h.options());
-    at::Tensor q = at::empty({rows, heads_, dim}, cos.options());  // rotated queries, float32
-    const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
-    const auto* cos_p = cos_c.data_ptr<float>();
-    const auto* sin_p = sin_c.data_ptr<float>();
-    const at::Tensor tables_c = tables.contiguous();
-    const auto* table_p = tables_c.data_ptr<int64_t>();
-    const int64_t table_width = tables_c.size(1);
-    const auto* slot_p = slots.data_ptr<int64_t>();
-    const auto* ctx_p = context.data_ptr<int64_t>();
-    TORCH_CHECK(block_size >= 1, "LlamaDecoder: block_size must be >= 1");
-    TORCH_CHECK(!caches.empty() || blocks_.empty(), "LlamaDecoder: no KV caches");
-    const int64_t cache_slots = caches.empty() ? 0 : caches[0].size(1);
-    const shoal_attention::Layout layout{heads_, kv_heads_, head_dim_, cache_slots, scale_};
-    // Row b's keys lie in slots key_slots[first[b] .. first[b + 1]), the same in every layer.
-    // Checked here, once, to lie inside the caches (the loops below do not check).
-    std::vector<int64_t> first(rows + 1, 0);
-    for (int64_t b = 0; b < rows; ++b) {
-      TORCH_CHECK(ctx_p[b] >= 1 && (ctx_p[b] - 1) / block_size < table_width,
-                  "LlamaDecoder: a row's context is longer than its block table");
-      TORCH_CHECK(slot_p[b] >= 0 && slot_p[b] < cache_slots, "LlamaDecoder: slot out of range");
-      first[b + 1] = first[b] + ctx_p[b];
-    }
-    std::vector<int64_t> key_slots(first[rows]);
-    for (int64_t b = 0; b < rows; ++b) {
-      for (int64_t p = 0; p < ctx_p[b]; ++p) {
-        const int64_t block_id = table_p[b * table_width + p / block_size];
-        TORCH_CHECK(block_id >= 0 && (block_id + 1) * block_size <= cache_slots,
-                    "LlamaDecoder: block id out of range");
-        key_slots[first[b] + p] = block_id * block_size + p % block_size;
-      }
-    }
-
-    // A block's down projection is added to h in the next block's first pass over the
-    // rows, together with that block's norm.
-    at::Tensor pending;
-    const int64_t group = heads_ / kv_heads_;
-    for (size_t layer = 0; layer < blocks_.size(); ++layer) {
-      const Block& block = blocks_[layer];
-      const at::Tensor& cache = caches[layer];
-      TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kFloat &&
-                      cache.dim() == 3 && cache.size(0) == 2 * kv_heads_ &&
-                      cache.size(1) == cache_slots && cache.size(2) == head_dim_,
-                  "LlamaDecoder: KV caches must be [2 * H_kv, slots, D] contiguous float32");
-      float* cache_p = cache.data_ptr<float>();
-      auto key_row = [&](int64_t head, int64_t slot) {
-        return cache_p + (head * cache_slots + slot) * dim;
-      };
-      bf16* h_p = h.data_ptr<bf16>();
-      bf16* x_p = x.data_ptr<bf16>();
-      const bf16* attn_norm = block.attn_norm.data_ptr<bf16>();
-      const bf16* pending_p = pending.defined() ? pending.data_ptr<bf16>() : nullptr;
-      for_rows(rows, [&](int64_t b) {
-        if (pending_p != nullptr) residual_add(h_p + b * width, pending_p + b * width, width);
-        rms_norm(h_p + b * width, attn_norm, x_p + b * width, width, eps_);
-      });
-      const at::Tensor qkv = block.qkv(x, quant_max_rows_);  // [B, (H + 2 H_kv) D]
-      const bf16* qkv_p = qkv.data_ptr<bf16>();
-      const int64_t qkv_width = qkv.size(1);
-      float* q_p = q.data_ptr<float>();
-      // Row b's queries of KV head g rotated into q, its key rotated and its value copied
-      // into the cache: the attention item (b, g) does this before it reads them.
-      auto prepare = [&](int64_t b, int64_t g) {
-        const bf16* row = qkv_p + b * qkv_width;
-        const float* c = cos_p + b * dim;
-        const float* s = sin_p + b * dim;
-        for (int64_t head = g * group; head < (g + 1) * group; ++head)
-          rotate(row + head * dim, c, s, q_p + (b * heads_ + head) * dim, dim);
-        rotate(row + (heads_ + g) * dim, c, s, key_row(g, slot_p[b]), dim);
-        const bf16* v = row + (heads_ + kv_heads_ + g) * dim;
-        float* v_out = key_row(kv_heads_ + g, slot_p[b]);
-        for (int64_t i = 0; i < dim; ++i) v_out[i] = v[i];
-      };
-      shoal_attention::attend(layout, q_p, cache_p, key_slots, first, rows, kParallelKeys,
-                              attn.data_ptr<bf16>(), prepare);
-      const at::Tensor o = block.o(attn, quant_max_rows_);
-      const bf16* o_p = o.data_ptr<bf16>();
-      const bf16* mlp_norm = block.mlp_norm.data_ptr<bf16>();
-      for_rows(rows, [&](int64_t b) {
-        residual_add(h_p + b * width, o_p + b * width, width);
-        rms_norm(h_p + b * width, mlp_norm, x_p + b * width, width, eps_);
-      });
-      const at::Tensor gate_up = block.gate_up(x, quant_max_rows_);  // [B, 2 F]: gate, then up
-      const int64_t ffn = gate_up.size(1) / 2;
-      at::Tensor act = at::empty({rows, ffn}, h.options());
-      const bf16* gu_p = gate_up.data_ptr<bf16>();
-      bf16* act_p = act.data_ptr<bf16>();
-      for_rows(rows, [&](int64_t b) {
-        silu_mul(gu_p + b * 2 * ffn, gu_p + b * 2 * ffn + ffn, act_p + b * ffn, ffn);
-      });
-      pending = block.down(act, quant_max_rows_);
-    }
-    if (pending.defined()) {
-      bf16* h_p = h.data_ptr<bf16>();
-      const bf16* pending_p = pending.data_ptr<bf16>();
-      for_rows(rows, [&](int64_t b) {
-        residual_add(h_p + b * width, pending_p + b * width, width);
-      });
-    }
-    return h;
+                    context.is_contiguous() && tables.dim() == 2 && slots.size(0) == rows &&
+                    tables.size(0) == rows && context.size(0) == rows,
+                "Decoder: slots, tables and context must be int64, one per row");
+    TORCH_CHECK(block_size >= 1, "Decoder: block_size must be >= 1");
+    if (blocks_.empty()) return hidden.clone();
+    const at::ScalarType dtype = caches[0].scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+                "Decoder: KV caches must be float32 or bfloat16");
+    Step step = plan(rows, caches, tables.contiguous(), context, slots, block_size);
+    if (dtype == at::kFloat) return run<float>(hidden, caches, rope, step);
+    return run<bf16>(hidden, caches, rope, step);
   }
 
  private:
+  // Where each row's keys lie, checked once (the loops below do not check).
+  struct Step {
+    int64_t rows, slots_per_cache;
+    std::vector<int64_t> key_slots;           // row b's keys: [first[b], first[b] + ctx[b])
+    std::vector<int64_t> first, ctx, new_slot;
+    std::vector<int64_t> window_first, window_length;  // the last `window` keys of each row
+  };
+
+  Step plan(int64_t rows, const std::vector<at::Tensor>& caches, const at::Tensor& tables,
+            const at::Tensor& context, const at::Tensor& slots, int64_t block_size) const {
+    Step step{rows, caches[0].size(1), {}, std::vector<int64_t>(rows + 1, 0),
+              std::vector<int64_t>(rows), std::vector<int64_t>(rows),
+              std::vector<int64_t>(rows), std::vector<int64_t>(rows)};
+    const int64_t* table = tables.data_ptr<int64_t>();
+    const int64_t width = tables.size(1);
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t ctx = context.data_ptr<int64_t>()[b];
+      TORCH_CHECK(ctx >= 1 && (ctx - 1) / block_size < width,
+                  "Decoder: a row's context is longer than its block table");
+      step.ctx[b] = ctx;
+      step.new_slot[b] = slots.data_ptr<int64_t>()[b];
+      TORCH_CHECK(step.new_slot[b] >= 0 && step.new_slot[b] < step.slots_per_cache,
+                  "Decoder: slot out of range");
+      step.first[b + 1] = step.first[b] + ctx;
+      const int64_t seen = window_ > 0 ? std::min(ctx, window_) : ctx;
+      step.window_first[b] = step.first[b] + ctx - seen;
+      step.window_length[b] = seen;
+    }
+    step.key_slots.resize(step.first[rows]);
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t p = 0; p < step.ctx[b]; ++p) {
+        const int64_t block_id = table[b * width + p / block_size];
+        TORCH_CHECK(block_id >= 0 && (block_id + 1) * block_size <= step.slots_per_cache,
+                    "Decoder: block id out of range");
+        step.key_slots[step.first[b] + p] = block_id * block_size + p % block_size;
+      }
+    for (const at::Tensor& cache : caches)
+      TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == caches[0].scalar_type() &&
+                      cache.dim() == 3 && cache.size(0) == 2 * kv_heads_ &&
+                      cache.size(1) == step.slots_per_cache && cache.size(2) == head_dim_,
+                  "Decoder: KV caches must be [2 * H_kv, slots, D], contiguous, one dtype");
+    return step;
+  }
+
+  template <typename E>
+  at::Tensor run(const at::Tensor& hidden, const std::vector<at::Tensor>& caches,
+                 const std::vector<at::Tensor>& rope, const Step& step) const {
+    const int64_t rows = step.rows, width = hidden.size(1);
+    at::Tensor h = hidden.contiguous().clone();
+    at::Tensor x = at::empty_like(h);
+    // A block's last residual add is deferred into the next block's first pass over the rows.
+    at::Tensor pending;
+    for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+      const Block& block = blocks_[layer];
+      norm_rows(h, pending, block.norms.attn, x, width);
+      const at::Tensor attn = attention<E>(block, x, caches[layer], rope, step);
+      at::Tensor o = block.o->forward(attn, false);  // [B, hidden]
+      post_norm(block.norms.post_attn, o, width);
+      norm_rows(h, o, block.norms.mlp, x, width);
+      const at::Tensor gate_up = block.gate_up->forward(x, false);  // [B, 2 F]: gate, then up
+      const int64_t ffn = gate_up.size(1) / 2;
+      at::Tensor act = at::empty({rows, ffn}, h.options());
+      const bf16* gu = gate_up.data_ptr<bf16>();
+      bf16* act_p = act.data_ptr<bf16>();
+      shoal_decode::for_rows(rows, [&](int64_t b) {
+        if (gelu_) {
+          shoal_decode::gated<true>(gu + b * 2 * ffn, gu + b * 2 * ffn + ffn, act_p + b * ffn, ffn);
+        } else {
+          shoal_decode::gated<false>(gu + b * 2 * ffn, gu + b * 2 * ffn + ffn, act_p + b * ffn,
+                                     ffn);
+        }
+      });
+      pending = block.down->forward(act, false);
+      post_norm(block.norms.post_mlp, pending, width);
+    }
+    bf16* h_p = h.data_ptr<bf16>();
+    const bf16* pending_p = pending.data_ptr<bf16>();
+    shoal_decode::for_rows(rows, [&](int64_t b) {
+      shoal_decode::residual_add(h_p + b * width, pending_p + b * width, width);
+    });
+    return h;
+  }
+
+  // h += delta (if any), then x = norm(h), row by row.
+  void norm_rows(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& x,
+                 int64_t width) const {
+    bf16* h_p = h.data_ptr<bf16>();
+    bf16* x_p = x.data_ptr<bf16>();
+    const bf16* delta_p = bf16_or_null(delta);
+    const bf16* w = weight.data_ptr<bf16>();
+    shoal_decode::for_rows(h.size(0), [&](int64_t b) {
+      if (delta_p != nullptr) shoal_decode::residual_add(h_p + b * width, delta_p + b * width, width);
+      shoal_decode::rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
+    });
+  }
+
+  // Gemma's norm of a branch output, in place (nothing where the model has none).
+  void post_norm(const at::Tensor& weight, at::Tensor& y, int64_t width) const {
+    if (!weight.defined()) return;
+    bf16* y_p = y.data_ptr<bf16>();
+    const bf16* w = weight.data_ptr<bf16>();
+    shoal_decode::for_rows(y.size(0), [&](int64_t b) {
+      shoal_decode::rms_norm(y_p + b * width, w, y_p + b * width, width, eps_);
+    });
+  }
+
+  // The qkv projection, q / k norms, RoPE, the KV write and attention: [B, H * D] bf16.
+  template <typename E>
+  at::Tensor attention(const Block& block, const at::Tensor& x, const at::Tensor& cache,
+                       const std::vector<at::Tensor>& rope, const Step& step) const {
+    const int64_t rows = step.rows, dim = head_dim_, group = heads_ / kv_heads_;
+    const at::Tensor qkv = block.qkv->forward(x, false);  // [B, (H + 2 H_kv) D]
+    const bf16* qkv_p = qkv.data_ptr<bf16>();
+    const int64_t qkv_width = qkv.size(1);
+    at::Tensor attn = at::empty({rows, heads_ * dim}, x.options());
+    at::Tensor q = at::empty({rows, heads_, dim}, x.options().dtype(at::kFloat));
+    float* q_p = q.data_ptr<float>();
+    E* cache_p = cache.data_ptr<E>();
+    const float* cos = rope[block.sliding ? 2 : 0].data_ptr<float>();
+    const float* sin = rope[block.sliding ? 3 : 1].data_ptr<float>();
+    const float* q_norm = block.norms.q.defined() ? block.norms.q.data_ptr<float>() : nullptr;
+    const float* k_norm = block.norms.k.defined() ? block.norms.k.data_ptr<float>() : nullptr;
+    const int64_t slots = step.slots_per_cache;
+    // One head of row b: float32, normed where the model norms it, rotated into out.
+    auto head = [&](int64_t b, int64_t index, const float* norm, float* out) {
+      float raw[512];  // head_dim <= 512 (checked in the binding)
+      const bf16* src = qkv_p + b * qkv_width + index * dim;
+      for (int64_t i = 0; i < dim; ++i) raw[i] = src[i];
+      if (norm != nullptr) shoal_decode::rms_norm_f32(raw, norm, dim, eps_);
+      shoal_decode::rotate(raw, cos + b * dim, sin + b * dim, out, dim);
+    };
+    // Item (b, g): its query heads into q, its key and value into the cache.
+    auto prepare = [&](int64_t b, int64_t g) {
+      for (int64_t j = g * group; j < (g + 1) * group; ++j)
+        head(b, j, q_norm, q_p + (b * heads_ + j) * dim);
+      float key[512];
+      head(b, heads_ + g, k_norm, key);
+      E* k_out = cache_p + (g * slots + step.new_slot[b]) * dim;
+      E* v_out = cache_p + ((kv_heads_ + g) * slots + step.new_slot[b]) * dim;
+      const bf16* v = qkv_p + b * qkv_width + (heads_ + kv_heads_ + g) * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        k_out[i] = static_cast<E>(key[i]);
+        v_out[i] = static_cast<E>(static_cast<float>(v[i]));
+      }
+    };
+    const shoal_attention::Layout layout{heads_, kv_heads_, dim, slots, scale_};
+    const bool windowed = block.sliding && window_ > 0;
+    shoal_attention::attend(layout, q_p, cache_p, step.key_slots.data(),
+                            windowed ? step.window_first.data() : step.first.data(),
+                            windowed ? step.window_length.data() : step.ctx.data(), rows,
+                            kParallelKeys, attn.data_ptr<bf16>(), prepare);
+    return attn;
+  }
+
   std::vector<Block> blocks_;
   int64_t heads_, kv_heads_, head_dim_;
   float scale_, eps_;
-  int64_t quant_max_rows_;
+  int64_t window_;  // sliding layers' key window; 0: none
+  bool gelu_;
 };
 
 }  // namespace
 
+namespace shoal_quant {
+void bind(pybind11::module& m);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
-      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                          const std::vector<int64_t>&, int64_t, int64_t, int64_t, double,
-                          double, int64_t>())
-      .def("forward", &LlamaDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  shoal_quant::bind(m);
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init([](const std::vector<at::Tensor>& norms,
+                             const std::vector<std::shared_ptr<QuantLinear>>& linears,
+                             const std::vector<bool>& sliding, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, double scale, double eps, int64_t window,
+                             bool gelu) {
+             TORCH_CHECK(head_dim >= 1 && head_dim <= 512, "Decoder: head_dim must be <= 512");
+             return Decoder(norms, linears, sliding, heads, kv_heads, head_dim, scale, eps,
+                            window, gelu);
+           }))
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -41,12 +41,11 @@ class Gemma3Block(Layer):
     def forward(self, h: torch.Tensor, rope, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.post_attn_norm(self.attn(self.attn_norm(h), rope, kv_cache, meta))
-        return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h)))
+        return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h), meta.prompt_from))
 
 
 class Gemma3Model(LlamaModel):
     block_class = Gemma3Block
-    fused_decode_family = False  # four norms and q/k norms per block: the Python path
 
     def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)

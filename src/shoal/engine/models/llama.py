@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shoal.engine.kernels.build import KERNEL
 from shoal.engine.kernels.decode import FusedDecoder, fusable
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import (
@@ -100,7 +99,7 @@ class LlamaBlock(Layer):
     def forward(self, h: torch.Tensor, rope, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), rope, kv_cache, meta)
-        return h + self.mlp(self.mlp_norm(h))
+        return h + self.mlp(self.mlp_norm(h), meta.prompt_from)
 
 
 class LlamaModel(Layer):
@@ -145,14 +144,12 @@ class LlamaModel(Layer):
         self._fused: FusedDecoder | None = None
 
     def fused_decoder(self) -> FusedDecoder | None:
-        """The compiled decode kernel over this model's blocks, or None: where it does not
-        apply, or until it is built (kernels/build.py). Asked once per step."""
+        """The compiled decode kernel over this model's blocks, or None where it does not
+        apply. Asked once per step."""
         if not self.fused_decode_allowed:
             return None
         if self._fused is None:
-            kernel = KERNEL.get()
-            if kernel is not None:
-                self._fused = FusedDecoder(kernel, self)
+            self._fused = FusedDecoder(self)
         return self._fused
 
     def embedding_scale(self) -> float | None:
@@ -167,31 +164,34 @@ class LlamaModel(Layer):
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         h = self.embedding(inputs) if self.has_embedding else inputs.to(self.plan.compute_dtype)
-        if meta.decode is not None:
-            rope = self.rotary.lookup(meta.positions, self.attention_dtype)
-            return self._fused(h, kv_caches, rope, meta.slot_mapping, meta.decode)
         tables = self.rope_tables(meta.positions)
+        if meta.decode is not None:
+            return self._fused(h, kv_caches, tables, meta.slot_mapping, meta.decode)
         for offset, block in enumerate(self.blocks):
             rope = self.rope_for_layer(self.start + offset, tables)
             h = block(h, rope, kv_caches[offset], meta)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> float32 logits [S, vocab]."""
-        logits = self.head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor,
+                       prompt_from: int | None = None) -> torch.Tensor:
+        """hidden: [S, hidden] -> float32 logits [S, vocab]; rows from prompt_from on are
+        prompt tokens' (see QuantLinear)."""
+        logits = self.head(self.norm(hidden), prompt_from).float()
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     def weight_bytes(self) -> int:
-        total = 0
-        for module in self.modules():
-            if hasattr(module, "nbytes"):
-                total += module.nbytes()
-            elif isinstance(module, RMSNorm):
-                total += module.weight.numel() * module.weight.element_size()
-        shared = self.embedding.weight if self.embedding is not None else None
-        if shared is not None and getattr(self.head, "weight", None) is shared:
-            total -= self.head.nbytes()  # tied: counted once
-        return total
+        """Bytes of the weights this model holds (a tied head shares the embedding's)."""
+        return _held_bytes(self)
+
+
+def _held_bytes(module: nn.Module) -> int:
+    """Sum of nbytes() over the modules that hold tensors, each counted once: a module that
+    reports its bytes covers its children."""
+    if hasattr(module, "nbytes"):
+        return module.nbytes()
+    if isinstance(module, RMSNorm):
+        return module.weight.numel() * module.weight.element_size()
+    return sum(_held_bytes(child) for child in module.children())

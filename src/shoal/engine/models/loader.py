@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
-import psutil
 import torch
 from torch import nn
 
 from shoal.engine.config import ModelSource
+from shoal.engine.kernels.build import KERNEL
 from shoal.engine.models.config import ModelConfig
-from shoal.engine.models.layers.attention import attention_dtype_for
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.registry import model_class
 from shoal.engine.parallel.shard import TensorShard
 from shoal.engine.parallel.tensor import rank_config
 from shoal.engine.weights.names import check_layer_range
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,7 +30,7 @@ class LoadedModel:
     compute_dtype: torch.dtype
     weight_bytes: int
     layer_range: tuple[int, int] = (0, 0)
-    kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: compute_dtype
+    kv_dtype: torch.dtype | None = None  # the KV cache's elements; None: compute_dtype
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -73,13 +75,14 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
                layer_range: tuple[int, int] | None = None,
                progress: Callable[[float], None] | None = None,
                shard: TensorShard | None = None,
-               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LoadedModel:
+               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               kv_cache_dtype: str = "auto") -> LoadedModel:
     """Load layers [start, end) of a checkpoint (the whole model by default); with a tensor
     shard, only that rank's slice of each layer, summed over the ranks with reduce.
 
-    Q4_0/Q4_1 stay 4-bit and Q8_0 becomes int8 only on CPU with bfloat16 compute (plus
-    dense bf16 copies for batches and prefill while memory allows);
-    dtype="float32" dequantizes everything (the exact reference mode).
+    On CPU with bfloat16 compute every GGUF type stays packed as the file stores it
+    (kernels/quant_*.cpp); dtype="float32" dequantizes everything (the exact reference
+    mode), as does CUDA for now.
     The returned config is the model as this rank holds it (its heads, its MLP width).
     """
     checkpoint = open_checkpoint(source)
@@ -87,39 +90,34 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     start, end = check_layer_range(layer_range, config.num_layers)
     compute_dtype = resolve_compute_dtype(dtype, device)
     torch_device = torch.device(device)
-    keep_quantized = torch_device.type == "cpu" and compute_dtype == torch.bfloat16
-    weights = dict(checkpoint.stream((start, end)))
     plan = WeightPlan(compute_dtype=compute_dtype, device=torch_device,
-                      keep_quantized=keep_quantized,
-                      dense_for_batches=keep_quantized and _dense_copies_fit(weights),
+                      kernel=packing_kernel(torch_device, compute_dtype),
                       shard=shard if shard is not None and shard.size > 1 else None,
                       reduce=reduce)
     with torch.inference_mode():
-        module = model_class(config.architecture)(config, (start, end), weights, plan, progress)
+        module = model_class(config.architecture)(config, (start, end),
+                                                  dict(checkpoint.stream((start, end))), plan,
+                                                  progress)
     module.eval()
+    del checkpoint  # unmaps the file: the model holds its own (packed) copies
     held = rank_config(config, plan.shard) if plan.shard is not None else config
     return LoadedModel(module=module, config=held, compute_dtype=compute_dtype,
                        weight_bytes=module.weight_bytes(), layer_range=(start, end),
-                       kv_dtype=attention_dtype_for(torch_device, compute_dtype))
+                       kv_dtype=compute_dtype if kv_cache_dtype == "auto"
+                       else resolve_compute_dtype(kv_cache_dtype, device))
 
 
-# Dense bf16 copies of the quantized layers (for batches and prefill) are kept while they take
-# at most this share of the memory available before loading.
-DENSE_COPY_SHARE = 0.1
-
-
-def _dense_copies_fit(weights: dict, available_bytes: int | None = None) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    quantized = sum(math.prod(raw.shape) for raw in weights.values()
-                    if raw.quant not in _DENSE_QUANTS and len(raw.shape) == 2)
-    if available_bytes is None:
-        available_bytes = psutil.virtual_memory().available
-    return 2 * quantized <= DENSE_COPY_SHARE * available_bytes
-
-
-# Tensor types that load dense anyway (no quantized kernel, so no second copy).
-_DENSE_QUANTS = frozenset({"dense", "F32", "F16", "BF16"})
+def packing_kernel(device: torch.device, compute_dtype: torch.dtype) -> ModuleType | None:
+    """The compiled kernel when weights can stay packed here (CPU, bf16 compute, a CPU with
+    AVX512-BF16); None means dequantized weights (said once in the log when it is a loss)."""
+    if device.type != "cpu" or compute_dtype != torch.bfloat16:
+        return None
+    kernel = KERNEL.load()
+    if kernel is None or not kernel.quant_fast_kernels():
+        log.warning("no packed-weight kernel on this machine: weights load dequantized "
+                    "(about 3-4x the memory of a 4-bit file)")
+        return None
+    return kernel
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | str,

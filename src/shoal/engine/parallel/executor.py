@@ -183,9 +183,9 @@ class Follower:
         if config.sharding == "tensor":
             self._runner.execute(scheduled)  # rank 0 samples; these logits go unused
         else:
-            meta, token_ids = self._runner.prepare(scheduled)  # while the rank before computes
+            prepared = self._runner.prepare(scheduled)  # while the rank before computes
             hidden = self._wire.recv(plan.num_tokens, config.rank - 1)
-            out = self._runner.execute_prepared(meta, token_ids, hidden)
+            out = self._runner.execute_prepared(prepared, hidden)
             if config.is_last:
                 step = self._mirror.sample(out, plan)  # type: ignore[union-attr]
                 self._group.send_bytes(encode_sampled(step), 0)

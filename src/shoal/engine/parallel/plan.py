@@ -59,7 +59,7 @@ def encode_plan(plan: StepPlan) -> bytes:
     return msgpack.packb({
         "kind": plan.kind,
         "chunks": [[c.request_id, list(c.token_ids), c.start_position, list(c.block_ids),
-                    c.needs_sample] for c in plan.chunks],
+                    c.needs_sample, c.prompt] for c in plan.chunks],
         "added": [[r.request_id, list(r.prompt_token_ids), _params_to_wire(r.params)]
                   for r in plan.added],
         "removed": list(plan.removed),
@@ -72,8 +72,8 @@ def decode_plan(data: bytes) -> StepPlan:
     raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     chunks = tuple(ScheduledChunk(request_id=rid, token_ids=tuple(tokens),
                                   start_position=start, block_ids=tuple(blocks),
-                                  needs_sample=sample)
-                   for rid, tokens, start, blocks, sample in raw["chunks"])
+                                  needs_sample=sample, prompt=prompt)
+                   for rid, tokens, start, blocks, sample, prompt in raw["chunks"])
     added = tuple(NewRequest(rid, tuple(prompt), _params_from_wire(params))
                   for rid, prompt, params in raw["added"])
     allowed = {rid: torch.from_numpy(np.unpackbits(np.frombuffer(bits, dtype=np.uint8),

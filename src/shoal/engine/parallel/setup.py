@@ -56,7 +56,8 @@ def set_up_rank(config: EngineConfig, progress: Progress,
         loaded = load_model(config.source, config.dtype, device=config.device,
                             layer_range=parallel.layer_range,
                             progress=lambda f: progress("weights", f), shard=shard,
-                            reduce=group.all_reduce_ if shard is not None else None)
+                            reduce=group.all_reduce_ if shard is not None else None,
+                            kv_cache_dtype=config.kv_cache_dtype)
         own = plan_kv_cache(config, loaded.config, loaded)
         agreed = _agree(group, parallel, [own.num_blocks, own.max_model_len, own.stage_tokens],
                         tuple(eos_token_ids))

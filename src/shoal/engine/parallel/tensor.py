@@ -38,8 +38,8 @@ class RowParallel(Layer):
         self._reduce = reduce
         self.out_features = getattr(inner, "out_features", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.inner(x).contiguous())
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        return self._reduce(self.inner(x, prompt_from).contiguous())
 
     def nbytes(self) -> int:
         return self.inner.nbytes() if hasattr(self.inner, "nbytes") else 0

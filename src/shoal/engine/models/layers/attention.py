@@ -94,14 +94,18 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [S] rows whose logits are sampled
     # Set when the step runs on the compiled decode kernel (groups is then empty).
     decode: DecodeRows | None = None
+    # Rows from this one on are prompt tokens (None: none are); the earlier rows are
+    # generated tokens. Linear layers give each kind its own arithmetic (kernels/quant.h).
+    prompt_from: int | None = None
+    logits_prompt_from: int | None = None  # the same for the rows of logits_indices
 
 
 def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the KV cache, RoPE, attention scores and masks on this device.
+    """The dtype of RoPE, attention scores and masks on this device.
 
     torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
-    queries, so on CPU attention runs in float32; the cache is kept in float32 too (twice
-    the bytes of bfloat16), which saves a cast of every gathered key and value per layer.
+    queries, so on CPU attention computes in float32; the KV cache may still store bf16
+    (kv_cache_dtype), rounded as it is written and widened as it is read.
     """
     return torch.float32 if device.type == "cpu" else compute_dtype
 
@@ -129,7 +133,7 @@ class SelfAttention(Layer):
         # x: [T, hidden] -> qkv: [T, (H + 2 H_kv) * D]
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(tokens, heads + 2 * kv_heads, dim)
+        qkv = self.qkv(x, meta.prompt_from).view(tokens, heads + 2 * kv_heads, dim)
         if self.attention_dtype is not None:
             # One cast of the few new rows; the cache, RoPE and attention all use this dtype.
             qkv = qkv.to(self.attention_dtype)
@@ -141,10 +145,15 @@ class SelfAttention(Layer):
             # Rotate q and k heads in place, so k sits beside v: new_kv is a view.
             apply_rotary_(qkv[:, :heads + kv_heads], *rope)
             q, new_kv = qkv[:, :heads], qkv[:, heads:]  # [T, H, D], [T, 2 H_kv, D]
+        if kv_cache.dtype != new_kv.dtype:
+            # Attend to the keys and values as the cache holds them (rounded), whether they
+            # come from this chunk or from the cache: a token's result then does not depend
+            # on how its prompt was split or cached.
+            new_kv = new_kv.to(kv_cache.dtype)
         kv_cache.index_copy_(1, meta.slot_mapping, new_kv.transpose(0, 1))
         outputs = [self._attend(q, new_kv, kv_cache, group) for group in meta.groups]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self.o(out.to(x.dtype))
+        return self.o(out.to(x.dtype), meta.prompt_from)
 
     def _attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
                 group: AttentionGroup) -> torch.Tensor:
@@ -172,6 +181,8 @@ class SelfAttention(Layer):
             kv = kv.transpose(0, 1)
         else:
             kv = new_kv[rows].view(batch, -1, 2 * kv_heads, dim).transpose(1, 2)
+        if kv.dtype != q.dtype:
+            kv = kv.to(q.dtype)  # a bf16 cache read for float32 attention
         out = F.scaled_dot_product_attention(
             q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)

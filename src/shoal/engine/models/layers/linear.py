@@ -1,50 +1,85 @@
-"""Linear layers: dense, int4 weight-only (Q4_0 / Q4_1) and int8 weight-only (per-row scale).
+"""Linear layers: GGUF weights kept packed (QuantLinear), or dense (DenseLinear).
 
-Inputs are always flat token matrices x: [T, in]. The weight-only kernels are fast on CPU only
-with bfloat16 activations, so they are used only when the plan keeps weights quantized.
-They read the fewest bytes, which is what counts for a few rows (batch-1 decode). For more
-rows they turn compute bound (the int4 kernel dequantizes every weight once per 4 rows), so a
-quantized layer may also hold a dense bf16 copy for bigger inputs: ~2.5x faster at prefill
-sizes; at 16 rows about even in a real step (it reads 4x the bytes of the 4-bit weights).
+Inputs are always flat token matrices x: [T, in]. On a CPU with bf16 compute every GGUF
+type (and dense bf16 / fp16 / fp32 weights) runs packed through the compiled kernel
+(kernels/quant_*.cpp): weights stay as the file stores them, each row's result is exact up
+to float32 sums of bf16 activations, and it does not depend on how many rows x has. Float32
+compute (the reference mode), CUDA, or a machine where the kernel cannot be built use
+dequantized dense weights.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.parallel.shard import TensorShard
-from shoal.engine.weights.quant import RawTensor, can_int4, int4_pack, int8_rows
+from shoal.engine.weights.quant import RawTensor
 
-INT4_GROUP = 32
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WeightPlan:
     """How to materialise checkpoint tensors.
 
-    keep_quantized: Q4_0/Q4_1 stay 4-bit and Q8_0 becomes per-row int8 (CPU + bfloat16 only);
-    otherwise everything is dequantized to compute_dtype.
+    kernel: the compiled extension when weights stay packed (CPU, bfloat16 compute), else
+    None and everything is dequantized to compute_dtype.
     """
 
     compute_dtype: torch.dtype
     device: torch.device
-    keep_quantized: bool
-    # Quantized layers also keep a dense copy for inputs of more than QUANT_MAX_ROWS rows.
-    dense_for_batches: bool = False
+    kernel: ModuleType | None = None
     # A tensor-parallel rank: which slice of each layer it holds, and how its partial
     # outputs are summed over the ranks (in place).
     shard: TensorShard | None = None
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    @property
+    def keep_quantized(self) -> bool:
+        return self.kernel is not None
 
-# Inputs of at most this many rows use a quantized layer's weight-only kernel.
-QUANT_MAX_ROWS = 4
+
+# The kernel's numbering of weight types (quant_formats.h, QType).
+QTYPES = {name: code for code, name in enumerate(
+    ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))}
+# Weights per super-block along the input dimension: packed inputs are multiples of it.
+_SUPER_K = {name: 256 if name.endswith("_K") or name == "IQ4_XS" else 32 for name in QTYPES}
+_DENSE_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def packed_type(raw: RawTensor) -> str | None:
+    """The kernel's type for a weight matrix, or None when it cannot stay packed."""
+    if len(raw.shape) != 2:
+        return None
+    name = _DENSE_TYPES.get(raw.data.dtype) if isinstance(raw.data, torch.Tensor) else raw.quant
+    if name not in QTYPES or raw.shape[1] % _SUPER_K[name]:
+        return None
+    return name
+
+
+def pack(raw: RawTensor, kernel: ModuleType) -> tuple[int, torch.Tensor]:
+    """(type code, packed uint8 tensor) of a weight matrix [out, in] (see packed_type)."""
+    name = packed_type(raw)
+    if name is None:
+        raise ValueError(f"{raw.quant} {raw.shape} has no packed form")
+    rows, cols = raw.shape
+    if isinstance(raw.data, torch.Tensor):
+        data = raw.data.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    else:
+        with warnings.catch_warnings():  # the file's read-only bytes are only read
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(raw.data).reshape(-1).view(np.uint8))
+    return QTYPES[name], kernel.quant_pack(QTYPES[name], data, rows, cols)
 
 
 class DenseLinear(Layer):
@@ -54,143 +89,62 @@ class DenseLinear(Layer):
         self.bias = bias
         self.out_features = weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
         return _bytes(self.weight, self.bias)
 
 
-class PackedLinear(Layer):
-    """A dense weight [out, in] reordered once into oneDNN's blocked layout (CPU).
+class QuantLinear(Layer):
+    """y = x @ W.T (+ bias) with W packed (kernel QuantLinear); x: [T, in] bf16.
 
-    F.linear reorders the weight on every call; prepacked it is ~25% faster at 16 rows and
-    ~2x faster for a wide weight such as a 49k-row output head.
+    float_out: float32 results (the output head's logits) instead of bf16. Rows from
+    prompt_from on are prompt tokens and the rows before it generated ones: each kind has its
+    own arithmetic (on AMX machines prompt rows run on tiles), the same for every batch.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, op, float_out: bool = False) -> None:
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        self.bias = bias
-        self.out_features = weight.shape[0]
-        self._nbytes = _bytes(weight, bias)
+        self.op = op
+        self.float_out = float_out
+        self.out_features = op.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    def nbytes(self) -> int:
-        return self._nbytes
-
-
-# oneDNN picks the packed layout for this many rows; other sizes run on it as fast.
-PACK_BATCH_HINT = 16
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
-
-
-class Int4Linear(Layer):
-    """y = x @ dequant(W).T with W kept as torch's packed int4 (groups of 32 along in)."""
-
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, dense: nn.Module | None = None) -> None:
-        super().__init__()
-        self.packed = packed
-        self.scales_and_zeros = scales_and_zeros  # [in / 32, out, 2]
-        self.bias = bias
-        self.dense = dense  # the same weight dense, for inputs of more than QUANT_MAX_ROWS
-        self.out_features = scales_and_zeros.shape[1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] > QUANT_MAX_ROWS:
-            return self.dense(x)
-        y = _int4_mm(x, self.packed, INT4_GROUP, self.scales_and_zeros)
-        return y if self.bias is None else y + self.bias
-
-    def nbytes(self) -> int:
-        # Without the dense copy: a submodule, counted on its own.
-        return _bytes(self.packed, self.scales_and_zeros, self.bias)
-
-
-# Resolved overloads: calling the packet re-resolves it on every call (~1 us, 120x a step).
-_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-int8_weight_mm = torch.ops.aten._weight_int8pack_mm.default  # (x, q [N, K], scale [N])
-
-
-class Int8Linear(Layer):
-    """y = (x @ q.T) * scale with q int8 [out, in] and one scale per output row.
-
-    torch's weight-only int8 kernel is compute bound past a few rows (49k x 576 head: ~3 ms
-    for 1 row, ~15 ms for 16 at 2 threads), so bigger inputs use the dense copy if there is
-    one, else an int8 x int8 matmul.
-    """
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, dense: nn.Module | None = None) -> None:
-        super().__init__()
-        self.q = q
-        self.scale = scale  # [out]
-        self.scale_f32 = scale.float()
-        self.bias = bias
-        self.dense = dense
-        self.out_features = q.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= QUANT_MAX_ROWS or x.device.type != "cpu":
-            y = int8_weight_mm(x, self.q, self.scale)
-        elif self.dense is not None:
-            return self.dense(x)
-        else:
-            y = self._int8_activations(x)
-        return y if self.bias is None else y + self.bias
-
-    def _int8_activations(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, in] quantized to int8 in two levels (per-row scale s, then the remainder at
-        s / 127), both levels in one int8 x int8 -> int32 matmul (VNNI): ~3x faster than the
-        weight-only kernel at 16 rows, and as accurate as bf16 activations (one level alone
-        doubles the logit error: activations have outlier channels)."""
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        xf = x.float()
-        coarse_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [M, 1]
-        coarse = torch.round(xf / coarse_scale)
-        fine_scale = coarse_scale / 127.0
-        fine = torch.round((xf - coarse * coarse_scale) / fine_scale).clamp(-127, 127)
-        levels = torch.cat((coarse, fine)).to(torch.int8)  # [2M, in]
-        acc = torch._int_mm(levels, self.q.t()).float()  # [2M, out] exact int32 sums
-        y = torch.addcmul(acc[:rows] * coarse_scale, acc[rows:], fine_scale)
-        return (y * self.scale_f32).to(x.dtype)
+        if prompt_from is None or prompt_from >= rows:
+            return self.op.forward(x, self.float_out, False)
+        if prompt_from <= 0:
+            return self.op.forward(x, self.float_out, True)
+        return torch.cat((self.op.forward(x[:prompt_from], self.float_out, False),
+                          self.op.forward(x[prompt_from:], self.float_out, True)))
 
     def nbytes(self) -> int:
-        return _bytes(self.q, self.scale, self.bias)  # the dense copy counts on its own
+        return self.op.nbytes()
 
 
 def build_linear(weights: list[RawTensor], biases: list[RawTensor] | None,
-                 plan: WeightPlan) -> nn.Module:
+                 plan: WeightPlan, float_out: bool = False) -> Layer:
     """One linear layer computing all `weights` at once (outputs concatenated in order).
 
-    Fusing q/k/v or gate/up into one matmul saves kernel launches at batch 1.
+    Fusing q/k/v or gate/up into one matmul saves kernel launches at batch 1; the parts may
+    differ in type (a Q4_K_M file mixes them).
     """
     bias = None
     if biases:
-        bias = torch.cat([b.dequantize() for b in biases]).to(plan.compute_dtype)
-        bias = bias.to(plan.device)
-    if plan.keep_quantized and can_int4(weights):
-        packed, scales_and_zeros = int4_pack(weights, plan.compute_dtype)
-        return Int4Linear(packed, scales_and_zeros, bias, _batch_copy(weights, bias, plan))
+        bias = torch.cat([b.dequantize() for b in biases])  # float32 [sum(out)]
+    if plan.kernel is not None and all(packed_type(w) for w in weights):
+        codes, packed = zip(*(pack(w, plan.kernel) for w in weights))
+        op = plan.kernel.QuantLinear(list(codes), list(packed), [w.shape[0] for w in weights],
+                                     weights[0].shape[1], bias)
+        return QuantLinear(op, float_out)
+    if plan.kernel is not None:
+        log.info("weights %s %s have no packed form: loaded dequantized",
+                 sorted({w.quant for w in weights}), [tuple(w.shape) for w in weights])
     dense = torch.cat([w.dequantize() for w in weights])  # [sum(out), in] float32
-    if plan.keep_quantized and all(w.quant == "Q8_0" for w in weights):
-        q, scale = int8_rows(dense)
-        return Int8Linear(q, scale.to(plan.compute_dtype), bias,
-                          _batch_copy(weights, bias, plan, dense))
+    if bias is not None:
+        bias = bias.to(device=plan.device, dtype=plan.compute_dtype)
     return DenseLinear(dense.to(device=plan.device, dtype=plan.compute_dtype), bias)
-
-
-def _batch_copy(weights: list[RawTensor], bias: torch.Tensor | None, plan: WeightPlan,
-                dense: torch.Tensor | None = None) -> PackedLinear | None:
-    """The dense copy a quantized layer runs bigger inputs on, if the plan keeps one."""
-    if not plan.dense_for_batches:
-        return None
-    if dense is None:
-        dense = torch.cat([w.dequantize() for w in weights])  # [sum(out), in] float32
-    return PackedLinear(dense.to(plan.compute_dtype), bias)
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:

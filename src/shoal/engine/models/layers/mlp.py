@@ -17,7 +17,7 @@ class GatedMLP(Layer):
         self.gate_up, self.down = gate_up, down
         self.gelu = activation == "gelu_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each [T, intermediate]
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        gate, up = self.gate_up(x, prompt_from).chunk(2, dim=-1)  # each [T, intermediate]
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down(act * up)
+        return self.down(act * up, prompt_from)

@@ -1,0 +1,91 @@
+// Packed GGUF weights: packing (quant_pack.cpp) and the linear layer that multiplies with
+// them (quant_matmul.cpp). Formats and layout: quant_formats.h.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "quant_formats.h"
+
+namespace shoal_quant {
+
+QType qtype(int64_t code);
+
+// raw: the file's bytes of an [n, k] weight (uint8, n * row bytes) -> the strip layout.
+at::Tensor pack(int64_t type, const at::Tensor& raw, int64_t n, int64_t k);
+// Float32 [rows, k] of the given rows of a packed [n, k] weight (gguf's values exactly).
+at::Tensor dequantize_rows(int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
+                           const at::Tensor& rows);
+at::Tensor dequantize(int64_t type, const at::Tensor& packed, int64_t n, int64_t k);
+int64_t packed_bytes(int64_t type, int64_t n, int64_t k);
+// Whether this build multiplies on AVX512-BF16 (else a slow portable loop: callers then
+// keep weights dense).
+bool fast_kernels();
+bool amx_usable();
+
+// Which arithmetic a QuantLinear uses; kAuto: AMX where usable, else AVX512-BF16.
+enum class Backend : int { kAuto = 0, kAvx512 = 1, kAmx = 2, kPortable = 3 };
+// The backend kAuto resolves to here: "amx", "avx512" or "portable".
+std::string default_backend();
+
+// y = x @ W.T (+ bias) for packed weights W: segments of output rows stacked in order (a
+// fused q/k/v or gate/up projection whose parts may differ in type), all [*, k].
+//
+// Every output row is computed by the same sequence of float operations whatever the number
+// of rows in x and wherever the row sits among them, so a token's result does not depend on
+// what shares its batch or how its prompt was split.
+class QuantLinear {
+ public:
+  QuantLinear(const std::vector<int64_t>& types, const std::vector<at::Tensor>& packed,
+              const std::vector<int64_t>& rows, int64_t k, const std::optional<at::Tensor>& bias,
+              int64_t backend = 0);
+
+  // x: [M, k] bfloat16 -> [M, out_features] bfloat16 or (float_out) float32. prompt: the
+  // rows are prompt tokens (prefill), which AMX machines compute on tiles; generated tokens
+  // (decode) always take the vector path. Each kind of row gets one arithmetic, whatever
+  // else is in x, so a token's result depends on its role, never on its batch.
+  at::Tensor forward(const at::Tensor& x, bool float_out, bool prompt = false) const;
+
+  int64_t in_features() const { return k_; }
+  int64_t out_features() const { return n_total_; }
+  int64_t nbytes() const;
+  std::string backend() const;
+
+ private:
+  struct Segment {
+    QType type;
+    at::Tensor packed;
+    int64_t n, strips, strip_bytes, first_column, first_strip;
+  };
+  // One forward call's inputs and output.
+  struct Call {
+    const at::BFloat16* x;
+    int64_t m;
+    const float* bias;
+    bool float_out;
+    void* out;
+    std::vector<float> sums16 = {}, sums32 = {};  // x summed over runs of 16 / 32 along k
+  };
+  const Segment& segment_of(int64_t strip) const;
+  void store(const Call& call, const Segment& seg, int64_t local, const float* acc, int rows,
+             int64_t row0) const;
+  // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
+  void run_direct(const Call& call) const;
+  void run_buffered(const Call& call) const;
+  void run_tile_order(const Call& call) const;
+  void run_tiles(const Call& call) const;
+  void run_amx_prompt(const Call& call) const;
+  void run_portable(const Call& call) const;
+
+  std::vector<Segment> segments_;
+  int64_t k_, n_total_ = 0, strips_total_ = 0;
+  Backend backend_;
+  at::Tensor bias_;  // [n_total] float32, or undefined
+};
+
+}  // namespace shoal_quant

@@ -1,0 +1,32 @@
+// Python bindings of the packed-weight kernels (quant.h), added to the extension module by
+// decode.cpp's PYBIND11_MODULE.
+
+#include <torch/extension.h>
+
+#include "quant.h"
+
+namespace shoal_quant {
+
+void bind(pybind11::module& m) {
+  m.def("quant_pack", &pack, "file bytes of an [n, k] weight -> the strip layout");
+  m.def("quant_dequantize", &dequantize, "packed [n, k] -> float32 [n, k]");
+  m.def("quant_dequantize_rows", &dequantize_rows, "rows of a packed weight as float32");
+  m.def("quant_packed_bytes", &packed_bytes);
+  m.def("quant_fast_kernels", &fast_kernels);
+  m.def("quant_default_backend", &default_backend, "amx, avx512 or portable");
+  pybind11::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
+      .def(pybind11::init<const std::vector<int64_t>&, const std::vector<at::Tensor>&,
+                          const std::vector<int64_t>&, int64_t, const std::optional<at::Tensor>&,
+                          int64_t>(),
+           pybind11::arg("types"), pybind11::arg("packed"), pybind11::arg("rows"),
+           pybind11::arg("k"), pybind11::arg("bias") = pybind11::none(),
+           pybind11::arg("backend") = 0)
+      .def("forward", &QuantLinear::forward, pybind11::arg("x"), pybind11::arg("float_out") = false,
+           pybind11::arg("prompt") = false, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("in_features", &QuantLinear::in_features)
+      .def_property_readonly("out_features", &QuantLinear::out_features)
+      .def("nbytes", &QuantLinear::nbytes)
+      .def_property_readonly("backend", &QuantLinear::backend);
+}
+
+}  // namespace shoal_quant

@@ -1,0 +1,202 @@
+// QuantLinear (quant.h): packed segments, the backend, and which path a forward call takes.
+// The paths (quant_paths.cpp) split the work over torch's threads; the arithmetic is in
+// quant_avx512.h (vectors) and quant_amx.h (AMX tiles).
+//
+// A machine with AMX computes generated tokens in AMX's summation order (on vectors for a
+// few rows, on tiles for more: the same bits) and prompt tokens on tiles with split
+// weights; a machine without AMX computes every row in the vector order.
+
+#include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "quant.h"
+#include "quant_strip.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SHOAL_QUANT_AVX512 1
+#include "quant_kernels.h"
+#else
+#define SHOAL_QUANT_AVX512 0
+#define SHOAL_QUANT_AMX 0
+#endif
+
+namespace shoal_quant {
+
+using bf16 = at::BFloat16;
+
+namespace {
+
+// Generated-token batches up to this many rows run on vectors, more on their tiles / decoded
+// strips (the same bits either way on AMX machines; see quant_kernels.h).
+constexpr int64_t kDirectRowsAmx = 4;
+constexpr int64_t kDirectRowsAvx = 4;
+
+// Sums of x over each run of `run` along k: [M, k / run], the terms O' multiplies.
+std::vector<float> run_sums(const bf16* x, int64_t m, int64_t k, int run) {
+  const int64_t runs = k / run;
+  std::vector<float> sums(m * runs);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < runs; ++g) {
+      float total = 0.f;
+      for (int i = 0; i < run; ++i) total += static_cast<float>(x[r * k + g * run + i]);
+      sums[r * runs + g] = total;
+    }
+  return sums;
+}
+
+// Portable reference for CPUs without AVX512-BF16: element by element, slow.
+void strip_portable(const Format& f, const uint8_t* strip, int64_t k, const bf16* x, int64_t rows,
+                    float* out) {
+  const StripView view{f, k, strip};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < kCols; ++c) {
+      float total = 0.f;
+      for (int64_t j = 0; j < k; ++j)
+        total += static_cast<float>(x[r * k + j]) * weight_at(view, j, c);
+      out[r * kCols + c] = total;
+    }
+}
+
+Backend resolve(int64_t requested) {
+  const bool amx = amx_usable();
+  switch (static_cast<Backend>(requested)) {
+    case Backend::kAuto:
+      return amx ? Backend::kAmx : SHOAL_QUANT_AVX512 ? Backend::kAvx512 : Backend::kPortable;
+    case Backend::kAmx:
+      TORCH_CHECK(amx, "QuantLinear: AMX is not available on this machine");
+      return Backend::kAmx;
+    case Backend::kAvx512:
+      TORCH_CHECK(SHOAL_QUANT_AVX512, "QuantLinear: built without AVX512-BF16");
+      return Backend::kAvx512;
+    case Backend::kPortable:
+      return Backend::kPortable;
+  }
+  TORCH_CHECK(false, "QuantLinear: unknown backend ", requested);
+}
+
+}  // namespace
+
+bool amx_usable() {
+#if SHOAL_QUANT_AMX
+  // Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool granted = [] {
+    const char* off = std::getenv("SHOAL_AMX");
+    if (off != nullptr && std::strcmp(off, "0") == 0) return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+bool fast_kernels() { return SHOAL_QUANT_AVX512; }
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::kAmx: return "amx";
+    case Backend::kAvx512: return "avx512";
+    case Backend::kPortable: return "portable";
+    default: return "auto";
+  }
+}
+
+std::string default_backend() { return backend_name(resolve(0)); }
+
+QuantLinear::QuantLinear(const std::vector<int64_t>& types, const std::vector<at::Tensor>& packed,
+                         const std::vector<int64_t>& rows, int64_t k,
+                         const std::optional<at::Tensor>& bias, int64_t backend)
+    : k_(k), backend_(resolve(backend)) {
+  TORCH_CHECK(!types.empty() && types.size() == packed.size() && types.size() == rows.size(),
+              "QuantLinear: one type, packed tensor and row count per segment");
+  for (size_t i = 0; i < types.size(); ++i) {
+    const QType type = qtype(types[i]);
+    const Format& f = format_of(type);
+    TORCH_CHECK(k % f.super_k == 0, "QuantLinear: ", f.name, " needs k to be a multiple of ",
+                f.super_k);
+    Segment segment{type, packed[i].contiguous(), rows[i], strip_count(rows[i]),
+                    strip_bytes(f, k), n_total_, strips_total_};
+    TORCH_CHECK(segment.packed.scalar_type() == at::kByte &&
+                    segment.packed.numel() == segment.strips * segment.strip_bytes,
+                "QuantLinear: segment ", i, " is not a packed ", f.name, " [", rows[i], ", ", k,
+                "] weight");
+    n_total_ += rows[i];
+    strips_total_ += segment.strips;
+    segments_.push_back(std::move(segment));
+  }
+  if (bias.has_value() && bias->defined()) {
+    bias_ = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_.numel() == n_total_, "QuantLinear: bias has ", bias_.numel(),
+                " entries for ", n_total_, " outputs");
+  }
+}
+
+int64_t QuantLinear::nbytes() const {
+  int64_t total = bias_.defined() ? bias_.numel() * 4 : 0;
+  for (const Segment& s : segments_) total += s.packed.numel();
+  return total;
+}
+
+std::string QuantLinear::backend() const { return backend_name(backend_); }
+
+const QuantLinear::Segment& QuantLinear::segment_of(int64_t strip) const {
+  for (const Segment& segment : segments_)
+    if (strip < segment.first_strip + segment.strips) return segment;
+  return segments_.back();
+}
+
+at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool prompt) const {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && input.dim() == 2 && input.size(1) == k_,
+              "QuantLinear: x must be [M, ", k_, "] bfloat16");
+  const at::Tensor x = input.contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor out =
+      at::empty({m, n_total_}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (m == 0) return out;
+  Call call{x.data_ptr<bf16>(), m, bias_.defined() ? bias_.data_ptr<float>() : nullptr,
+            float_out, out.data_ptr()};
+  if (backend_ == Backend::kPortable) {
+    run_portable(call);
+    return out;
+  }
+  if (prompt && backend_ == Backend::kAmx) {
+    run_amx_prompt(call);
+    return out;
+  }
+  call.sums16 = run_sums(call.x, m, k_, 16);
+  call.sums32 = run_sums(call.x, m, k_, 32);
+  if (backend_ == Backend::kAmx) {
+    if (m <= kDirectRowsAmx) {
+      run_tile_order(call);
+    } else {
+      run_tiles(call);
+    }
+  } else if (m <= kDirectRowsAvx) {
+    run_direct(call);
+  } else {
+    run_buffered(call);
+  }
+  return out;
+}
+
+void QuantLinear::run_portable(const Call& call) const {
+  at::parallel_for(0, strips_total_, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(call.m * kCols);
+    for (int64_t s = begin; s < end; ++s) {
+      const Segment& seg = segment_of(s);
+      const int64_t local = s - seg.first_strip;
+      strip_portable(format_of(seg.type), seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes,
+                     k_, call.x, call.m, acc.data());
+      store(call, seg, local, acc.data(), static_cast<int>(call.m), 0);
+    }
+  });
+}
+
+}  // namespace shoal_quant

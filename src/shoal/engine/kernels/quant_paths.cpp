@@ -1,0 +1,256 @@
+// QuantLinear's paths (quant.h): how a forward call's rows and strips are split over torch's
+// threads, and where decoded weights are kept while rows run over them.
+//
+// Work is split by strips of 16 output columns. Up to a few rows, each thread decodes its
+// strips' tiles as it goes (batch-1 decode reads every weight once: memory speed counts).
+// With more rows, each strip is decoded once into a per-thread buffer and blocks of rows
+// run over it while the block of x stays in cache.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SHOAL_QUANT_AVX512 1
+#include "quant_kernels.h"
+#else
+#define SHOAL_QUANT_AVX512 0
+#define SHOAL_QUANT_AMX 0
+#endif
+
+namespace shoal_quant {
+
+using bf16 = at::BFloat16;
+
+namespace {
+
+// x rows per block while a decoded strip is reused: about this many bytes of x stay cached
+// (AMX prompt rows read x again for every pair of strips; other paths for every strip).
+constexpr int64_t kRowBlockBytes = 512 * 1024;
+constexpr int64_t kAmxBlockBytes = 4 * 1024 * 1024;
+
+#if SHOAL_QUANT_AVX512
+// A thread's buffers for decoded strips.
+struct StripBuffer {
+  std::vector<__m512i> pairs, second;
+  std::vector<float> scales, offsets;
+
+  void reserve(int64_t k, int vectors, int sub_k) {
+    const size_t n = static_cast<size_t>(k / 2 * vectors);
+    if (pairs.size() < n) pairs.resize(n);
+    const size_t s = static_cast<size_t>(k / sub_k * kCols);
+    if (scales.size() < s) scales.resize(s), offsets.resize(s);
+  }
+};
+
+// x with the odd (even) bf16 of each pair zeroed: the tile order's even (odd) chain.
+std::vector<bf16> masked(const bf16* x, int64_t n, int keep) {
+  std::vector<bf16> out(x, x + n);
+  for (int64_t i = 1 - keep; i < n; i += 2) out[i] = bf16(0.f);
+  return out;
+}
+#endif
+
+}  // namespace
+
+void QuantLinear::store(const Call& call, const Segment& seg, int64_t local, const float* acc,
+                        int rows, int64_t row0) const {
+  const int cols = static_cast<int>(std::min<int64_t>(kCols, seg.n - local * kCols));
+  const int64_t col0 = seg.first_column + local * kCols;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      float v = acc[r * kCols + c];
+      if (call.bias != nullptr) v += call.bias[col0 + c];
+      const int64_t at = (row0 + r) * n_total_ + col0 + c;
+      if (call.float_out) {
+        static_cast<float*>(call.out)[at] = v;
+      } else {
+        static_cast<bf16*>(call.out)[at] = bf16(v);
+      }
+    }
+}
+
+void QuantLinear::run_direct(const Call& call) const {
+#if SHOAL_QUANT_AVX512
+  const int64_t m = call.m, k = k_;
+  // Enough strips per task that a task is worth a thread (~32k multiply-adds).
+  const int64_t grain = std::max<int64_t>(1, 32768 / (k * kCols * m));
+  at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kDirectRows * kCols];
+    for (int64_t s = begin; s < end; ++s) {
+      const Segment& seg = segment_of(s);
+      const int64_t local = s - seg.first_strip;
+      const Kernels& kern = kernels(seg.type);
+      const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
+      kern.direct[m - 1](seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k, call.x, k,
+                         sums, k / kern.sub_k, acc);
+      store(call, seg, local, acc, static_cast<int>(m), 0);
+    }
+  });
+#endif
+}
+
+void QuantLinear::run_buffered(const Call& call) const {
+#if SHOAL_QUANT_AVX512
+  const int64_t m = call.m, k = k_;
+  const int64_t block_rows = std::max<int64_t>(kBlockRows, kRowBlockBytes / (2 * k));
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m - m0);
+    at::parallel_for(0, strips_total_, 1, [&](int64_t begin, int64_t end) {
+      thread_local StripBuffer buffer;
+      alignas(64) float acc[kBlockRows * kCols];
+      for (int64_t s = begin; s < end; ++s) {
+        const Segment& seg = segment_of(s);
+        const int64_t local = s - seg.first_strip;
+        const Kernels& kern = kernels(seg.type);
+        buffer.reserve(k, kern.vectors, kern.sub_k);
+        kern.decode(seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k,
+                    buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data());
+        const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
+        const int64_t sum_stride = k / kern.sub_k;
+        for (int64_t r0 = m0; r0 < m0 + rows; r0 += kBlockRows) {
+          const int group = static_cast<int>(std::min<int64_t>(kBlockRows, m0 + rows - r0));
+          kern.buffered[group - 1](buffer.pairs.data(), buffer.scales.data(),
+                                   buffer.offsets.data(), k, call.x + r0 * k, k,
+                                   sums + r0 * sum_stride, sum_stride, acc);
+          store(call, seg, local, acc, group, r0);
+        }
+      }
+    });
+  }
+#endif
+}
+
+// Generated tokens on an AMX machine, few rows: AMX's order on vectors, up to four strips of
+// one segment side by side.
+void QuantLinear::run_tile_order(const Call& call) const {
+#if SHOAL_QUANT_AVX512
+  const int64_t m = call.m, k = k_;
+  const std::vector<bf16> xe = masked(call.x, m * k, 0), xo = masked(call.x, m * k, 1);
+  const int side = strips_side_by_side(static_cast<int>(m));
+  const int64_t grain = std::max<int64_t>(side, 32768 / (k * kCols * m));
+  at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[4 * kDirectRows * kCols];
+    for (int64_t s = begin; s < end;) {
+      const Segment& seg = segment_of(s);
+      const int64_t local = s - seg.first_strip;
+      const Kernels& kern = kernels(seg.type);
+      // Side by side only within one segment and this task's strips; else one at a time.
+      const bool together = kern.vectors == 1 && s + side <= end &&
+                            local + side <= seg.strips;
+      const int count = together ? side : 1;
+      const uint8_t* strips[4];
+      for (int i = 0; i < count; ++i)
+        strips[i] = seg.packed.data_ptr<uint8_t>() + (local + i) * seg.strip_bytes;
+      const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
+      if (count == side) {
+        kern.tile_order[m - 1](strips, k, xe.data(), xo.data(), k, sums, k / kern.sub_k, acc);
+      } else {
+        kern.tile_order_single[m - 1](strips, k, xe.data(), xo.data(), k, sums, k / kern.sub_k,
+                                      acc);
+      }
+      for (int i = 0; i < count; ++i)
+        store(call, seg, local + i, acc + i * m * kCols, static_cast<int>(m), 0);
+      s += count;
+    }
+  });
+#endif
+}
+
+// Generated tokens on an AMX machine, more rows: each strip decoded once per block of rows,
+// then 16 rows per pass on tiles.
+void QuantLinear::run_tiles(const Call& call) const {
+#if SHOAL_QUANT_AMX
+  const int64_t m = call.m, k = k_;
+  const int64_t block_rows = std::max<int64_t>(kTileRows, kRowBlockBytes / (2 * k));
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m - m0);
+    at::parallel_for(0, strips_total_, 1, [&](int64_t begin, int64_t end) {
+      thread_local StripBuffer buffer;
+      alignas(64) float acc[kTileRows * kCols];
+      int configured_rows = 0, configured_sub = 0;
+      for (int64_t s = begin; s < end; ++s) {
+        const Segment& seg = segment_of(s);
+        const int64_t local = s - seg.first_strip;
+        const Kernels& kern = kernels(seg.type);
+        buffer.reserve(k, kern.vectors, kern.sub_k);
+        kern.decode(seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k,
+                    buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data());
+        const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
+        const int64_t sum_stride = k / kern.sub_k;
+        for (int64_t r0 = m0; r0 < m0 + rows; r0 += kTileRows) {
+          const int group = static_cast<int>(std::min<int64_t>(kTileRows, m0 + rows - r0));
+          if (group != configured_rows || kern.sub_k != configured_sub)
+            configure_decode_tiles(configured_rows = group, configured_sub = kern.sub_k);
+          kern.tiles(buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data(), k,
+                     call.x + r0 * k, k, group, sums + r0 * sum_stride, sum_stride, acc);
+          store(call, seg, local, acc, group, r0);
+        }
+      }
+      if (configured_rows) _tile_release();
+    });
+  }
+#endif
+}
+
+// Prompt rows on AMX: strips in pairs, each decoded once per block of rows into hi / lo B
+// tiles, then 32 rows at a time (two row tiles; 16 or fewer for the last rows).
+void QuantLinear::run_amx_prompt(const Call& call) const {
+#if SHOAL_QUANT_AMX
+  const int64_t m = call.m, k = k_;
+  constexpr int64_t kPassRows = kRowTiles * kTileRows;
+  const int64_t block_rows =
+      std::max<int64_t>(kPassRows, kAmxBlockBytes / (2 * k) / kPassRows * kPassRows);
+  const int64_t pairs = (strips_total_ + 1) / 2;
+  const size_t split_vectors = static_cast<size_t>(k / kTileK * 2 * kPairs);
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m - m0);
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      thread_local StripBuffer buffer;
+      if (buffer.pairs.size() < split_vectors) buffer.pairs.resize(split_vectors);
+      if (buffer.second.size() < split_vectors) buffer.second.resize(split_vectors);
+      alignas(64) float acc[2 * kPassRows * kCols];
+      int configured = 0;
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t s0 = 2 * pair, s1 = s0 + 1;
+        const Segment& seg0 = segment_of(s0);
+        kernels(seg0.type).split(
+            seg0.packed.data_ptr<uint8_t>() + (s0 - seg0.first_strip) * seg0.strip_bytes, k,
+            buffer.pairs.data());
+        const Segment* seg1 = s1 < strips_total_ ? &segment_of(s1) : nullptr;
+        if (seg1 != nullptr)
+          kernels(seg1->type).split(
+              seg1->packed.data_ptr<uint8_t>() + (s1 - seg1->first_strip) * seg1->strip_bytes,
+              k, buffer.second.data());
+        for (int64_t r0 = m0; r0 < m0 + rows;) {
+          // 32 rows as two row tiles; then 16; then the rest as one short tile (the
+          // second tile repeats the first's rows and its results are dropped).
+          const int64_t left = m0 + rows - r0;
+          const bool both = left >= kPassRows;
+          const int tile = static_cast<int>(std::min<int64_t>(kTileRows, left));
+          if (tile != configured) configure_tiles(configured = tile);
+          const bf16* x0 = call.x + r0 * k;
+          strips_amx_split(buffer.pairs.data(), seg1 ? buffer.second.data() : nullptr, k, x0,
+                           both ? x0 + kTileRows * k : x0, k, acc);
+          for (int strip = 0; strip < (seg1 ? 2 : 1); ++strip) {
+            const Segment& seg = strip ? *seg1 : seg0;
+            const int64_t local = (strip ? s1 : s0) - seg.first_strip;
+            const float* results = acc + 2 * strip * kTileRows * kCols;
+            store(call, seg, local, results, tile, r0);
+            if (both) store(call, seg, local, results + kTileRows * kCols, tile, r0 + tile);
+          }
+          r0 += both ? kPassRows : tile;
+        }
+      }
+      if (configured) _tile_release();
+    });
+  }
+#endif
+}
+
+}  // namespace shoal_quant
