@@ -1,9 +1,9 @@
-"""The compiled decode kernel (engine/kernels) against the Python path it replaces."""
+"""The compiled decode kernel (engine/kernels/decode.cpp) against the Python path it replaces,
+and building and loading the compiled extension."""
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import tiny_models
@@ -15,10 +15,9 @@ from tiny_models import VOCAB
 from shoal.engine.kernels import build
 from shoal.engine.kernels.decode import FUSED_MAX_ROWS
 from shoal.engine.model_runner import ModelRunner
-from shoal.engine.models.layers.linear import QUANT_MAX_ROWS, Int4Linear
 from shoal.engine.scheduler_output import SchedulerOutput
 
-# Rows of different context lengths; more than QUANT_MAX_ROWS of them run the dense copies.
+# Rows of different context lengths.
 PROMPTS = [PROMPT, PROMPT[:5], PROMPT[3:] + PROMPT, PROMPT[7:], PROMPT * 2, PROMPT[:1]]
 BLOCKS_PER_ROW = 8
 
@@ -26,12 +25,15 @@ BLOCKS_PER_ROW = 8
 @pytest.fixture(scope="module")
 def kernel():
     module = build.KERNEL.load()
-    assert module is not None, "the decode kernel did not build (see the warning logged)"
+    assert module is not None, "the kernels did not build (see the warning logged)"
+    if not module.quant_fast_kernels():
+        pytest.skip("this CPU has no AVX512-BF16: models load dequantized, decode in Python")
     return module
 
 
-def runners(checkpoint, fused: bool, num_blocks: int = BLOCKS_PER_ROW * len(PROMPTS)):
-    loaded = load(checkpoint, "gguf", dtype="bfloat16")
+def runners(checkpoint, fused: bool, num_blocks: int = BLOCKS_PER_ROW * len(PROMPTS),
+            kv_cache_dtype: str = "auto"):
+    loaded = load(checkpoint, "gguf", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     loaded.module.fused_decode_allowed = fused
     return ModelRunner(loaded, num_blocks, BLOCK)
 
@@ -42,13 +44,18 @@ def prefill(runner: ModelRunner, tables, prompts=PROMPTS) -> None:
         runner.execute(SchedulerOutput((chunk(str(i), prompt, 0, blocks),)))
 
 
+def on_kernel(runner: ModelRunner, output: SchedulerOutput) -> list[bool]:
+    """For each part the step splits into, whether it runs on the decode kernel."""
+    return [part.meta.decode is not None for part in runner.prepare(output).parts]
+
+
 def decode_step(runner: ModelRunner, tokens, tables, lengths) -> tuple[torch.Tensor, bool]:
     """One decode step of every row: (logits, whether it ran on the kernel)."""
     output = SchedulerOutput(tuple(chunk(str(i), [t], n, blocks) for i, (t, n, blocks)
                                    in enumerate(zip(tokens, lengths, tables))))
     with torch.inference_mode():
-        meta, ids = runner.prepare(output)
-        return runner.execute_prepared(meta, ids), meta.decode is not None
+        step = runner.prepare(output)
+        return runner.execute_prepared(step), step.parts[0].meta.decode is not None
 
 
 # Head shapes beside the tiny models' own (head size 16, 2 query heads per KV head):
@@ -64,10 +71,11 @@ def shaped_checkpoints(tmp_path_factory):
             for name, shape in SHAPES.items()}
 
 
-@pytest.mark.parametrize("rows", [3, len(PROMPTS)])  # 6 rows: the dense copies
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("rows", [1, 3, len(PROMPTS)])
+# qwen2: q/k/v biases; gemma3: q/k norms, post-norms, gelu, sliding layers (a window of 5
+# keys, shorter than most prompts); qwen3: q/k norms
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "qwen3"])
 def test_kernel_decode_matches_the_python_path(kernel, tiny_checkpoints, family, rows):
-    assert len(PROMPTS) > QUANT_MAX_ROWS >= 3
     assert_decode_matches(tiny_checkpoints[family], PROMPTS[:rows])
 
 
@@ -83,10 +91,16 @@ def test_kernel_decode_matches_with_its_threads(kernel, tiny_checkpoints):
     assert_decode_matches(tiny_checkpoints["llama"], prompts)
 
 
-def assert_decode_matches(checkpoint, prompts) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_kernel_decode_matches_over_a_float32_cache(kernel, tiny_checkpoints, family):
+    assert_decode_matches(tiny_checkpoints[family], PROMPTS, kv_cache_dtype="float32")
+
+
+def assert_decode_matches(checkpoint, prompts, kv_cache_dtype: str = "auto") -> None:
     rows = len(prompts)
     per_row = -(-(max(len(p) for p in prompts) + 6) // BLOCK)  # blocks for prompt + 6 steps
-    fused, python = (runners(checkpoint, on_kernel, per_row * rows) for on_kernel in (True, False))
+    fused, python = (runners(checkpoint, kernel_on, per_row * rows, kv_cache_dtype)
+                     for kernel_on in (True, False))
     # Each row's blocks scattered over the cache, so keys are read through the table.
     order = shuffled_blocks(per_row * rows, seed=3)
     tables = [order[i * per_row:(i + 1) * per_row] for i in range(rows)]
@@ -95,9 +109,9 @@ def assert_decode_matches(checkpoint, prompts) -> None:
     lengths = [len(p) for p in prompts]
     tokens = [(7 + 31 * i) % VOCAB for i in range(rows)]
     for _ in range(6):  # the same tokens fed to both: every step compares like with like
-        ours, on_kernel = decode_step(fused, tokens, tables, lengths)
-        theirs, on_python = decode_step(python, tokens, tables, lengths)
-        assert on_kernel and not on_python
+        ours, kernel_ran = decode_step(fused, tokens, tables, lengths)
+        theirs, python_ran = decode_step(python, tokens, tables, lengths)
+        assert kernel_ran and not python_ran
         assert ours.shape == theirs.shape == (rows, checkpoint.hf_model.config.vocab_size)
         # bf16 rounding differs in a few places; logits stay within bf16 noise.
         torch.testing.assert_close(ours, theirs, atol=0.01 * theirs.abs().max().item(), rtol=0)
@@ -119,41 +133,62 @@ def test_kernel_writes_the_same_kv_cache(kernel, tiny_checkpoints):
     for row, n in enumerate(lengths):
         slot = tables[row][n // BLOCK] * BLOCK + n % BLOCK
         for ours, theirs in zip(fused.kv_caches, python.kv_caches):
-            assert ours[:, slot].abs().sum() > 0
-            torch.testing.assert_close(ours[:, slot], theirs[:, slot], atol=0.02, rtol=0.02)
+            assert ours.dtype == torch.bfloat16 and ours[:, slot].abs().sum() > 0
+            torch.testing.assert_close(ours[:, slot].float(), theirs[:, slot].float(),
+                                       atol=0.02, rtol=0.02)
 
 
 def test_kernel_takes_decode_steps_up_to_its_row_limit(kernel, tiny_checkpoints):
     loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16")
     runner = ModelRunner(loaded, FUSED_MAX_ROWS + 2, BLOCK)
-    assert runner.model.fused_decoder().max_rows == FUSED_MAX_ROWS  # dense copies present
     many = FUSED_MAX_ROWS + 1
     decodes = [chunk(str(i), [9], 3, [i]) for i in range(many)]
-    assert runner.prepare(SchedulerOutput(tuple(decodes[:-1])))[0].decode is not None
-    assert runner.prepare(SchedulerOutput(tuple(decodes)))[0].decode is None
-    mixed = (decodes[0], chunk("new", [1, 2], 0, [many]))
-    assert runner.prepare(SchedulerOutput(mixed))[0].decode is None  # a prefill chunk
+    assert on_kernel(runner, SchedulerOutput(tuple(decodes[:-1]))) == [True]
+    assert on_kernel(runner, SchedulerOutput(tuple(decodes))) == [False]
 
 
-def test_without_dense_copies_the_kernel_takes_few_rows(kernel, tiny_checkpoints):
+def test_a_mixed_step_decodes_on_the_kernel_and_prefills_in_python(kernel, tiny_checkpoints):
+    # Generated tokens take the kernel whatever shares their step, so a request's tokens
+    # do not depend on other requests' prefills; logits come back in chunk order.
+    checkpoint = tiny_checkpoints["llama"]
+    mixed, alone = runners(checkpoint, True, 24), runners(checkpoint, True, 24)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    prefill(mixed, tables[:2], PROMPTS[:2])
+    prefill(alone, tables[:2], PROMPTS[:2])
+    lengths = [len(p) for p in PROMPTS[:2]]
+    decodes = [chunk(str(i), [11 + i], n, t) for i, (n, t) in enumerate(zip(lengths, tables))]
+    fresh = chunk("new", PROMPT, 0, tables[2])
+    step = SchedulerOutput((decodes[0], fresh, decodes[1]))
+    assert on_kernel(mixed, step) == [True, False]
+    together = mixed.execute(step)
+    apart = torch.cat([alone.execute(SchedulerOutput((decodes[0],))),
+                       alone.execute(SchedulerOutput((fresh,))),
+                       alone.execute(SchedulerOutput((decodes[1],)))])
+    assert torch.equal(together, apart)
+
+
+def test_a_prompts_last_token_is_not_a_decode(kernel, tiny_checkpoints):
+    # A cached prompt leaves one token to compute: it is a prompt token, computed as in
+    # the cold prefill, not on the decode kernel.
     loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16")
-    for module in loaded.module.modules():
-        if isinstance(module, Int4Linear):
-            module.dense = None  # as when the dense copies do not fit in memory
     runner = ModelRunner(loaded, 8, BLOCK)
-    assert runner.model.fused_decoder().max_rows == QUANT_MAX_ROWS
-    decodes = [chunk(str(i), [9], 3, [i]) for i in range(QUANT_MAX_ROWS + 1)]
-    assert runner.prepare(SchedulerOutput(tuple(decodes[:-1])))[0].decode is not None
-    assert runner.prepare(SchedulerOutput(tuple(decodes)))[0].decode is None
+    last = chunk("a", PROMPT[-1:], len(PROMPT) - 1, [0, 1, 2, 3], prompt=True)
+    assert on_kernel(runner, SchedulerOutput((last,))) == [False]
 
 
-@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("gemma3", "bfloat16"),
-                                           ("qwen3", "bfloat16")])
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("gemma3", "float32")])
 def test_kernel_is_not_used_where_it_does_not_apply(tiny_checkpoints, family, dtype):
-    # fp32 is the exact reference path; Gemma 3 and Qwen3 have q/k norms the kernel lacks.
+    # float32 is the exact reference path: dense weights, the Python path.
     loaded = load(tiny_checkpoints[family], "gguf", dtype=dtype)
     assert not loaded.module.fused_decode_allowed
     assert loaded.module.fused_decoder() is None
+
+
+def test_the_decode_kernel_can_be_turned_off(kernel, tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("SHOAL_FUSED_DECODE", "0")
+    loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16")
+    assert loaded.module.fused_decoder() is None
+    assert loaded.module.plan.keep_quantized  # the weights stay packed all the same
 
 
 def test_kernel_is_used_on_the_built_in_model(kernel):
@@ -161,11 +196,11 @@ def test_kernel_is_used_on_the_built_in_model(kernel):
     from shoal.engine.models.loader import load_model
 
     loaded = load_model(resolve_model(DEFAULT_MODEL_ID), "auto")
-    # "auto" computes in bf16 with 4-bit weights where the CPU has bf16 (the kernel's case),
-    # else in fp32 (the Python path).
-    on_kernel = loaded.compute_dtype == torch.bfloat16
-    assert loaded.module.fused_decode_allowed == on_kernel
-    assert (loaded.module.fused_decoder() is not None) == on_kernel
+    # "auto" computes in bf16 with packed weights where the CPU has bf16 (the kernel's
+    # case), else in fp32 (the Python path).
+    on_bf16 = loaded.compute_dtype == torch.bfloat16
+    assert loaded.module.fused_decode_allowed == on_bf16
+    assert (loaded.module.fused_decoder() is not None) == on_bf16
 
 
 # ---- building and loading ------------------------------------------------------------------
@@ -174,24 +209,7 @@ def test_kernel_is_used_on_the_built_in_model(kernel):
 def fresh_kernel(monkeypatch, tmp_path):
     """A _Kernel whose build folder is empty and whose compile step is replaced."""
     monkeypatch.setenv("SHOAL_KERNEL_DIR", str(tmp_path))
-    monkeypatch.delenv("SHOAL_FUSED_DECODE", raising=False)
     return build._Kernel()
-
-
-def test_a_missing_kernel_builds_in_the_background(fresh_kernel, monkeypatch):
-    release = threading.Event()
-    built = object()
-
-    def slow_compile(directory):
-        assert release.wait(10)
-        return built
-
-    monkeypatch.setattr(build, "_compile", slow_compile)
-    assert fresh_kernel.get() is None  # not built: the caller decodes on the Python path
-    assert fresh_kernel.get() is None  # and a second ask starts no second build
-    release.set()
-    fresh_kernel._thread.join(10)
-    assert fresh_kernel.get() is built
 
 
 def test_a_failed_build_is_logged_once_and_not_retried(fresh_kernel, monkeypatch, caplog):
@@ -205,24 +223,17 @@ def test_a_failed_build_is_logged_once_and_not_retried(fresh_kernel, monkeypatch
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert fresh_kernel.load() is None
         assert fresh_kernel.load() is None
-        assert fresh_kernel.get() is None
     assert len(calls) == 1
     assert "no compiler" in caplog.text
-
-
-def test_the_kernel_can_be_turned_off(fresh_kernel, monkeypatch):
-    monkeypatch.setattr(build, "_compile", lambda directory: pytest.fail("must not build"))
-    monkeypatch.setenv("SHOAL_FUSED_DECODE", "0")
-    assert fresh_kernel.get() is None
 
 
 def test_build_folder_follows_the_source(monkeypatch, tmp_path):
     monkeypatch.setenv("SHOAL_KERNEL_DIR", str(tmp_path))
     first = build.build_dir()
     assert first.parent == tmp_path and first.name.startswith(build.NAME)
-    edited = tmp_path / "decode.cpp"
-    edited.write_text(build.SOURCE.read_text() + "\n// edited\n")
-    monkeypatch.setattr(build, "SOURCE", edited)
+    edited = tmp_path / "quant_pack.cpp"
+    edited.write_text(build.SOURCES[1].read_text() + "\n// edited\n")
+    monkeypatch.setattr(build, "SOURCES", (build.SOURCES[0], edited, *build.SOURCES[2:]))
     assert build.build_dir() != first
 
 
@@ -237,8 +248,8 @@ def test_a_finished_build_loads_without_the_build_lock(kernel, monkeypatch, tmp_
     shutil.copy(kernel.__file__, directory / f"{build.NAME}.so")
     (directory / "lock").touch()
     monkeypatch.setattr(build, "_compile", lambda directory: pytest.fail("must not build"))
-    module = build._Kernel().get()
-    assert module is not None and hasattr(module, "LlamaDecoder")
+    module = build._Kernel().load()
+    assert module is not None and hasattr(module, "Decoder")
 
 
 def test_a_stale_build_lock_is_cleared_before_building(monkeypatch, tmp_path):

@@ -1,0 +1,182 @@
+"""The packed GGUF weight kernels (engine/kernels/quant_*) against gguf's own dequantization.
+
+Random file blocks (random codes, sane fp16 scales) for every weight type: the packed form
+dequantizes to exactly gguf's values, and the matmul equals dequantize-then-matmul with the
+same bf16 activations up to float32 summation, on every path this machine has, for 1, 4, 16
+and 128 rows, with each row's result independent of the rows beside it.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from shoal.engine.kernels import build
+from shoal.engine.models.layers.linear import QTYPES
+
+TYPES = list(QTYPES)
+# Byte offsets of each type's fp16 fields in one file block (ggml's block layouts).
+FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+               "IQ4_NL": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
+               "Q6_K": [208], "IQ4_XS": [0]}
+ROWS = (1, 4, 16, 128)
+AUTO, AVX512, AMX = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = build.KERNEL.load()
+    assert module is not None, "the kernels did not build (see the warning logged)"
+    if not module.quant_fast_kernels():
+        pytest.skip("this CPU has no AVX512-BF16: weights load dequantized, not packed")
+    return module
+
+
+def paths(kernel) -> list[tuple[int, bool]]:
+    """(backend, prompt rows) pairs this machine can run: the vector order; with AMX also
+    AMX's order (generated tokens) and the split-weight tiles (prompt tokens)."""
+    found = [(AVX512, False)]
+    if kernel.quant_default_backend() == "amx":
+        found += [(AMX, False), (AMX, True)]
+    return found
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, bytes per row] uint8 of random file blocks (floats for F32/F16/BF16)."""
+    rng = np.random.default_rng(seed)
+    if name == "F32":
+        return rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
+    if name == "F16":
+        return rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
+    if name == "BF16":
+        values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+        return values.bfloat16().view(torch.int16).numpy().view(np.uint8)
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    raw = rng.integers(0, 256, size=(rows, cols // block_weights, block_bytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[name]:
+        scale = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_values(name: str, raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    """float32 [rows, cols] as the gguf package dequantizes the blocks."""
+    if name == "F32":
+        return torch.from_numpy(raw.view(np.float32).reshape(rows, cols).copy())
+    if name == "F16":
+        return torch.from_numpy(raw.view(np.float16).reshape(rows, cols).astype(np.float32))
+    if name == "BF16":
+        bits = torch.from_numpy(raw.copy()).view(torch.int16)
+        return bits.view(torch.bfloat16).float().reshape(rows, cols)
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(rows, cols)
+
+
+def packed(kernel, name: str, raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    data = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy())
+    return kernel.quant_pack(QTYPES[name], data, rows, cols)
+
+
+def relative_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """Largest |y - x w^T| over the sum of |x| |w| it came from (float64 reference)."""
+    exact = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    return ((y.double() - exact).abs() / scale.clamp(min=1e-30)).max().item()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_packed_weights_dequantize_to_gguf_values(kernel, name):
+    rows, cols = 40, 512  # 40: a strip of 16 columns is padded
+    raw = random_blocks(name, rows, cols, seed=1)
+    weights = packed(kernel, name, raw, rows, cols)
+    assert torch.equal(kernel.quant_dequantize(QTYPES[name], weights, rows, cols),
+                       gguf_values(name, raw, rows, cols))
+    picked = torch.tensor([39, 0, 17, 17])
+    assert torch.equal(kernel.quant_dequantize_rows(QTYPES[name], weights, rows, cols, picked),
+                       gguf_values(name, raw, rows, cols)[picked])
+    assert weights.numel() == kernel.quant_packed_bytes(QTYPES[name], rows, cols)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_packed_matmul_equals_dequantize_then_matmul(kernel, name):
+    out_features, cols = 48, 512
+    raw = random_blocks(name, out_features, cols, seed=2)
+    weights = gguf_values(name, raw, out_features, cols)
+    data = packed(kernel, name, raw, out_features, cols)
+    generator = torch.Generator().manual_seed(3)
+    for backend, prompt in paths(kernel):
+        linear = kernel.QuantLinear([QTYPES[name]], [data], [out_features], cols, None, backend)
+        for rows in ROWS:
+            x = torch.randn(rows, cols, generator=generator).bfloat16()
+            y = linear.forward(x, True, prompt)
+            assert y.shape == (rows, out_features) and y.dtype == torch.float32
+            # float32 sums of exact products; the split weights of prompt rows on AMX are
+            # within 2^-18 of the file's values.
+            error = relative_error(y, x, weights)
+            assert error < 1e-5, f"{name} backend {backend} prompt {prompt} rows {rows}: {error}"
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "BF16", "F16"])
+def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
+    out_features, cols = 64, 512
+    raw = random_blocks(name, out_features, cols, seed=4)
+    data = packed(kernel, name, raw, out_features, cols)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for backend, prompt in paths(kernel):
+        linear = kernel.QuantLinear([QTYPES[name]], [data], [out_features], cols, None, backend)
+        everything = linear.forward(x, True, prompt)
+        for start, count in ((0, 1), (3, 4), (5, 2), (10, 9), (2, 16), (1, 17), (4, 32), (0, 40)):
+            part = linear.forward(x[start:start + count], True, prompt)
+            assert torch.equal(part, everything[start:start + count]), (backend, prompt, count)
+
+
+def test_generated_rows_take_the_same_bits_on_vectors_and_tiles(kernel):
+    # On AMX machines a few generated rows run on vectors in AMX's order, more on tiles.
+    if kernel.quant_default_backend() != "amx":
+        pytest.skip("no AMX here: every row takes the vector order")
+    raw = random_blocks("Q4_K", 64, 1024, seed=6)
+    data = packed(kernel, "Q4_K", raw, 64, 1024)
+    linear = kernel.QuantLinear([QTYPES["Q4_K"]], [data], [64], 1024, None, AMX)
+    x = torch.randn(24, 1024, generator=torch.Generator().manual_seed(7)).bfloat16()
+    on_tiles = linear.forward(x, True, False)  # 24 rows: tiles
+    on_vectors = torch.cat([linear.forward(x[i:i + 3], True, False) for i in range(0, 24, 3)])
+    assert torch.equal(on_vectors, on_tiles)
+
+
+def test_segments_of_different_types_stack_with_a_bias(kernel):
+    cols = 256
+    parts = [("Q5_0", 32), ("Q5_0", 16), ("Q8_0", 24), ("Q6_K", 40)]
+    raws = [random_blocks(name, rows, cols, seed=10 + i) for i, (name, rows) in enumerate(parts)]
+    weights = torch.cat([gguf_values(name, raw, rows, cols)
+                         for (name, rows), raw in zip(parts, raws)])
+    bias = torch.randn(weights.shape[0], generator=torch.Generator().manual_seed(8))
+    linear = kernel.QuantLinear([QTYPES[name] for name, _ in parts],
+                                [packed(kernel, name, raw, rows, cols)
+                                 for (name, rows), raw in zip(parts, raws)],
+                                [rows for _, rows in parts], cols, bias)
+    assert linear.out_features == 112 and linear.in_features == cols
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(9)).bfloat16()
+    for prompt in (False, True):
+        y = linear.forward(x, True, prompt)
+        assert relative_error(y - bias, x, weights) < 1e-5
+    rounded = linear.forward(x, False)
+    assert rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded, linear.forward(x, True).bfloat16())
+
+
+def test_bad_shapes_are_refused_with_a_message(kernel):
+    raw = random_blocks("Q4_K", 16, 256, seed=11)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernel.quant_pack(QTYPES["Q4_K"], torch.zeros(100, dtype=torch.uint8), 16, 200)
+    with pytest.raises(RuntimeError, match="contiguous bytes"):
+        kernel.quant_pack(QTYPES["Q4_K"], torch.zeros(100, dtype=torch.uint8), 16, 256)
+    data = packed(kernel, "Q4_K", raw, 16, 256)
+    with pytest.raises(RuntimeError, match="not a packed Q6_K"):
+        kernel.QuantLinear([QTYPES["Q6_K"]], [data], [16], 256, None)
+    linear = kernel.QuantLinear([QTYPES["Q4_K"]], [data], [16], 256, None)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 256\] bfloat16"):
+        linear.forward(torch.zeros(2, 256))
+    with pytest.raises(RuntimeError, match="unknown weight type"):
+        kernel.quant_pack(99, torch.zeros(4, dtype=torch.uint8), 1, 32)
