@@ -180,3 +180,27 @@ def test_bad_shapes_are_refused_with_a_message(kernel):
         linear.forward(torch.zeros(2, 256))
     with pytest.raises(RuntimeError, match="unknown weight type"):
         kernel.quant_pack(99, torch.zeros(4, dtype=torch.uint8), 1, 32)
+
+
+def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch):
+    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.models.layers.linear import WeightPlan
+    from shoal.engine.weights.quant import RawTensor
+
+    vocab, hidden = 4096, 256
+    raw = RawTensor((vocab, hidden), "Q8_0", random_blocks("Q8_0", vocab, hidden, seed=12))
+    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
+    assert not isinstance(head_module.build_head(raw, plan, None, spare_bytes=1000),
+                          head_module.EstimatedHead)  # no room for it
+    head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
+    assert isinstance(head, head_module.EstimatedHead)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13)).bfloat16()
+    exact = head.exact(x)  # the exact head, as generated rows compute it
+    ours = head(x)
+    candidates = head.estimate.forward(x, True, False).topk(head_module.RESCORE_CANDIDATES,
+                                                             dim=-1).indices
+    assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
+    assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
+    # Prompt rows (from prompt_from on) get the exact head all through.
+    assert torch.equal(head(x, 1)[1:], head.exact(x[1:], 0))

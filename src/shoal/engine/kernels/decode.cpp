@@ -278,6 +278,28 @@ class Decoder {
   bool gelu_;
 };
 
+// act(gate) * up per row of a [T, 2F] bf16 gate/up projection -> [T, F] bf16, rounded as
+// the decoder's own pass (the Python path's prompt rows).
+at::Tensor gated(const at::Tensor& gate_up, bool gelu) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 &&
+                  gate_up.size(1) % 2 == 0, "gated: gate_up must be [T, 2F] bfloat16");
+  const at::Tensor in = gate_up.contiguous();
+  const int64_t rows = in.size(0), ffn = in.size(1) / 2;
+  at::Tensor out = at::empty({rows, ffn}, in.options());
+  const bf16* gu = in.data_ptr<bf16>();
+  bf16* act = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (gelu) {
+        shoal_decode::gated<true>(gu + b * 2 * ffn, gu + b * 2 * ffn + ffn, act + b * ffn, ffn);
+      } else {
+        shoal_decode::gated<false>(gu + b * 2 * ffn, gu + b * 2 * ffn + ffn, act + b * ffn, ffn);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace shoal_quant {
@@ -286,6 +308,8 @@ void bind(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   shoal_quant::bind(m);
+  m.def("gated", &gated, "act(gate) * up of a [T, 2F] bf16 gate/up projection",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init([](const std::vector<at::Tensor>& norms,
                              const std::vector<std::shared_ptr<QuantLinear>>& linears,

@@ -16,6 +16,9 @@ namespace shoal_quant {
 
 QType qtype(int64_t code);
 
+// Sums of x [m, k] over each run of `run` along k: [m, k / run] (the offset terms).
+std::vector<float> run_sums(const at::BFloat16* x, int64_t m, int64_t k, int run);
+
 // raw: the file's bytes of an [n, k] weight (uint8, n * row bytes) -> the strip layout.
 at::Tensor pack(int64_t type, const at::Tensor& raw, int64_t n, int64_t k);
 // Float32 [rows, k] of the given rows of a packed [n, k] weight (gguf's values exactly).
@@ -50,6 +53,9 @@ class QuantLinear {
   // (decode) always take the vector path. Each kind of row gets one arithmetic, whatever
   // else is in x, so a token's result depends on its role, never on its batch.
   at::Tensor forward(const at::Tensor& x, bool float_out, bool prompt = false) const;
+  // Float32 [M, C]: row r's outputs at columns[r] ([M, C] int64), each exactly as forward
+  // computes it for a generated row (the output head's rescored candidates).
+  at::Tensor forward_columns(const at::Tensor& x, const at::Tensor& columns) const;
 
   int64_t in_features() const { return k_; }
   int64_t out_features() const { return n_total_; }

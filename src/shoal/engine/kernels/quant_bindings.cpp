@@ -23,6 +23,8 @@ void bind(pybind11::module& m) {
            pybind11::arg("backend") = 0)
       .def("forward", &QuantLinear::forward, pybind11::arg("x"), pybind11::arg("float_out") = false,
            pybind11::arg("prompt") = false, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_columns", &QuantLinear::forward_columns, pybind11::arg("x"),
+           pybind11::arg("columns"), pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("in_features", &QuantLinear::in_features)
       .def_property_readonly("out_features", &QuantLinear::out_features)
       .def("nbytes", &QuantLinear::nbytes)

@@ -38,19 +38,6 @@ namespace {
 constexpr int64_t kDirectRowsAmx = 4;
 constexpr int64_t kDirectRowsAvx = 4;
 
-// Sums of x over each run of `run` along k: [M, k / run], the terms O' multiplies.
-std::vector<float> run_sums(const bf16* x, int64_t m, int64_t k, int run) {
-  const int64_t runs = k / run;
-  std::vector<float> sums(m * runs);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < runs; ++g) {
-      float total = 0.f;
-      for (int i = 0; i < run; ++i) total += static_cast<float>(x[r * k + g * run + i]);
-      sums[r * runs + g] = total;
-    }
-  return sums;
-}
-
 // Portable reference for CPUs without AVX512-BF16: element by element, slow.
 void strip_portable(const Format& f, const uint8_t* strip, int64_t k, const bf16* x, int64_t rows,
                     float* out) {
@@ -82,6 +69,19 @@ Backend resolve(int64_t requested) {
 }
 
 }  // namespace
+
+// Sums of x over each run of `run` along k: [M, k / run], the terms O' multiplies.
+std::vector<float> run_sums(const bf16* x, int64_t m, int64_t k, int run) {
+  const int64_t runs = k / run;
+  std::vector<float> sums(m * runs);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < runs; ++g) {
+      float total = 0.f;
+      for (int i = 0; i < run; ++i) total += static_cast<float>(x[r * k + g * run + i]);
+      sums[r * runs + g] = total;
+    }
+  return sums;
+}
 
 bool amx_usable() {
 #if SHOAL_QUANT_AMX

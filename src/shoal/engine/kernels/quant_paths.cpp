@@ -253,4 +253,67 @@ void QuantLinear::run_amx_prompt(const Call& call) const {
 #endif
 }
 
+at::Tensor QuantLinear::forward_columns(const at::Tensor& input,
+                                        const at::Tensor& columns) const {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && input.dim() == 2 && input.size(1) == k_,
+              "QuantLinear: x must be [M, ", k_, "] bfloat16");
+  TORCH_CHECK(columns.dim() == 2 && columns.size(0) == input.size(0),
+              "QuantLinear: columns must be [M, C]");
+  const at::Tensor x = input.contiguous();
+  const at::Tensor wanted = columns.to(at::kLong).contiguous();
+  const int64_t m = x.size(0), count = wanted.size(1), k = k_;
+  at::Tensor out = at::empty({m, count}, x.options().dtype(at::kFloat));
+  float* out_p = out.data_ptr<float>();
+  const int64_t* wanted_p = wanted.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m * count; ++i)
+    TORCH_CHECK(wanted_p[i] >= 0 && wanted_p[i] < n_total_, "QuantLinear: column ",
+                wanted_p[i], " out of range");
+#if SHOAL_QUANT_AVX512
+  const bf16* xp = x.data_ptr<bf16>();
+  // Each (row, column): its strip for that row alone, as a one-row forward computes it.
+  at::parallel_for(0, m * count, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kCols];
+    std::vector<bf16> even(k), odd(k);
+    std::vector<float> sums16, sums32;
+    int64_t row_ready = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / count, column = wanted_p[i];
+      const bf16* row = xp + r * k;
+      if (r != row_ready) {
+        sums16 = run_sums(row, 1, k, 16);
+        sums32 = run_sums(row, 1, k, 32);
+        for (int64_t j = 0; j < k; ++j) {
+          even[j] = j % 2 == 0 ? row[j] : bf16(0.f);
+          odd[j] = j % 2 == 1 ? row[j] : bf16(0.f);
+        }
+        row_ready = r;
+      }
+      int64_t strip = 0;
+      const Segment* seg = &segments_.front();
+      for (const Segment& candidate : segments_)
+        if (column < candidate.first_column + candidate.n) {
+          seg = &candidate;
+          break;
+        }
+      strip = (column - seg->first_column) / kCols;
+      const Kernels& kern = kernels(seg->type);
+      const uint8_t* bytes = seg->packed.data_ptr<uint8_t>() + strip * seg->strip_bytes;
+      const float* sums = kern.sub_k == 16 ? sums16.data() : sums32.data();
+      if (backend_ == Backend::kAmx) {
+        kern.tile_order_single[0](&bytes, k, even.data(), odd.data(), k, sums, k / kern.sub_k,
+                                  acc);
+      } else {
+        kern.direct[0](bytes, k, row, k, sums, k / kern.sub_k, acc);
+      }
+      float v = acc[(column - seg->first_column) % kCols];
+      if (bias_.defined()) v += bias_.data_ptr<float>()[column];
+      out_p[i] = v;
+    }
+  });
+#else
+  TORCH_CHECK(false, "QuantLinear: forward_columns needs the AVX512-BF16 kernels");
+#endif
+  return out;
+}
+
 }  // namespace shoal_quant

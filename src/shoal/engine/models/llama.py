@@ -82,7 +82,7 @@ def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan
         gate, up, down = shard_mlp(config, plan.shard, gate, up, down)
     gate_up = build_linear([gate, up], None, plan)
     down_layer = _row_parallel(build_linear([down], None, plan), plan)
-    return GatedMLP(gate_up, down_layer, config.hidden_activation)
+    return GatedMLP(gate_up, down_layer, config.hidden_activation, plan.kernel)
 
 
 class LlamaBlock(Layer):
@@ -119,6 +119,7 @@ class LlamaModel(Layer):
         super().__init__()
         self.config, self.plan = config, plan
         self.start, self.end = layer_range
+        file_bytes = _file_bytes(weights)  # this stage's tensors as the file stores them
         self.has_embedding = self.start == 0
         self.has_head = self.end == config.num_layers
         self.embedding = (Embedding(weights["embed.weight"], plan, self.embedding_scale())
@@ -134,7 +135,9 @@ class LlamaModel(Layer):
             self.norm = make_norm(weights["norm.weight"], config, plan)
             head_raw = weights.get("lm_head.weight") or weights["embed.weight"]
             tied = "lm_head.weight" not in weights
-            self.head = build_head(head_raw, plan, self.embedding if tied else None)
+            head_bytes = 0 if tied else _file_bytes({"head": head_raw})
+            spare = int(MEMORY_FACTOR * file_bytes) - _held_bytes(self) - head_bytes
+            self.head = build_head(head_raw, plan, self.embedding if tied else None, spare)
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position,
                                   config.rope_scaling_factor)
         # q and k are rotated in the attention dtype (float32 on CPU).
@@ -185,6 +188,16 @@ class LlamaModel(Layer):
     def weight_bytes(self) -> int:
         """Bytes of the weights this model holds (a tied head shares the embedding's)."""
         return _held_bytes(self)
+
+
+# A loaded model holds at most this many times its tensors' file bytes (packed weights are
+# the file's bits in another layout; the head's estimate takes what is left of the margin).
+MEMORY_FACTOR = 1.2
+
+
+def _file_bytes(weights: Weights) -> int:
+    return sum(raw.data.nbytes if hasattr(raw.data, "nbytes") else 0
+               for raw in weights.values())
 
 
 def _held_bytes(module: nn.Module) -> int:

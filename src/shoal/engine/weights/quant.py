@@ -1,12 +1,15 @@
-"""Raw checkpoint tensors and their conversion to what the linear layers run.
+"""Raw checkpoint tensors as the file stores them, and their exact float32 values.
 
-Q4_0 / Q4_1 rows map exactly onto torch's CPU int4 format (group size 32); Q8_0 keeps its
-int8 values with one fp16 scale per 32 weights; every other GGML type is dequantized with
-gguf.quants.dequantize.
+Linear layers keep GGUF tensors packed (models/layers/linear.py, kernels/quant_*); this
+module dequantizes where a dense tensor is wanted (float32 compute, biases, norms): Q4_0,
+Q4_1 and Q8_0 with vectorised torch code, every other type with gguf.quants.dequantize.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,11 +45,43 @@ class RawTensor:
         values = gguf.quants.dequantize(np.ascontiguousarray(self.data), qtype)
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape)
 
+    def release(self) -> None:
+        """Drop this tensor's file pages from the process (it has been copied or packed):
+        loading then holds the file's pages one tensor at a time, not the whole file. The
+        pages stay in the page cache, and reading the tensor again faults them back in."""
+        if isinstance(self.data, np.ndarray) and self.data.size and _is_file_mapped(self.data):
+            _drop_pages(self.data.ctypes.data, self.data.nbytes)
+
     def rows(self, order: torch.Tensor) -> RawTensor:
         """The same tensor with its rows (dimension 0) reordered; works on quantized rows."""
         if isinstance(self.data, torch.Tensor):
             return RawTensor(self.shape, self.quant, self.data[order])
         return RawTensor(self.shape, self.quant, self.data[order.numpy()])
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _is_file_mapped(array: np.ndarray) -> bool:
+    """Whether array views a file mapping (a row-reordered copy, say, does not: dropping
+    its pages would zero them)."""
+    base = array
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return True
+        base = getattr(base, "base", None)
+    return False
+
+
+def _drop_pages(address: int, length: int) -> None:
+    """madvise(DONTNEED) over the whole pages inside [address, address + length): for a
+    read-only file mapping this only unmaps them from the process."""
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + length) // _PAGE * _PAGE
+    if _libc is not None and end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 def _plain_gguf(data: np.ndarray, quant: str) -> torch.Tensor:
@@ -108,47 +143,3 @@ def _dequant_q8(raw: RawTensor) -> torch.Tensor:
 
 
 _TORCH_DEQUANT = {"Q4_0": _dequant_q4, "Q4_1": _dequant_q4, "Q8_0": _dequant_q8}
-
-
-def int4_pack(parts: list[RawTensor],
-              compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate Q4 tensors along rows and pack them for _weight_int4pack_mm_for_cpu.
-
-    torch computes (q - 8) * scale + zero per group, so scale = d and zero = m + 8d.
-    Returns (packed weight, scales_and_zeros [K/32, N, 2] in compute_dtype).
-    """
-    qs, scales, zeros = zip(*(q4_nibbles(p) for p in parts))
-    q = torch.cat(qs)
-    scale = torch.cat(scales)
-    zero = torch.cat(zeros) + 8.0 * scale
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
-    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-    return packed, scales_and_zeros.to(compute_dtype)
-
-
-def int4_from_dense(weight: torch.Tensor,
-                    compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit quantization of a float weight [N, K] in groups of 32 along K,
-    packed for _weight_int4pack_mm_for_cpu (see int4_pack for the scale / zero form)."""
-    rows, cols = weight.shape
-    groups = weight.float().view(rows, cols // GROUP, GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)            # [N, K/32]
-    scale = ((high - low) / 15.0).clamp(min=1e-12)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    packed = torch._convert_weight_to_int4pack_for_cpu(
-        q.to(torch.int32).view(rows, cols).contiguous(), 2)
-    zero = low + 8.0 * scale  # torch computes (q - 8) * scale + zero
-    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-    return packed, scales_and_zeros.to(compute_dtype)
-
-
-def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization of a float weight [N, K] -> (q int8, scale [N])."""
-    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def can_int4(parts: list[RawTensor]) -> bool:
-    return all(p.quant in ("Q4_0", "Q4_1") and len(p.shape) == 2 and p.shape[1] % 64 == 0
-               for p in parts)

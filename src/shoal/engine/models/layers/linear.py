@@ -79,7 +79,9 @@ def pack(raw: RawTensor, kernel: ModuleType) -> tuple[int, torch.Tensor]:
         with warnings.catch_warnings():  # the file's read-only bytes are only read
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(np.ascontiguousarray(raw.data).reshape(-1).view(np.uint8))
-    return QTYPES[name], kernel.quant_pack(QTYPES[name], data, rows, cols)
+    packed = kernel.quant_pack(QTYPES[name], data, rows, cols)
+    raw.release()  # its file pages: loading holds one tensor's at a time
+    return QTYPES[name], packed
 
 
 class DenseLinear(Layer):

@@ -10,14 +10,22 @@ from shoal.engine.models.layers.base import Layer
 
 
 class GatedMLP(Layer):
-    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: str) -> None:
+    """kernel: the compiled extension, whose one pass over gate/up replaces split,
+    activation and product (bf16 on CPU); None computes them with torch ops."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: str,
+                 kernel=None) -> None:
         super().__init__()
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported MLP activation {activation!r}")
         self.gate_up, self.down = gate_up, down
         self.gelu = activation == "gelu_tanh"
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
-        gate, up = self.gate_up(x, prompt_from).chunk(2, dim=-1)  # each [T, intermediate]
+        gate_up = self.gate_up(x, prompt_from)  # [T, 2 * intermediate]: gate, then up
+        if self.kernel is not None:
+            return self.down(self.kernel.gated(gate_up, self.gelu), prompt_from)
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, intermediate]
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down(act * up, prompt_from)

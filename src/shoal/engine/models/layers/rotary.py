@@ -9,18 +9,28 @@ from torch import nn
 class RotaryTable(nn.Module):
     """cos / sin of position * inv_freq for positions 0 .. max_position - 1.
 
-    Computed in float32 exactly as transformers does, so fp32 logits match it bit for bit.
+    Computed in float32 exactly as transformers does, so fp32 logits match it bit for bit;
+    rows are computed as positions reach them (in steps of GROW), not for the whole context
+    at load: a 32k context's tables are tens of MB that short conversations never read.
     """
+
+    GROW = 4096
 
     def __init__(self, head_dim: int, theta: float, max_position: int,
                  scaling_factor: float = 1.0) -> None:
         super().__init__()
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        self.inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
+        self.max_position = max_position
+        self.cos = self.sin = torch.empty(0, head_dim // 2)
+        self._extend(min(self.GROW, max_position))
+
+    def _extend(self, size: int) -> None:
+        # Each row depends only on its position: rows computed later equal rows computed now.
+        positions = torch.arange(self.cos.shape[0], size, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        self.cos = torch.cat((self.cos, freqs.cos()))
+        self.sin = torch.cat((self.sin, freqs.sin()))
 
     def lookup(self, positions: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +40,9 @@ class RotaryTable(nn.Module):
         apply_rotary needs one swap, two multiplies and an add. The model runner checks
         positions against max_position before the forward.
         """
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            self._extend(min(self.max_position, -(-needed // self.GROW) * self.GROW))
         cos = self.cos[positions].to(dtype)  # [T, D/2]
         sin = self.sin[positions].to(dtype)
         return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
