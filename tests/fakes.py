@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from shoal.engine.errors import UnsupportedModel, check_context
 from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
@@ -166,6 +167,36 @@ class FakeEngine:
 
 def make_fake_engine(config, progress=None) -> FakeEngine:
     return FakeEngine(config, progress)
+
+
+# FakeKVEngine's shape: a KV block is 2 (K, V) * 2 layers * 2 heads * 8 dims * 4 bytes * 4 slots.
+KV_BLOCK_SIZE = 4
+KV_NUM_BLOCKS = 64
+KV_BYTES_PER_BLOCK = 2 * 2 * 2 * 8 * 4 * KV_BLOCK_SIZE
+WEIGHT_BYTES = 5000
+
+
+class FakeKVEngine(FakeEngine):
+    """FakeEngine with what the runner reads for its memory report, as the real Engine has
+    it: weights held (loaded.weight_bytes), the model shape and cache dtype that size a KV
+    block, and stats() with the blocks in use (each request holds its tokens' blocks).
+    Measuring it imports torch (kv_bytes_per_token), so only memory tests use it."""
+
+    def __init__(self, config, progress=None) -> None:
+        super().__init__(config, progress)
+        self.config = SimpleNamespace(block_size=KV_BLOCK_SIZE, parallel=None)
+        shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
+        self.loaded = SimpleNamespace(weight_bytes=WEIGHT_BYTES, config=shape,
+                                      cache_dtype="float32", layer_range=(0, 2))
+
+    def stats(self) -> dict:
+        used = sum(-(-(len(r.prompt_ids) + len(r.generated)) // KV_BLOCK_SIZE)
+                   for r in self._requests.values())
+        return {**super().stats(), "kv_blocks_used": used, "kv_blocks_total": KV_NUM_BLOCKS}
+
+
+def make_fake_kv_engine(config, progress=None) -> FakeKVEngine:
+    return FakeKVEngine(config, progress)
 
 
 # ---- helpers for tests that spawn runners with the fake engine ----------------------------

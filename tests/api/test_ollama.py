@@ -148,6 +148,11 @@ def test_ps_show_version_and_liveness(fake_node):
     running = httpx.get(fake_node.url + "/api/ps").json()["models"]
     assert [m["model"] for m in running] == ["fake-model"]  # a model that failed is not running
     assert running[0]["context_length"] == 128
+    # The fake engine cannot tell its weights or KV cache: "size" is the file's, RSS is known.
+    assert running[0]["size"] == 4 and running[0]["size_vram"] == 0
+    held = running[0]["shoal"]
+    assert held["weights_bytes"] is None and held["kv_bytes_in_use"] is None
+    assert held["rss_bytes"] > 0
     shown = post(fake_node, "/api/show", {"model": "fake-model:latest"})
     assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion"]
     assert shown.json()["model_info"]["unknown.context_length"] == 128

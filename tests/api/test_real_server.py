@@ -47,6 +47,26 @@ def test_non_streaming_and_streaming_agree_greedily(server):
     assert "".join(streamed) == text
 
 
+def test_ps_reports_what_the_model_holds(server, capsys):
+    from shoal.cli.app import main
+
+    reply = httpx.post(server + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert reply.status_code == 200, reply.text
+    tags = httpx.get(server + "/api/tags", timeout=5).json()["models"]
+    file_size = next(m["size"] for m in tags if m["model"] == "smollm2-135m-instruct")
+    running = httpx.get(server + "/api/ps", timeout=5).json()["models"]
+    model = next(m for m in running if m["model"] == "smollm2-135m-instruct")
+    held = model["shoal"]
+    assert 0 < held["weights_bytes"] <= 1.2 * file_size  # packed GGUF weights
+    assert held["rss_bytes"] > held["weights_bytes"]
+    assert 0 <= held["kv_bytes_in_use"] <= held["kv_bytes_capacity"]
+    assert model["size"] == held["weights_bytes"] + held["kv_bytes_in_use"]
+    assert main(["ps", "--url", server]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if "smollm2-135m-instruct" in line)
+    assert "MiB" in row
+
+
 def test_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server + "/v1", api_key="none")

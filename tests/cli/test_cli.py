@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fakes import fake_engine_config, fake_supervisor_options
 
@@ -105,3 +107,47 @@ def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, m
         assert "engine step failed" in capsys.readouterr().err
     finally:
         node.stop()
+
+
+CLUSTER = {"node_id": "n1", "master_id": "n1", "nodes": [], "instances": [
+    {"instance_id": "i-local", "model": "smollm2", "sharding": "single", "origin": "local",
+     "ranks": [{"node_id": "n1", "rank": 0, "layers": [0, 30], "phase": "ready"}],
+     "status": "ready"},
+    {"instance_id": "i-remote", "model": "qwen", "sharding": "single", "origin": "placed",
+     "ranks": [{"node_id": "n2", "rank": 0, "layers": [0, 24], "phase": "ready"}],
+     "status": "ready"},
+]}
+HELD = {"weights_bytes": 100 * 2**20, "kv_bytes_in_use": 3 * 2**20,
+        "kv_bytes_capacity": 224 * 2**20, "rss_bytes": 2 * 2**30}
+
+
+def answer_with(monkeypatch, ps_status=200):
+    import httpx
+
+    def get(url, timeout=None):
+        if url.endswith("/cluster"):
+            return httpx.Response(200, json=CLUSTER)
+        models = [{"model": "smollm2", "size": 103 * 2**20, "shoal": HELD},
+                  {"model": "qwen", "size": 5}]  # a model with no report: no "shoal"
+        return httpx.Response(ps_status, json={"models": models})
+
+    monkeypatch.setattr("shoal.cli.cluster.httpx.get", get)
+
+
+def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):
+    answer_with(monkeypatch)
+    assert main(["ps", "--url", "http://node"]) == 0
+    header, local, remote = capsys.readouterr().out.splitlines()
+    assert "WEIGHTS" in header and "KV IN USE / ALL" in header and "RSS" in header
+    assert "100 MiB" in local and "3 MiB / 224 MiB" in local and "2.0 GiB" in local
+    assert remote.split()[5:8] == ["-", "-", "-"]  # another node's runner
+    assert main(["ps", "--url", "http://node", "--json"]) == 0
+    instances = json.loads(capsys.readouterr().out)
+    assert instances[0]["memory"] == HELD and instances[1]["memory"] is None
+
+
+def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):
+    answer_with(monkeypatch, ps_status=500)
+    assert main(["ps", "--url", "http://node"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 3 and rows[1].split()[5:8] == ["-", "-", "-"]

@@ -1,4 +1,5 @@
-"""shoal cluster / shoal ps: what a running node knows of its cluster (GET /cluster)."""
+"""shoal cluster / shoal ps: what a running node knows of its cluster (GET /cluster), and
+for ps what that node's runners hold in memory (GET /api/ps)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from shoal.cli.table import print_table
 
 def add_parsers(commands) -> None:
     cluster = commands.add_parser("cluster", help="the cluster's nodes, master and instances")
-    ps = commands.add_parser("ps", help="the model instances running in the cluster")
+    ps = commands.add_parser("ps", help="the model instances running in the cluster, with "
+                                        "what this node's runners hold in memory")
     for parser, handler in ((cluster, run_cluster), (ps, run_ps)):
         parser.add_argument("--url", default=None,
                             help="a running shoal node (SHOAL_HOST / SHOAL_PORT)")
-        parser.add_argument("--json", action="store_true", help="print GET /cluster as JSON")
+        parser.add_argument("--json", action="store_true", help="print the answer as JSON")
         parser.set_defaults(handler=handler)
 
 
@@ -40,6 +42,20 @@ def fetch_cluster(url: str | None) -> dict[str, Any] | None:
     return response.json()
 
 
+def fetch_memory(url: str | None) -> dict[str, dict[str, Any]]:
+    """Model id -> the memory figures ("shoal" of GET /api/ps) of the node's runners; empty
+    if the node does not say (the table then shows "-")."""
+    from shoal.cli.run import server_url
+
+    try:
+        response = httpx.get(server_url(url) + "/api/ps", timeout=10.0)
+        models = response.json()["models"] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+    return {m["model"]: m["shoal"] for m in models
+            if isinstance(m, dict) and isinstance(m.get("shoal"), dict)}
+
+
 def _gib(size: int | None) -> str:
     return "-" if size is None else f"{size / 2**30:.1f}"
 
@@ -53,11 +69,45 @@ def _ranks(instance: dict[str, Any]) -> str:
                      for r in instance["ranks"])
 
 
-def print_instances(cluster: dict[str, Any]) -> None:
-    rows = [("INSTANCE", "MODEL", "SHARDING", "ORIGIN", "STATUS", "RANKS (node[layers])")]
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    if size == 0:
+        return "0"
+    if size < 2**20:
+        return f"{size / 2**10:.0f} KiB"
+    return f"{size / 2**20:.0f} MiB" if size < 2**30 else f"{size / 2**30:.1f} GiB"
+
+
+def _kv(memory: dict[str, Any]) -> str:
+    in_use, capacity = memory.get("kv_bytes_in_use"), memory.get("kv_bytes_capacity")
+    return _size(in_use) if capacity is None else f"{_size(in_use)} / {_size(capacity)}"
+
+
+def local_memory(cluster: dict[str, Any], memory: dict[str, dict[str, Any]]
+                 ) -> dict[str, dict[str, Any]]:
+    """Instance id -> its runner's figures, for single-rank instances on this node (the
+    pool's runners, which /api/ps describes; ranks of split instances are not among them)."""
+    here = cluster["node_id"]
+    return {i["instance_id"]: memory[i["model"]] for i in cluster["instances"]
+            if i["model"] in memory and len(i["ranks"]) == 1
+            and i["ranks"][0]["node_id"] == here}
+
+
+def print_instances(cluster: dict[str, Any],
+                    memory: dict[str, dict[str, Any]] | None = None) -> None:
+    """The instances; with memory (instance id -> figures) also what this node holds."""
+    header = ("INSTANCE", "MODEL", "SHARDING", "ORIGIN", "STATUS")
+    held = ("WEIGHTS", "KV IN USE / ALL", "RSS") if memory is not None else ()
+    rows = [(*header, *held, "RANKS (node[layers])")]
     for instance in cluster["instances"]:
+        figures: tuple[str, ...] = ()
+        if memory is not None:
+            known = memory.get(instance["instance_id"], {})
+            figures = (_size(known.get("weights_bytes")), _kv(known),
+                       _size(known.get("rss_bytes")))
         rows.append((instance["instance_id"], instance["model"], instance["sharding"],
-                     instance["origin"], instance["status"], _ranks(instance)))
+                     instance["origin"], instance["status"], *figures, _ranks(instance)))
     print_table(rows)
 
 
@@ -85,8 +135,10 @@ def run_ps(args: argparse.Namespace) -> int:
     cluster = fetch_cluster(args.url)
     if cluster is None:
         return 1
+    memory = local_memory(cluster, fetch_memory(args.url))
     if args.json:
-        print(json.dumps(cluster["instances"], indent=2))
+        print(json.dumps([{**i, "memory": memory.get(i["instance_id"])}
+                          for i in cluster["instances"]], indent=2))
         return 0
-    print_instances(cluster)
+    print_instances(cluster, memory)
     return 0

@@ -2,8 +2,9 @@
 
     python -m shoal.runner.entrypoint --socket PATH --parent-pid PID
 
-It connects, waits for Load, builds the engine (reporting progress), then loops: take
-messages (blocking only while idle), step the engine, stream chunks back. A crash anywhere
+It connects, waits for Load, builds the engine (reporting progress), reports what it holds
+(MemoryUsage, again every few seconds while it runs), then loops: take messages (blocking
+only while idle), step the engine, stream chunks back. A crash anywhere
 is either a Failed message or an exit the supervisor sees; it never leaves a request hanging.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
+from shoal.runner.memory import MemoryReporter
 from shoal.runner.messages import (
     Failed,
     Load,
@@ -87,21 +89,7 @@ def model_info(engine: Any) -> ModelInfo:
                      vocab_size=engine.vocab_size,
                      has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
                      task="embed" if embeds else "generate",
-                     embedding_dimensions=engine.dimensions if embeds else None,
-                     size_bytes=_memory_bytes(engine))
-
-
-def _memory_bytes(engine: Any) -> int | None:
-    """Weights plus KV cache, as reserved at load; None when the engine cannot tell."""
-    if callable(getattr(engine, "weight_bytes", None)):
-        return int(engine.weight_bytes())
-    loaded, runner = getattr(engine, "loaded", None), getattr(engine, "runner", None)
-    if loaded is None:
-        return None
-    caches = getattr(runner, "kv_caches", None) or []
-    return int(loaded.weight_bytes + sum(t.numel() * t.element_size() for t in caches))
-
-
+                     embedding_dimensions=engine.dimensions if embeds else None)
 
 
 def start_watchdog(parent_pid: int, interval_s: float = 1.0) -> None:
@@ -132,10 +120,12 @@ def serve(sock: socket.socket) -> int:
             channel.send(Failed(message=str(error) or type(error).__name__,
                                 error_type=type(error).__name__))
             return 2
+        memory = MemoryReporter(engine, channel.send)
+        memory.report()  # before ready: the supervisor knows the figures once it is ready
         if getattr(engine, "is_follower", False):
-            return serve_rank(engine, channel, first[1:])
+            return serve_rank(engine, channel, first[1:], memory)
         channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
-        loop = RunnerLoop(engine, channel)
+        loop = RunnerLoop(engine, channel, memory)
         try:
             for raw in first[1:]:
                 if not loop.handle(raw):
@@ -156,19 +146,19 @@ def serve(sock: socket.socket) -> int:
         return 0
 
 
-def serve_rank(engine: Any, channel: Channel, early: list[Any]) -> int:
+def serve_rank(engine: Any, channel: Channel, early: list[Any], memory: MemoryReporter) -> int:
     """A rank other than 0: report ready, then follow rank 0's steps until Shutdown (or the
     socket closing), a shutdown plan, or the group failing (reported, then exit)."""
     from shoal.engine.parallel.group import GroupError
 
     channel.send(Status(state="ready", stage="ready", progress=1.0, model=ModelInfo(
         model_id=engine.model_id, max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size, has_chat_template=False,
-        size_bytes=_memory_bytes(engine))))
+        vocab_size=engine.vocab_size, has_chat_template=False)))
     stop = [any(_ends_serving(raw) for raw in early)]
 
-    def stop_requested() -> bool:
+    def stop_requested() -> bool:  # asked between rank 0's plans (at least every keep-alive)
         stop[0] = stop[0] or any(_ends_serving(raw) for raw in channel.receive(block=False))
+        memory.maybe_report()
         return stop[0]
 
     try:

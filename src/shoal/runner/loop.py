@@ -27,6 +27,7 @@ from shoal.protocol import (
 )
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.framing import FrameTooLarge
+from shoal.runner.memory import MemoryReporter
 from shoal.runner.messages import (
     Cancel,
     ChunkBatch,
@@ -64,9 +65,11 @@ def _logprob_items(logprobs: tuple[TokenLogprob, ...]) -> tuple[LogprobItem, ...
 class RunnerLoop:
     """Serves Submit/Cancel against one engine until Shutdown or the socket closes."""
 
-    def __init__(self, engine: Any, channel: Channel) -> None:
+    def __init__(self, engine: Any, channel: Channel,
+                 memory: MemoryReporter | None = None) -> None:
         self.engine = engine
         self.channel = channel
+        self.memory = memory  # reports what the runner holds, between steps
         self.in_flight: set[str] = set()
         self.embeds = engine_task(engine) == "embed"
         self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
@@ -79,13 +82,23 @@ class RunnerLoop:
         tick_s = parallel.keepalive_s / 2 if parallel is not None else None
         while True:
             block = not self.has_work()
-            for raw in self.channel.receive(block, tick_s):
+            for raw in self.channel.receive(block, self._wait_s(tick_s)):
                 if not self.handle(raw):
                     return
             if self.has_work():
                 self.step()
             elif tick_s is not None:
                 self.idle()
+            if self.memory is not None:
+                self.memory.maybe_report()
+
+    def _wait_s(self, tick_s: float | None) -> float | None:
+        """How long an idle loop may wait for a message: until the next keep-alive or
+        memory check, whichever comes first (None: until a message comes)."""
+        if self.memory is None:
+            return tick_s
+        due_s = self.memory.seconds_until_due()
+        return due_s if tick_s is None else min(tick_s, due_s)
 
     def idle(self) -> None:
         try:

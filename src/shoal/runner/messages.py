@@ -1,7 +1,7 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
 supervisor -> runner: Load, Submit, Embed, Cancel, Shutdown
-runner -> supervisor: Status, ChunkMessage, ChunkBatch, Failed
+runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Failed
 Each travels as one msgpack frame (see framing.py): model_dump() out, validate on arrival.
 """
 
@@ -56,7 +56,6 @@ class ModelInfo(RunnerMessage):
     has_chat_template: bool
     task: Literal["generate", "embed"] = "generate"
     embedding_dimensions: int | None = None  # set for embedding models
-    size_bytes: int | None = None  # memory the loaded weights (and KV cache) take
 
 
 class Status(RunnerMessage):
@@ -80,6 +79,25 @@ class ChunkBatch(RunnerMessage):
     chunks: tuple[Chunk, ...]
 
 
+class MemoryUsage(RunnerMessage):
+    """What the runner holds in memory now (runner/memory.py): sent before its ready Status,
+    then while it runs whenever a figure changed (at least every HEARTBEAT_S). None: the
+    engine cannot tell. A rank of a multi-rank instance reports its own share."""
+
+    type: Literal["memory"] = "memory"
+    weights_bytes: int | None = None  # the weights as held (packed GGUF stays near file size)
+    kv_bytes_in_use: int | None = None  # KV cache blocks that requests hold now
+    kv_bytes_capacity: int | None = None  # every KV cache block (reserved, touched lazily)
+    rss_bytes: int | None = None  # resident memory of the runner process
+
+    @property
+    def held_bytes(self) -> int | None:
+        """Weights plus the KV cache in use: what the model holds beyond the process."""
+        if self.weights_bytes is None:
+            return None
+        return self.weights_bytes + (self.kv_bytes_in_use or 0)
+
+
 class Failed(RunnerMessage):
     """The runner cannot go on (load failed, engine broken); it exits after sending this."""
 
@@ -89,7 +107,7 @@ class Failed(RunnerMessage):
 
 
 ToRunner = Annotated[Load | Submit | Embed | Cancel | Shutdown, Field(discriminator="type")]
-FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | Failed,
+FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Failed,
                       Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
@@ -100,7 +118,8 @@ def parse_to_runner(raw: dict[str, Any]) -> Load | Submit | Embed | Cancel | Shu
     return _to_runner.validate_python(raw)
 
 
-def parse_from_runner(raw: dict[str, Any]) -> Status | ChunkMessage | ChunkBatch | Failed:
+def parse_from_runner(raw: dict[str, Any]
+                      ) -> Status | ChunkMessage | ChunkBatch | MemoryUsage | Failed:
     return _from_runner.validate_python(raw)
 
 

@@ -35,6 +35,7 @@ from shoal.runner.messages import (
     Embed,
     Failed,
     Load,
+    MemoryUsage,
     ModelInfo,
     RunnerMessage,
     Shutdown,
@@ -77,6 +78,8 @@ class RunnerSupervisor:
         self.model_id = config.source.model_id
         self.state: RunnerState = "stopped"
         self.model_info: ModelInfo | None = None
+        # The runner's latest report of what it holds; None until it reports, or once gone.
+        self.memory: MemoryUsage | None = None
         self.last_error: str | None = None
         self.restarts = 0
         # Wall-clock time (unix seconds) the router will stop this runner if it stays idle;
@@ -187,6 +190,7 @@ class RunnerSupervisor:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await process.reader_task
         self._process = None
+        self.memory = None
         self._set_state("stopped")
 
     def describe(self) -> dict[str, Any]:
@@ -195,7 +199,7 @@ class RunnerSupervisor:
                 "in_flight": self.num_in_flight, "restarts": self.restarts,
                 "error": self.last_error,
                 "task": info.task if info else self.config.source.task,
-                "size_bytes": info.size_bytes if info else None,
+                "size_bytes": self.memory.held_bytes if self.memory else None,
                 "expires_at": self.expires_at}
 
     # ---- requests ---------------------------------------------------------------------
@@ -303,6 +307,8 @@ class RunnerSupervisor:
         elif isinstance(message, ChunkBatch):
             for chunk in message.chunks:
                 self._requests.deliver(chunk)
+        elif isinstance(message, MemoryUsage):
+            self.memory = message
         elif isinstance(message, Status):
             if message.state == "ready" and message.model is not None:
                 process.ready = True
@@ -327,6 +333,7 @@ class RunnerSupervisor:
         if self._process is not process:
             return
         self._process = None
+        self.memory = None
         message = f"the runner for {self.model_id!r} died: {reason}"
         if process.load_failed:
             message = f"loading {self.model_id!r} failed: {process.load_failed}"

@@ -1,9 +1,13 @@
 """Ollama's model endpoints: GET /api/tags, GET /api/ps, POST /api/show, GET /api/version,
 and the liveness answer on GET / and HEAD /.
 
-/api/tags lists exactly what /v1/models lists (shoal.api.model_list); /api/ps the models with
-a runner. Ollama's model "digest" is a content hash of its manifest; shoal has no manifests,
-so its digest fingerprints the local weights (id, path, size, modification time) instead.
+/api/tags lists exactly what /v1/models lists (shoal.api.model_list). /api/ps lists the
+models this node's pool runs (not other nodes' models, nor ranks of split instances); its
+"size" is what each holds now: weights plus the KV cache in use, as the runner last reported
+(the weight files' size until it has), split up in the extension object "shoal".
+
+Ollama's model "digest" is a content hash of its manifest; shoal has no manifests, so its
+digest fingerprints the local weights (id, path, size, modification time) instead.
 """
 
 from __future__ import annotations
@@ -111,15 +115,27 @@ async def tags(request: Request) -> dict[str, Any]:
     return {"models": [model_json(model) for model in listed_models(request.app.state)]}
 
 
+def running_json(model: ListedModel) -> dict[str, Any]:
+    """One model with a local runner as /api/ps describes it."""
+    supervisor = model.supervisor
+    described = {**model_json(model), "expires_at": _expires_at(supervisor), "size_vram": 0,
+                 "context_length": model.max_model_len}
+    memory = supervisor.memory
+    if memory is not None:
+        if memory.held_bytes is not None:
+            described["size"] = memory.held_bytes
+        described["shoal"] = {"weights_bytes": memory.weights_bytes,
+                              "kv_bytes_in_use": memory.kv_bytes_in_use,
+                              "kv_bytes_capacity": memory.kv_bytes_capacity,
+                              "rss_bytes": memory.rss_bytes}
+    return described
+
+
 @router.get("/api/ps")
 async def running(request: Request) -> dict[str, Any]:
-    models = []
-    for model in listed_models(request.app.state):
-        if model.supervisor is None or model.state in ("stopped", "failed"):
-            continue
-        models.append({**model_json(model), "expires_at": _expires_at(model.supervisor),
-                       "size_vram": 0, "context_length": model.max_model_len})
-    return {"models": models}
+    return {"models": [running_json(model) for model in listed_models(request.app.state)
+                       if model.supervisor is not None
+                       and model.state not in ("stopped", "failed")]}
 
 
 @router.post("/api/show")

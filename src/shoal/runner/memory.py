@@ -1,0 +1,141 @@
+"""What a runner holds in memory, read from its engine, and when to tell the supervisor.
+
+Weights come from the engine (`weight_bytes()` of an embedding engine, `loaded.weight_bytes`
+otherwise); the KV cache in use is the scheduler's referenced blocks (`stats()`) times the
+bytes one block takes over this rank's layers; RSS is the runner process's own. An engine
+that cannot tell a figure leaves it None. Measuring never raises into the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from shoal.runner.messages import MemoryUsage
+
+log = logging.getLogger("shoal.runner")
+
+CHECK_INTERVAL_S = 2.0  # how often the loop measures
+HEARTBEAT_S = 10.0  # a report goes out at least this often, changed or not
+RSS_STEP_BYTES = 4 * 2**20  # smaller RSS moves are noise, not a change worth a report
+
+
+def weights_bytes(engine: Any) -> int | None:
+    if callable(getattr(engine, "weight_bytes", None)):
+        return int(engine.weight_bytes())
+    loaded = getattr(engine, "loaded", None)
+    return None if loaded is None else int(loaded.weight_bytes)
+
+
+def kv_bytes_per_block(loaded: Any, block_size: int) -> int:
+    """Bytes one KV block takes over the layers this rank holds (a tensor rank's config
+    counts its own KV heads), as engine/kv_budget.py sizes the cache."""
+    from shoal.engine.models.loader import kv_bytes_per_token  # torch: the engine has it
+
+    start, end = loaded.layer_range
+    return kv_bytes_per_token(loaded.config, loaded.cache_dtype,
+                              num_layers=(end - start) or None) * block_size
+
+
+def kv_blocks(stats: dict[str, Any]) -> tuple[int, int] | None:
+    """(blocks in use, blocks in all) from engine.stats(); None if it has no block pool."""
+    used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
+    if not isinstance(used, int) or not isinstance(total, int):
+        return None
+    return used, total
+
+
+def worth_sending(last: MemoryUsage | None, now: MemoryUsage, since_sent_s: float) -> bool:
+    """A report is due when it is the first, the heartbeat is due, or a figure moved."""
+    if last is None or since_sent_s >= HEARTBEAT_S:
+        return True
+    if (last.weights_bytes, last.kv_bytes_in_use, last.kv_bytes_capacity) != (
+            now.weights_bytes, now.kv_bytes_in_use, now.kv_bytes_capacity):
+        return True
+    if last.rss_bytes is None or now.rss_bytes is None:
+        return last.rss_bytes != now.rss_bytes
+    return abs(now.rss_bytes - last.rss_bytes) >= RSS_STEP_BYTES
+
+
+class MemoryReporter:
+    """Measures the engine every CHECK_INTERVAL_S (when the loop asks) and sends a
+    MemoryUsage when worth_sending says so. Runs on the loop's thread, between steps."""
+
+    def __init__(self, engine: Any, send: Callable[[MemoryUsage], None],
+                 clock: Callable[[], float] = time.monotonic,
+                 rss: Callable[[], int] | None = None) -> None:
+        self._engine = engine
+        self._send = send
+        self._clock = clock
+        self._rss = rss or _own_rss()
+        self._per_block: int | None = None
+        self._per_block_known = False
+        self._last: MemoryUsage | None = None
+        self._sent_at = 0.0
+        self._next_check = 0.0
+        self._warned = False
+
+    def seconds_until_due(self) -> float:
+        return max(0.0, self._next_check - self._clock())
+
+    def maybe_report(self) -> None:
+        """Measure if a check is due; send if worth it. Cheap when not due."""
+        now = self._clock()
+        if now < self._next_check:
+            return
+        self._next_check = now + CHECK_INTERVAL_S
+        usage = self.measure()
+        if worth_sending(self._last, usage, now - self._sent_at):
+            self._emit(usage, now)
+
+    def report(self) -> None:
+        """Measure and send now (right after load)."""
+        now = self._clock()
+        self._next_check = now + CHECK_INTERVAL_S
+        self._emit(self.measure(), now)
+
+    def measure(self) -> MemoryUsage:
+        in_use, capacity = self._read(self._kv_bytes, (None, None))
+        return MemoryUsage(weights_bytes=self._read(lambda: weights_bytes(self._engine), None),
+                           kv_bytes_in_use=in_use, kv_bytes_capacity=capacity,
+                           rss_bytes=self._read(self._rss, None))
+
+    def _read(self, read: Callable[[], Any], unknown: Any) -> Any:
+        try:
+            return read()
+        except Exception:  # noqa: BLE001 - a figure is not worth the runner
+            if not self._warned:
+                log.exception("measuring the runner's memory failed; that figure is unknown")
+            self._warned = True
+            return unknown
+
+    def _kv_bytes(self) -> tuple[int | None, int | None]:
+        per_block = self._bytes_per_block()
+        stats = getattr(self._engine, "stats", None)
+        blocks = kv_blocks(stats()) if per_block is not None and callable(stats) else None
+        if blocks is None or per_block is None:
+            return None, None
+        used, total = blocks
+        return used * per_block, total * per_block
+
+    def _bytes_per_block(self) -> int | None:
+        if not self._per_block_known:  # constant for the engine's life
+            self._per_block_known = True
+            loaded = getattr(self._engine, "loaded", None)
+            config = getattr(self._engine, "config", None)
+            if loaded is not None and config is not None:
+                self._per_block = kv_bytes_per_block(loaded, config.block_size)
+        return self._per_block
+
+    def _emit(self, usage: MemoryUsage, now: float) -> None:
+        self._send(usage)
+        self._last, self._sent_at = usage, now
+
+
+def _own_rss() -> Callable[[], int]:
+    process = psutil.Process()
+    return lambda: int(process.memory_info().rss)

@@ -1,0 +1,52 @@
+"""GET /api/ps reports what each runner holds: "size" is weights plus the KV cache in use,
+"shoal" splits it up (in-process app; supervisors stand as their runners last reported)."""
+
+from __future__ import annotations
+
+from fakes import ScriptedRouter, fake_engine_config
+from fastapi.testclient import TestClient
+
+from shoal.api.app import create_app
+from shoal.runner.messages import MemoryUsage, ModelInfo
+from shoal.runner.supervisor import RunnerSupervisor
+
+
+def ready_supervisor(tmp_path, model_id: str, memory: MemoryUsage | None) -> RunnerSupervisor:
+    supervisor = RunnerSupervisor(fake_engine_config(tmp_path, model_id))  # never started
+    supervisor.state = "ready"
+    supervisor.model_info = ModelInfo(model_id=model_id, max_model_len=64, vocab_size=10,
+                                      has_chat_template=True)
+    supervisor.memory = memory
+    return supervisor
+
+
+def test_ps_size_is_what_the_runner_holds_now(tmp_path):
+    router = ScriptedRouter()
+    router.supervisors = [
+        ready_supervisor(tmp_path, "measured", MemoryUsage(
+            weights_bytes=100_000, kv_bytes_in_use=3_000, kv_bytes_capacity=50_000,
+            rss_bytes=900_000)),
+        ready_supervisor(tmp_path, "unreported", None),  # loaded, no report yet
+        ready_supervisor(tmp_path, "blind", MemoryUsage(rss_bytes=800_000)),
+    ]
+    stopped = ready_supervisor(tmp_path, "stopped", MemoryUsage(weights_bytes=1))
+    stopped.state = "stopped"
+    router.supervisors.append(stopped)
+    client = TestClient(create_app(router, list_available=list))
+    models = {m["model"]: m for m in client.get("/api/ps").json()["models"]}
+    assert list(models) == ["measured", "unreported", "blind"]
+    measured = models["measured"]
+    assert measured["size"] == 103_000 and measured["size_vram"] == 0
+    assert measured["shoal"] == {"weights_bytes": 100_000, "kv_bytes_in_use": 3_000,
+                                 "kv_bytes_capacity": 50_000, "rss_bytes": 900_000}
+    assert measured["expires_at"] is None and measured["context_length"] == 64
+    assert models["unreported"]["size"] == 4 and "shoal" not in models["unreported"]
+    assert models["blind"]["size"] == 4  # weights unknown: the file's size stands
+    assert models["blind"]["shoal"]["weights_bytes"] is None
+    assert models["blind"]["shoal"]["rss_bytes"] == 800_000
+    tags = {m["model"]: m for m in client.get("/api/tags").json()["models"]}
+    assert tags["measured"]["size"] == 4  # /api/tags keeps the weight file's size
+    assert tags["measured"]["digest"] == measured["digest"]
+    health = {m["model"]: m for m in client.get("/health").json()["models"]}
+    assert health["measured"]["size_bytes"] == 103_000
+    assert health["unreported"]["size_bytes"] is None
