@@ -1,12 +1,19 @@
-"""Engine and server speed on the built-in model; prints one JSON object.
+"""Engine and server speed on one model (the built-in one by default); prints one JSON object.
 
     python bench/engine.py [--model ID] [--threads 2] [--peer llama-cpp] [--rounds 3] [--skip-http]
 
 Measures, in one run: prefill tokens/s, batch-1 decode tokens/s (engine in-process),
 aggregate decode tokens/s with 1, 4 and 16 concurrent streams through the HTTP API, time to
 first token p50/p95, time to first token for a prompt whose first 1,000 tokens were seen
-before versus cold, and peak memory of the serving processes. With --peer llama-cpp the same
-GGUF and prompts run through llama-cpp-python and ratios are reported.
+before versus cold, and memory: the weights the model holds against its file, and the
+serving runner's RSS, KV in use and the runtime floor (RSS - weights - KV). With --peer
+llama-cpp the same GGUF and prompts run through llama-cpp-python and ratios are reported.
+
+The peer must be a llama.cpp build that runs here: on CPUs with AMX, llama.cpp's own AMX
+path crashes at batches above one (ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36), so
+build it without: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF
+-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python.
 
 This machine's speed drifts by ~30% within a minute, so the batch-1 decode comparison and
 the HTTP stream counts run --rounds turns each and report medians (HTTP turns use fresh
@@ -196,17 +203,34 @@ def process_tree_rss(proc: subprocess.Popen) -> int:
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
 
+def runner_memory(base: str, proc: subprocess.Popen, file_bytes: int) -> dict:
+    """The model's runner as it serves: what it reports in /api/ps (weights, KV in use), its
+    RSS, and the floor RSS - weights - KV in use (the runtime's own: Python, torch, the
+    tokenizer, the kernels), checked against RSS <= 1.2 x file + KV in use + floor."""
+    held = httpx.get(f"{base}/api/ps", timeout=10).json()["models"][0].get("shoal", {})
+    runners = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "shoal.runner" in " ".join(p.cmdline())]
+    rss = sum(p.memory_info().rss for p in runners)
+    weights, kv = held.get("weights_bytes") or 0, held.get("kv_bytes_in_use") or 0
+    return {"file_bytes": file_bytes, "weights_bytes": weights,
+            "weights_over_file": weights / file_bytes, "kv_bytes_in_use": kv,
+            "runner_rss_bytes": rss, "floor_bytes": rss - weights - kv,
+            "rss_over_1_2_file_plus_kv": rss - 1.2 * file_bytes - kv}
+
+
 def bench_http(model: str, threads: int, rounds: int) -> dict:
     import tempfile
 
     port = free_port()
+    file_bytes = resolve_model(model).path.stat().st_size
     with tempfile.TemporaryDirectory() as data_dir:
         proc = start_server(model, threads, port, Path(data_dir))
         base = f"http://127.0.0.1:{port}"
         try:
             out = {"concurrency": concurrency_turns(base, model, rounds),
                    "prefix_cache": asyncio.run(prefix_cache_ttft(base, model)),
-                   "server_rss_bytes": process_tree_rss(proc)}
+                   "server_rss_bytes": process_tree_rss(proc),
+                   "memory": runner_memory(base, proc, file_bytes)}
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -275,7 +299,10 @@ def main() -> None:
     args = parser.parse_args()
 
     engine_result, engine = bench_engine(args.model, args.threads)
-    result: dict = {"model": args.model, "threads": args.threads, "engine": engine_result}
+    result: dict = {"model": args.model, "threads": args.threads,
+                    "packed_backend": getattr(engine.loaded.module.plan.kernel,
+                                              "quant_default_backend", lambda: "none")(),
+                    "weight_bytes": engine.loaded.weight_bytes, "engine": engine_result}
     # ru_maxrss is KiB on Linux: the peak of this process, which held the engine.
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result["engine_process_peak_rss_bytes"] = peak_kib * 1024

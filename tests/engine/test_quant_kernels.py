@@ -132,17 +132,22 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
             assert torch.equal(part, everything[start:start + count]), (backend, prompt, count)
 
 
-def test_generated_rows_take_the_same_bits_on_vectors_and_tiles(kernel):
-    # On AMX machines a few generated rows run on vectors in AMX's order, more on tiles.
-    if kernel.quant_default_backend() != "amx":
-        pytest.skip("no AMX here: every row takes the vector order")
-    raw = random_blocks("Q4_K", 64, 1024, seed=6)
-    data = packed(kernel, "Q4_K", raw, 64, 1024)
-    linear = kernel.QuantLinear([QTYPES["Q4_K"]], [data], [64], 1024, None, AMX)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
+def test_generated_rows_take_the_same_bits_on_every_path(kernel, name):
+    # Generated tokens sum in AMX's order everywhere: a few rows on vectors (tiles decoded in
+    # registers), more on AMX tiles, or without AMX on vectors over a decoded strip.
+    raw = random_blocks(name, 64, 1024, seed=6)
+    data = packed(kernel, name, raw, 64, 1024)
     x = torch.randn(24, 1024, generator=torch.Generator().manual_seed(7)).bfloat16()
-    on_tiles = linear.forward(x, True, False)  # 24 rows: tiles
-    on_vectors = torch.cat([linear.forward(x[i:i + 3], True, False) for i in range(0, 24, 3)])
-    assert torch.equal(on_vectors, on_tiles)
+    for backend in {backend for backend, _ in paths(kernel)}:
+        linear = kernel.QuantLinear([QTYPES[name]], [data], [64], 1024, None, backend)
+        many = linear.forward(x, True, False)  # 24 rows: AMX tiles, or a decoded strip
+        few = torch.cat([linear.forward(x[i:i + 3], True, False) for i in range(0, 24, 3)])
+        assert torch.equal(few, many), backend
+        if backend == AVX512:
+            vectors = many
+        else:
+            assert torch.equal(many, vectors)
 
 
 def test_segments_of_different_types_stack_with_a_bias(kernel):

@@ -76,6 +76,7 @@ class QuantLinear {
     bool float_out;
     void* out;
     std::vector<float> sums16 = {}, sums32 = {};  // x summed over runs of 16 / 32 along k
+    std::vector<at::BFloat16> chained = {};       // x in the weights' chain order
   };
   const Segment& segment_of(int64_t strip) const;
   void store(const Call& call, const Segment& seg, int64_t local, const float* acc, int rows,
@@ -83,7 +84,6 @@ class QuantLinear {
   // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
   void run_direct(const Call& call) const;
   void run_buffered(const Call& call) const;
-  void run_tile_order(const Call& call) const;
   void run_tiles(const Call& call) const;
   void run_amx_prompt(const Call& call) const;
   void run_portable(const Call& call) const;

@@ -92,8 +92,8 @@ inline void split(__m512 low, __m512 high, __m512i& hi, __m512i& lo) {
   lo = to_bf16(_mm512_sub_ps(high, bf16_half(hi, 1)), _mm512_sub_ps(low, bf16_half(hi, 0)));
 }
 
-// A strip decoded for the tiles: per 32-k tile t, B tiles hi then lo (16 pair vectors
-// each) at split + t * 2 * kPairs.
+// A strip decoded for the tiles: per 32-k tile t, B tiles hi then lo (16 vectors each, in
+// AMX's pair layout) at split + t * 2 * kPairs.
 template <QType T>
 void decode_strip_split(const uint8_t* strip, int64_t k, __m512i* split_tiles) {
   using Tr = Traits<T>;
@@ -139,6 +139,11 @@ void decode_strip_split(const uint8_t* strip, int64_t k, __m512i* split_tiles) {
         high = _mm512_fmadd_ps(scale_high, _mm512_add_ps(high, shift), min_high);
       }
       split(low, high, hi_out[p], lo_out[p]);
+      // Chain layout to AMX's pairs, a pair of vectors at a time.
+      if constexpr (p % 2 == 1) {
+        to_pairs(hi_out[p - 1], hi_out[p], hi_out[p - 1], hi_out[p]);
+        to_pairs(lo_out[p - 1], lo_out[p], lo_out[p - 1], lo_out[p]);
+      }
     });
   }
 }
@@ -179,7 +184,8 @@ inline void strips_amx_split(const __m512i* strip0, const __m512i* strip1, int64
 // Generated tokens (decode) in batches on tiles, in the order strips_tile_order follows on
 // vectors: per sub-block of sub_k, C = A . B from a zeroed C (one op per plane of a float
 // type, each from its own zeroed C), then acc += C * S and acc += sum(x) * O'. rows (1..16)
-// of x times a decoded strip (decode_strip); tiles configured by configure_decode_tiles.
+// of x times a strip decoded in pair layout (decode_strip<T, true>); tiles configured by
+// configure_decode_tiles.
 // Four C tiles take consecutive sub-blocks, so one's results are scaled while the next
 // ops run.
 inline void configure_decode_tiles(int rows, int sub_k) {

@@ -1,119 +1,79 @@
-// The packed-weight matmul on AVX512-BF16 vectors (machines without AMX): lanes are the 16
-// columns of a strip, vdpbf16ps sums one pair of k per instruction for one row.
+// The packed-weight matmul on AVX512-BF16 vectors, in AMX's summation order: per row and
+// column, a sub-block's products are summed in two chains, even k and odd k, each in order,
+// and then added (part = even + odd), exactly as an AMX tile op from a zeroed C sums them.
+// Then acc = fma(part, S, acc) and acc = fma(sum(x), O', acc) per sub-block.
 //
-// Few rows (decode): each tile is decoded in registers and used at once (strip_direct).
-// More rows: a strip is decoded once into a buffer (decode_strip) and rows run over it in
-// groups of up to 4 (strip_buffered). Both issue the same float operations in the same order for every
-// row, so a row's result does not depend on the row count.
+// The strip layout puts two consecutive elements of one chain in each 32-bit lane
+// (quant_formats.h), so one vdpbf16ps advances a chain by two elements (it adds the high
+// word's product, then the low word's); x is rearranged the same way once per call
+// (chain_order). Every path here and on AMX tiles (quant_amx.h, strip_tiles) issues the
+// same float operations for each row, so a row's result depends on nothing else in x.
+//
+// Few rows (decode): tiles decoded in registers and used at once, S strips side by side to
+// hide vdpbf16ps's latency (strips_direct). More rows, without AMX: a strip decoded once
+// into a buffer and rows run over it four at a time (strip_buffered).
 
 #pragma once
+
+#include <vector>
 
 #include "quant_simd.h"
 
 namespace shoal_quant {
 
-// A sub-block's sums for R rows in four chains (pairs p = 0, 1, 2, 3 mod 4), added as
-// (c0 + c1) + (c2 + c3): one chain would wait on vdpbf16ps's latency at every pair.
-template <int R>
-struct Chains {
-  __m512 c[4][R];
+// Row(s) of x [rows, k] rearranged like the weights: vector v of tile t takes the pair at
+// t * 32 + 2v, x[4q + c] in its high half and x[4q + c + 2] in its low half (v = 2q + c).
+inline std::vector<bf16> chain_order(const bf16* x, int64_t rows, int64_t k) {
+  std::vector<bf16> out(rows * k);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < k / kTileK; ++t)
+      for (int v = 0; v < kPairs; ++v) {
+        const int64_t base = r * k + t * kTileK;
+        const int q = v / 2, c = v % 2;
+        out[base + 2 * v] = x[base + 4 * q + c + 2];
+        out[base + 2 * v + 1] = x[base + 4 * q + c];
+      }
+  return out;
+}
 
-  Chains() {
-    for (int j = 0; j < 4; ++j)
-      for (int r = 0; r < R; ++r) c[j][r] = _mm512_setzero_ps();
+// One sub-block's chains for S strips x V planes x R rows, summed into part as AMX does.
+template <int S, int V, int R>
+struct SubBlockChains {
+  __m512 even[S * V][R], odd[S * V][R];
+
+  SubBlockChains() {
+    for (int j = 0; j < S * V; ++j)
+      for (int r = 0; r < R; ++r) even[j][r] = odd[j][r] = _mm512_setzero_ps();
   }
 
-  // Pair p's weights v times each row's x pair (pair_of_row(r)).
+  // A vector of strip s, plane i (of the odd chain or the even one), for each row's x pair
+  // (pair_of_row(r)).
   template <class PairOfRow>
-  inline void add(int p, __m512i v, const PairOfRow& pair_of_row) {
+  inline void add(int s, int i, bool odd_chain, __m512i w, const PairOfRow& pair_of_row) {
+    __m512(&chain)[S * V][R] = odd_chain ? odd : even;
     for (int r = 0; r < R; ++r)
-      c[p % 4][r] = _mm512_dpbf16_ps(c[p % 4][r], as_bh(v), pair_of_row(r));
+      chain[s * V + i][r] = _mm512_dpbf16_ps(chain[s * V + i][r], as_bh(w), pair_of_row(r));
   }
 
-  inline void sum(__m512 (&part)[R]) const {
-    for (int r = 0; r < R; ++r)
-      part[r] = _mm512_add_ps(_mm512_add_ps(c[0][r], c[1][r]), _mm512_add_ps(c[2][r], c[3][r]));
+  // part = even + odd per plane, planes added in order (a float type's planes each sum like
+  // a tile op of their own).
+  inline void sum(int s, __m512 (&part)[R]) const {
+    for (int r = 0; r < R; ++r) {
+      part[r] = _mm512_add_ps(even[s * V][r], odd[s * V][r]);
+      for (int i = 1; i < V; ++i)
+        part[r] = _mm512_add_ps(part[r], _mm512_add_ps(even[s * V + i][r], odd[s * V + i][r]));
+    }
   }
 };
 
-// R rows of x (stride ldx) times one strip, tiles decoded in registers -> out [R][16].
-template <QType T, int R>
-void strip_direct(const uint8_t* strip, int64_t k, const bf16* x, int64_t ldx,
-                  const float* sums, int64_t sum_stride, float* out) {
-  using Tr = Traits<T>;
-  constexpr int tiles_per_block = Tr::f.super_k / kTileK;
-  constexpr int subs_per_tile = kTileK / Tr::f.sub_k;
-  const Constants c = constants();
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t tiles = k / kTileK;
-  const uint8_t* meta_base = strip + tiles * Tr::kTileBytes;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile = strip + t * Tr::kTileBytes;
-    const uint8_t* meta = meta_base + t / tiles_per_block * Tr::kMetaBytes;
-    prefetch_ahead<Tr::kTileBytes>(tile + kPrefetchBytes);
-    const int64_t k0 = t * kTileK;
-    static_for<subs_per_tile>([&](auto sub) {
-      Chains<R> chains;
-      static_for<Tr::kSubPairs>([&](auto pair) {
-        constexpr int p = sub * Tr::kSubPairs + pair;
-        __m512i v[Tr::kVectors];
-        decode_pair<T, p>(tile, c, v);
-        for (int i = 0; i < Tr::kVectors; ++i)
-          chains.add(pair, v[i], [&](int r) { return pair_of(x + r * ldx + k0 + 2 * p); });
-      });
-      __m512 part[R];
-      chains.sum(part);
-      __m512 scale, offset;
-      const int s = static_cast<int>(t % tiles_per_block) * subs_per_tile + sub;
-      if constexpr (!Tr::kFloat) sub_scales<T>(meta, s, scale, offset);
-      add_sub<T, R>(acc, part, scale, offset, sums + (k0 / Tr::f.sub_k + sub), sum_stride);
-    });
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, acc[r]);
-}
-
-// R rows over a decoded strip: the same operations as strip_direct, weights from memory.
-template <QType T, int R>
-void strip_buffered(const __m512i* pairs, const float* scales, const float* offsets, int64_t k,
-                    const bf16* x, int64_t ldx, const float* sums, int64_t sum_stride,
-                    float* out) {
-  using Tr = Traits<T>;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t subs = k / Tr::f.sub_k;
-  for (int64_t g = 0; g < subs; ++g) {
-    Chains<R> chains;
-    const __m512i* w = pairs + g * Tr::kSubPairs * Tr::kVectors;
-    const bf16* xg = x + g * Tr::f.sub_k;
-    static_for<Tr::kSubPairs>([&](auto p) {
-      for (int i = 0; i < Tr::kVectors; ++i)
-        chains.add(p, _mm512_load_si512(w + p * Tr::kVectors + i),
-                   [&](int r) { return pair_of(xg + r * ldx + 2 * p); });
-    });
-    __m512 part[R];
-    chains.sum(part);
-    __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
-    if constexpr (!Tr::kFloat) {
-      scale = _mm512_loadu_ps(scales + g * kCols);
-      offset = _mm512_loadu_ps(offsets + g * kCols);
-    }
-    add_sub<T, R>(acc, part, scale, offset, sums + g, sum_stride);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, acc[r]);
-}
-
-// AMX's order on vectors, for machines with AMX: a tile op sums each row's even-k products
-// in one chain and its odd-k products in another, then adds the two. Two accumulators per
-// row reproduce it bit for bit, with x masked to its even (xe) or odd (xo) bf16 of each
-// pair (vdpbf16ps then adds an exact zero for the other), so few rows here and many rows
-// on tiles (quant_amx.h, strip_tiles) give identical results. A chain waits on
-// vdpbf16ps's latency at every pair, so S strips run side by side.
+// R rows of x (chain order, stride ldx) times S strips of one segment, tiles decoded in
+// registers -> out [S][R][16].
 template <QType T, int R, int S>
-void strips_tile_order(const uint8_t* const* strips, int64_t k, const bf16* xe, const bf16* xo,
-                       int64_t ldx, const float* sums, int64_t sum_stride, float* out) {
+void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int64_t ldx,
+                   const float* sums, int64_t sum_stride, float* out) {
   using Tr = Traits<T>;
-  static_assert(Tr::kVectors == 1 || S == 1, "float types run one strip at a time");
+  constexpr int V = Tr::kVectors;
+  static_assert(V == 1 || S == 1, "float types run one strip at a time");
   constexpr int tiles_per_block = Tr::f.super_k / kTileK;
   constexpr int subs_per_tile = kTileK / Tr::f.sub_k;
   const Constants c = constants();
@@ -131,24 +91,15 @@ void strips_tile_order(const uint8_t* const* strips, int64_t k, const bf16* xe, 
       prefetch_ahead<Tr::kTileBytes>(tile[s] + kPrefetchBytes);
     }
     static_for<subs_per_tile>([&](auto sub) {
-      // Chains per (strip, plane) and row; a float type's planes each sum like a tile op
-      // of their own (strip_tiles does the same).
-      constexpr int V = Tr::kVectors;
-      __m512 even[S * V][R], odd[S * V][R];
-      for (int j = 0; j < S * V; ++j)
-        for (int r = 0; r < R; ++r) even[j][r] = odd[j][r] = _mm512_setzero_ps();
-      static_for<Tr::kSubPairs>([&](auto pair) {
-        constexpr int p = sub * Tr::kSubPairs + pair;
+      SubBlockChains<S, V, R> chains;
+      static_for<Tr::kSubPairs>([&](auto index) {
+        constexpr int v = sub * Tr::kSubPairs + index;
         for (int s = 0; s < S; ++s) {
-          __m512i v[V];
-          decode_pair<T, p>(tile[s], c, v);
+          __m512i w[V];
+          decode_pair<T, v>(tile[s], c, w);
           for (int i = 0; i < V; ++i)
-            for (int r = 0; r < R; ++r) {
-              const int64_t at = r * ldx + k0 + 2 * p;
-              const int j = s * V + i;
-              even[j][r] = _mm512_dpbf16_ps(even[j][r], as_bh(v[i]), pair_of(xe + at));
-              odd[j][r] = _mm512_dpbf16_ps(odd[j][r], as_bh(v[i]), pair_of(xo + at));
-            }
+            chains.add(s, i, v % 2 == 1, w[i],
+                       [&](int r) { return pair_of(xc + r * ldx + k0 + 2 * v); });
         }
       });
       const int in_block = static_cast<int>(t % tiles_per_block) * subs_per_tile + sub;
@@ -156,17 +107,48 @@ void strips_tile_order(const uint8_t* const* strips, int64_t k, const bf16* xe, 
         __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
         if constexpr (!Tr::kFloat) sub_scales<T>(meta[s], in_block, scale, offset);
         __m512 part[R];
-        for (int r = 0; r < R; ++r) {
-          part[r] = _mm512_add_ps(even[s * V][r], odd[s * V][r]);
-          for (int i = 1; i < V; ++i)
-            part[r] = _mm512_add_ps(part[r], _mm512_add_ps(even[s * V + i][r], odd[s * V + i][r]));
-        }
+        chains.sum(s, part);
         add_sub<T, R>(acc[s], part, scale, offset, sums + (k0 / Tr::f.sub_k + sub), sum_stride);
       }
     });
   }
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (s * R + r) * kCols, acc[s][r]);
+}
+
+// R rows over a strip decoded in chain order (decode_strip<T, false>): the same operations as
+// strips_direct, weights from memory.
+template <QType T, int R>
+void strip_buffered(const __m512i* vectors, const float* scales, const float* offsets,
+                    int64_t k, const bf16* xc, int64_t ldx, const float* sums,
+                    int64_t sum_stride, float* out) {
+  using Tr = Traits<T>;
+  constexpr int V = Tr::kVectors;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t subs = k / Tr::f.sub_k;
+  for (int64_t g = 0; g < subs; ++g) {
+    SubBlockChains<1, V, R> chains;
+    const __m512i* w = vectors + g * Tr::kSubPairs * V;
+    // Vector index within its tile: sub-blocks of 16 start halfway through a tile.
+    const int first = static_cast<int>(g % (kTileK / Tr::f.sub_k)) * Tr::kSubPairs;
+    const bf16* xt = xc + g * Tr::f.sub_k - first * 2;
+    static_for<Tr::kSubPairs>([&](auto index) {
+      const int v = first + index;  // first is even: v's chain is index's
+      for (int i = 0; i < V; ++i)
+        chains.add(0, i, index % 2 == 1, _mm512_load_si512(w + index * V + i),
+                   [&](int r) { return pair_of(xt + r * ldx + 2 * v); });
+    });
+    __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
+    if constexpr (!Tr::kFloat) {
+      scale = _mm512_loadu_ps(scales + g * kCols);
+      offset = _mm512_loadu_ps(offsets + g * kCols);
+    }
+    __m512 part[R];
+    chains.sum(0, part);
+    add_sub<T, R>(acc, part, scale, offset, sums + g, sum_stride);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, acc[r]);
 }
 
 }  // namespace shoal_quant

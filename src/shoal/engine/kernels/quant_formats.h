@@ -12,16 +12,19 @@
 //
 // The strip layout: output rows (columns of the matmul) in strips of 16; per strip, per
 // 32-weight tile along k, the codes of the 16 x 32 weights in bit planes ordered for one
-// 512-bit register per pair of k (lane c holds column c's weights k and k + 1, as
-// vdpbf16ps and AMX's B tiles want them); per super-block (32 or 256 weights along k) the
-// 16 columns' d, e, sc and mc. Planes of a tile, for pair p (k = 2p, 2p + 1), word
-// j = 2 * column + (k & 1) of a 64-byte chunk:
-//   nibbles (4 bits, 256 bytes): p = 4 * chunk + n, bits 4n .. 4n + 3;
-//   crumbs (2 bits, 128 bytes):  p = 8 * chunk + f, bits 2f .. 2f + 1;
-//   bits (1 bit, 64 bytes):      bit p;
-//   int8 (512 bytes):            pair p in bytes 32p .. 32p + 31, byte j;
-//   bf16 / f16 (1024 bytes):     pair p in bytes 64p .. 64p + 63, word j;
-//   f32 (2048 bytes):            pair p in bytes 128p .. 128p + 127, dword j.
+// 512-bit register per "vector" of a tile: lane c (32 bits) holds two of column c's weights,
+// two consecutive elements of one of the chains AMX sums a tile op in (even k, odd k):
+// vector v = 2q + c holds k = 4q + c in its high word and k = 4q + c + 2 in its low word
+// (quant_strip.h, vector_of / word_of), so one vdpbf16ps advances a chain by two elements
+// in AMX's order. AMX's B tiles want pairs (k, k + 1) instead; the buffered paths
+// rearrange decoded vectors into those (quant_simd.h, to_pairs). Planes of a tile, for
+// vector v and word j of a 64-byte chunk:
+//   nibbles (4 bits, 256 bytes): v = 4 * chunk + n, bits 4n .. 4n + 3;
+//   crumbs (2 bits, 128 bytes):  v = 8 * chunk + f, bits 2f .. 2f + 1;
+//   bits (1 bit, 64 bytes):      bit v;
+//   int8 (512 bytes):            vector v in bytes 32v .. 32v + 31, byte j;
+//   bf16 / f16 (1024 bytes):     vector v in bytes 64v .. 64v + 63, word j;
+//   f32 (2048 bytes):            vector v in bytes 128v .. 128v + 127, dword j.
 // 5-bit codes are nibbles plus a bit plane (bit 4), 6-bit nibbles plus crumbs (bits 4-5),
 // 3-bit crumbs plus bits (bit 2), 2-bit crumbs alone.
 

@@ -2,9 +2,10 @@
 // The paths (quant_paths.cpp) split the work over torch's threads; the arithmetic is in
 // quant_avx512.h (vectors) and quant_amx.h (AMX tiles).
 //
-// A machine with AMX computes generated tokens in AMX's summation order (on vectors for a
-// few rows, on tiles for more: the same bits) and prompt tokens on tiles with split
-// weights; a machine without AMX computes every row in the vector order.
+// Generated tokens take AMX's summation order on every machine (vectors for a few rows;
+// AMX tiles for more where there are any, else vectors over decoded strips): the same bits
+// on every path. Prompt tokens take AMX tiles with split weights where there are any, and
+// the same order as generated tokens elsewhere.
 
 #include <ATen/Parallel.h>
 #include <sys/syscall.h>
@@ -33,10 +34,6 @@ using bf16 = at::BFloat16;
 
 namespace {
 
-// Generated-token batches up to this many rows run on vectors, more on their tiles / decoded
-// strips (the same bits either way on AMX machines; see quant_kernels.h).
-constexpr int64_t kDirectRowsAmx = 4;
-constexpr int64_t kDirectRowsAvx = 4;
 
 // Portable reference for CPUs without AVX512-BF16: element by element, slow.
 void strip_portable(const Format& f, const uint8_t* strip, int64_t k, const bf16* x, int64_t rows,
@@ -170,19 +167,19 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
     run_amx_prompt(call);
     return out;
   }
+#if SHOAL_QUANT_AVX512
   call.sums16 = run_sums(call.x, m, k_, 16);
   call.sums32 = run_sums(call.x, m, k_, 32);
-  if (backend_ == Backend::kAmx) {
-    if (m <= kDirectRowsAmx) {
-      run_tile_order(call);
-    } else {
-      run_tiles(call);
-    }
-  } else if (m <= kDirectRowsAvx) {
+  if (m <= kDirectRows) {
+    call.chained = chain_order(call.x, m, k_);
     run_direct(call);
+  } else if (backend_ == Backend::kAmx) {
+    run_tiles(call);
   } else {
+    call.chained = chain_order(call.x, m, k_);
     run_buffered(call);
   }
+#endif
   return out;
 }
 

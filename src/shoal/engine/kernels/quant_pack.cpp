@@ -173,7 +173,7 @@ void write_super_block(const Format& f, const Codes* codes, int columns, uint8_t
       for (int k = 0; k < kTileK; ++k) {
         const int at = t * kTileK + k;
         if (f.planes == Planes::kBF16 || f.planes == Planes::kF16) {
-          const int p = k / 2, j = word_of(k, c);
+          const int p = vector_of(k), j = word_of(k, c);
           uint16_t bits;
           if (f.planes == Planes::kBF16) {
             bits = c10::BFloat16(codes[c].raw[at]).x;  // exact: the values were bf16
@@ -182,7 +182,7 @@ void write_super_block(const Format& f, const Codes* codes, int columns, uint8_t
           }
           std::memcpy(tile + 64 * p + 2 * j, &bits, 2);
         } else if (f.planes == Planes::kF32) {
-          std::memcpy(tile + 128 * (k / 2) + 4 * word_of(k, c), &codes[c].raw[at], 4);
+          std::memcpy(tile + 128 * vector_of(k) + 4 * word_of(k, c), &codes[c].raw[at], 4);
         } else {
           write_code(f, tile, k, c, codes[c].u[at]);
         }

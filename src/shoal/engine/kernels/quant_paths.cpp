@@ -1,5 +1,7 @@
 // QuantLinear's paths (quant.h): how a forward call's rows and strips are split over torch's
-// threads, and where decoded weights are kept while rows run over them.
+// threads, and where decoded weights are kept while rows run over them. Generated rows
+// take AMX's summation order on every machine (vectors for a few rows; for more, AMX tiles
+// where there are any, else vectors over a decoded strip): the same bits on every path.
 //
 // Work is split by strips of 16 output columns. Up to a few rows, each thread decodes its
 // strips' tiles as it goes (batch-1 decode reads every weight once: memory speed counts).
@@ -48,12 +50,6 @@ struct StripBuffer {
   }
 };
 
-// x with the odd (even) bf16 of each pair zeroed: the tile order's even (odd) chain.
-std::vector<bf16> masked(const bf16* x, int64_t n, int keep) {
-  std::vector<bf16> out(x, x + n);
-  for (int64_t i = 1 - keep; i < n; i += 2) out[i] = bf16(0.f);
-  return out;
-}
 #endif
 
 }  // namespace
@@ -75,21 +71,32 @@ void QuantLinear::store(const Call& call, const Segment& seg, int64_t local, con
     }
 }
 
+// Few rows: each thread decodes its strips' tiles in registers, up to four strips of one
+// segment side by side.
 void QuantLinear::run_direct(const Call& call) const {
 #if SHOAL_QUANT_AVX512
   const int64_t m = call.m, k = k_;
+  const int side = strips_side_by_side(static_cast<int>(m));
   // Enough strips per task that a task is worth a thread (~32k multiply-adds).
-  const int64_t grain = std::max<int64_t>(1, 32768 / (k * kCols * m));
+  const int64_t grain = std::max<int64_t>(side, 32768 / (k * kCols * m));
   at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kDirectRows * kCols];
-    for (int64_t s = begin; s < end; ++s) {
+    alignas(64) float acc[4 * kDirectRows * kCols];
+    for (int64_t s = begin; s < end;) {
       const Segment& seg = segment_of(s);
       const int64_t local = s - seg.first_strip;
       const Kernels& kern = kernels(seg.type);
+      // Side by side only within one segment and this task's strips; else one at a time.
+      const bool together = kern.vectors == 1 && s + side <= end && local + side <= seg.strips;
+      const int count = together ? side : 1;
+      const uint8_t* strips[4];
+      for (int i = 0; i < count; ++i)
+        strips[i] = seg.packed.data_ptr<uint8_t>() + (local + i) * seg.strip_bytes;
       const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
-      kern.direct[m - 1](seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k, call.x, k,
-                         sums, k / kern.sub_k, acc);
-      store(call, seg, local, acc, static_cast<int>(m), 0);
+      const DirectFn run = together ? kern.direct[m - 1] : kern.direct_single[m - 1];
+      run(strips, k, call.chained.data(), k, sums, k / kern.sub_k, acc);
+      for (int i = 0; i < count; ++i)
+        store(call, seg, local + i, acc + i * m * kCols, static_cast<int>(m), 0);
+      s += count;
     }
   });
 #endif
@@ -116,49 +123,13 @@ void QuantLinear::run_buffered(const Call& call) const {
         for (int64_t r0 = m0; r0 < m0 + rows; r0 += kBlockRows) {
           const int group = static_cast<int>(std::min<int64_t>(kBlockRows, m0 + rows - r0));
           kern.buffered[group - 1](buffer.pairs.data(), buffer.scales.data(),
-                                   buffer.offsets.data(), k, call.x + r0 * k, k,
+                                   buffer.offsets.data(), k, call.chained.data() + r0 * k, k,
                                    sums + r0 * sum_stride, sum_stride, acc);
           store(call, seg, local, acc, group, r0);
         }
       }
     });
   }
-#endif
-}
-
-// Generated tokens on an AMX machine, few rows: AMX's order on vectors, up to four strips of
-// one segment side by side.
-void QuantLinear::run_tile_order(const Call& call) const {
-#if SHOAL_QUANT_AVX512
-  const int64_t m = call.m, k = k_;
-  const std::vector<bf16> xe = masked(call.x, m * k, 0), xo = masked(call.x, m * k, 1);
-  const int side = strips_side_by_side(static_cast<int>(m));
-  const int64_t grain = std::max<int64_t>(side, 32768 / (k * kCols * m));
-  at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[4 * kDirectRows * kCols];
-    for (int64_t s = begin; s < end;) {
-      const Segment& seg = segment_of(s);
-      const int64_t local = s - seg.first_strip;
-      const Kernels& kern = kernels(seg.type);
-      // Side by side only within one segment and this task's strips; else one at a time.
-      const bool together = kern.vectors == 1 && s + side <= end &&
-                            local + side <= seg.strips;
-      const int count = together ? side : 1;
-      const uint8_t* strips[4];
-      for (int i = 0; i < count; ++i)
-        strips[i] = seg.packed.data_ptr<uint8_t>() + (local + i) * seg.strip_bytes;
-      const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
-      if (count == side) {
-        kern.tile_order[m - 1](strips, k, xe.data(), xo.data(), k, sums, k / kern.sub_k, acc);
-      } else {
-        kern.tile_order_single[m - 1](strips, k, xe.data(), xo.data(), k, sums, k / kern.sub_k,
-                                      acc);
-      }
-      for (int i = 0; i < count; ++i)
-        store(call, seg, local + i, acc + i * m * kCols, static_cast<int>(m), 0);
-      s += count;
-    }
-  });
 #endif
 }
 
@@ -179,8 +150,8 @@ void QuantLinear::run_tiles(const Call& call) const {
         const int64_t local = s - seg.first_strip;
         const Kernels& kern = kernels(seg.type);
         buffer.reserve(k, kern.vectors, kern.sub_k);
-        kern.decode(seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k,
-                    buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data());
+        kern.decode_pairs(seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k,
+                          buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data());
         const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
         const int64_t sum_stride = k / kern.sub_k;
         for (int64_t r0 = m0; r0 < m0 + rows; r0 += kTileRows) {
@@ -269,42 +240,26 @@ at::Tensor QuantLinear::forward_columns(const at::Tensor& input,
     TORCH_CHECK(wanted_p[i] >= 0 && wanted_p[i] < n_total_, "QuantLinear: column ",
                 wanted_p[i], " out of range");
 #if SHOAL_QUANT_AVX512
-  const bf16* xp = x.data_ptr<bf16>();
+  const std::vector<bf16> chained = chain_order(x.data_ptr<bf16>(), m, k);
+  const std::vector<float> sums16 = run_sums(x.data_ptr<bf16>(), m, k, 16);
+  const std::vector<float> sums32 = run_sums(x.data_ptr<bf16>(), m, k, 32);
   // Each (row, column): its strip for that row alone, as a one-row forward computes it.
   at::parallel_for(0, m * count, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kCols];
-    std::vector<bf16> even(k), odd(k);
-    std::vector<float> sums16, sums32;
-    int64_t row_ready = -1;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / count, column = wanted_p[i];
-      const bf16* row = xp + r * k;
-      if (r != row_ready) {
-        sums16 = run_sums(row, 1, k, 16);
-        sums32 = run_sums(row, 1, k, 32);
-        for (int64_t j = 0; j < k; ++j) {
-          even[j] = j % 2 == 0 ? row[j] : bf16(0.f);
-          odd[j] = j % 2 == 1 ? row[j] : bf16(0.f);
-        }
-        row_ready = r;
-      }
-      int64_t strip = 0;
       const Segment* seg = &segments_.front();
       for (const Segment& candidate : segments_)
         if (column < candidate.first_column + candidate.n) {
           seg = &candidate;
           break;
         }
-      strip = (column - seg->first_column) / kCols;
+      const int64_t strip = (column - seg->first_column) / kCols;
       const Kernels& kern = kernels(seg->type);
       const uint8_t* bytes = seg->packed.data_ptr<uint8_t>() + strip * seg->strip_bytes;
-      const float* sums = kern.sub_k == 16 ? sums16.data() : sums32.data();
-      if (backend_ == Backend::kAmx) {
-        kern.tile_order_single[0](&bytes, k, even.data(), odd.data(), k, sums, k / kern.sub_k,
-                                  acc);
-      } else {
-        kern.direct[0](bytes, k, row, k, sums, k / kern.sub_k, acc);
-      }
+      const float* sums = (kern.sub_k == 16 ? sums16.data() : sums32.data()) +
+                          r * (k / kern.sub_k);
+      kern.direct_single[0](&bytes, k, chained.data() + r * k, k, sums, k / kern.sub_k, acc);
       float v = acc[(column - seg->first_column) % kCols];
       if (bias_.defined()) v += bias_.data_ptr<float>()[column];
       out_p[i] = v;

@@ -1,5 +1,5 @@
 // AVX512-BF16 building blocks of the packed-weight matmul (quant_matmul.cpp): a tile's
-// codes as bf16 vectors, one per pair of k (lane c: column c's weights k and k + 1), and each
+// codes as bf16 vectors (lane c: two of column c's weights, see quant_formats.h), and each
 // sub-block's scale S and offset O' for the 16 columns of a strip.
 //
 // Codes of 2-6 bits become bf16 128 + u with one OR (0x4300 | u); Q8_0's int8 becomes bf16
@@ -106,7 +106,7 @@ inline __m512i to_bf16(__m512 upper, __m512 lower) {
   return (__m512i)_mm512_cvtne2ps_pbh(upper, lower);
 }
 
-// Pair P of a tile as bf16 vectors (kVectors of them: float types split exactly into bf16
+// Vector P of a tile as bf16 (kVectors of them: float types split exactly into bf16
 // parts that sum to the weight).
 template <QType T, int P>
 inline void decode_pair(const uint8_t* tile, const Constants& c,
@@ -216,11 +216,22 @@ inline void add_sub(__m512 (&acc)[R], const __m512 (&part)[R], __m512 scale, __m
   }
 }
 
-// A whole strip decoded: k / 2 * kVectors pair vectors, and S and O' per sub-block [16].
-template <QType T>
-void decode_strip(const uint8_t* strip, int64_t k, __m512i* pairs, float* scales,
+// The pair layout AMX's B tiles want (lane c: column c's k, k + 1) from the chain layout:
+// vectors 2q (k = 4q high, 4q + 2 low) and 2q + 1 (k = 4q + 1 high, 4q + 3 low) become
+// pairs 2q (4q low, 4q + 1 high) and 2q + 1 (4q + 2 low, 4q + 3 high).
+inline void to_pairs(__m512i even, __m512i odd, __m512i& first, __m512i& second) {
+  constexpr __mmask32 kHighWords = 0xAAAAAAAA;
+  first = _mm512_mask_blend_epi16(kHighWords, _mm512_srli_epi32(even, 16), odd);
+  second = _mm512_mask_blend_epi16(kHighWords, even, _mm512_slli_epi32(odd, 16));
+}
+
+// A whole strip decoded: k / 2 * kVectors vectors (chain layout, or with kPairLayout AMX's
+// pair layout), and S and O' per sub-block [16].
+template <QType T, bool kPairLayout>
+void decode_strip(const uint8_t* strip, int64_t k, __m512i* vectors, float* scales,
                   float* offsets) {
   using Tr = Traits<T>;
+  constexpr int V = Tr::kVectors;
   constexpr int tiles_per_block = Tr::f.super_k / kTileK;
   constexpr int subs_per_tile = kTileK / Tr::f.sub_k;
   const Constants c = constants();
@@ -228,11 +239,17 @@ void decode_strip(const uint8_t* strip, int64_t k, __m512i* pairs, float* scales
   const uint8_t* meta_base = strip + tiles * Tr::kTileBytes;
   for (int64_t t = 0; t < tiles; ++t) {
     const uint8_t* tile = strip + t * Tr::kTileBytes;
-    static_for<kPairs>([&](auto p) {
-      __m512i v[Tr::kVectors];
-      decode_pair<T, p>(tile, c, v);
-      for (int i = 0; i < Tr::kVectors; ++i)
-        _mm512_store_si512(pairs + (t * kPairs + p) * Tr::kVectors + i, v[i]);
+    __m512i* out = vectors + t * kPairs * V;
+    static_for<kPairs / 2>([&](auto q) {
+      __m512i even[V], odd[V];
+      decode_pair<T, 2 * q>(tile, c, even);
+      decode_pair<T, 2 * q + 1>(tile, c, odd);
+      for (int i = 0; i < V; ++i) {
+        __m512i first = even[i], second = odd[i];
+        if constexpr (kPairLayout) to_pairs(even[i], odd[i], first, second);
+        _mm512_store_si512(out + (2 * q) * V + i, first);
+        _mm512_store_si512(out + (2 * q + 1) * V + i, second);
+      }
     });
     if constexpr (!Tr::kFloat) {
       const uint8_t* meta = meta_base + t / tiles_per_block * Tr::kMetaBytes;

@@ -36,7 +36,12 @@ inline FieldPos field_pos(int p, int j, int width) {
   return {chunk * 64 + 2 * j + bit / 8, bit % 8};
 }
 
-inline int word_of(int k_in_tile, int col) { return 2 * col + (k_in_tile & 1); }
+// Vector (0..15) and 16-bit word (0..31) of a tile that hold weight (k_in_tile, col): each
+// column's lane carries two consecutive elements of one of AMX's summation chains (even or
+// odd k), vector 2q + c holding k = 4q + c in its high word and k = 4q + c + 2 in its low
+// word, so one vdpbf16ps advances that chain by two elements in AMX's order.
+inline int vector_of(int k_in_tile) { return 2 * (k_in_tile / 4) + (k_in_tile & 1); }
+inline int word_of(int k_in_tile, int col) { return 2 * col + ((k_in_tile & 2) ? 0 : 1); }
 
 inline int read_field(const uint8_t* plane, int p, int j, int width) {
   const FieldPos pos = field_pos(p, j, width);
@@ -50,7 +55,7 @@ inline void write_field(uint8_t* plane, int p, int j, int width, int value) {
 
 // The code u of weight (k_in_tile, col) in a quantized tile.
 inline int read_code(const Format& f, const uint8_t* tile, int k_in_tile, int col) {
-  const int p = k_in_tile / 2, j = word_of(k_in_tile, col);
+  const int p = vector_of(k_in_tile), j = word_of(k_in_tile, col);
   switch (f.planes) {
     case Planes::kNibbles: return read_field(tile, p, j, 4);
     case Planes::kNibblesBits:
@@ -66,7 +71,7 @@ inline int read_code(const Format& f, const uint8_t* tile, int k_in_tile, int co
 }
 
 inline void write_code(const Format& f, uint8_t* tile, int k_in_tile, int col, int u) {
-  const int p = k_in_tile / 2, j = word_of(k_in_tile, col);
+  const int p = vector_of(k_in_tile), j = word_of(k_in_tile, col);
   switch (f.planes) {
     case Planes::kNibbles: write_field(tile, p, j, 4, u); break;
     case Planes::kNibblesBits:
@@ -89,7 +94,7 @@ inline void write_code(const Format& f, uint8_t* tile, int k_in_tile, int col, i
 
 // A float tile's value of weight (k_in_tile, col).
 inline float read_float(const Format& f, const uint8_t* tile, int k_in_tile, int col) {
-  const int p = k_in_tile / 2, j = word_of(k_in_tile, col);
+  const int p = vector_of(k_in_tile), j = word_of(k_in_tile, col);
   if (f.planes == Planes::kF32) {
     float v;
     std::memcpy(&v, tile + 128 * p + 4 * j, 4);
