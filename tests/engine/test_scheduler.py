@@ -127,14 +127,32 @@ def test_full_prompt_hit_still_computes_one_block():
     assert finished_b["b"].output_token_ids == finished_a["a"].output_token_ids
 
 
-def test_generated_tokens_are_cached_too():
+def test_a_later_prompt_reuses_prompt_blocks_not_generated_ones():
+    # A generated token's KV is computed another way than a prompt token's (the decode
+    # kernel), so a follow-up whose prompt holds a's reply reuses only a's prompt blocks:
+    # its result must not depend on what the cache held.
     scheduler = make_scheduler(budget=64)
     scheduler.add(make_request("a", range(1, 7), max_tokens=6))
     _, finished = run_to_completion(scheduler)
     follow_up = list(range(1, 7)) + finished["a"].output_token_ids + [99]
     scheduler.add(make_request("b", follow_up, max_tokens=1))
     output, _ = step(scheduler)
-    assert output.chunks[0].start_position == 8  # 2 full blocks of a's 11 computed tokens
+    # a's first block is prompt; its second already holds generated tokens
+    assert output.chunks[0].start_position == 4
+    assert output.chunks[0].prompt
+    run_to_completion(scheduler)
+    scheduler.add(make_request("c", follow_up + [7], max_tokens=1))
+    output, _ = step(scheduler)
+    assert output.chunks[0].start_position == 12  # b's prompt blocks serve c's prompt
+
+
+def test_chunks_say_whether_they_are_prompt_tokens():
+    scheduler = make_scheduler(budget=64)
+    scheduler.add(make_request("a", range(1, 7), max_tokens=3))
+    output, _ = step(scheduler)
+    assert [c.prompt for c in output.chunks] == [True]
+    output, _ = step(scheduler)
+    assert [c.prompt for c in output.chunks] == [False]  # a generated token
 
 
 def test_prefix_caching_can_be_disabled():

@@ -235,7 +235,8 @@ class Scheduler:
         """The request's full-block hashes, extended for tokens appended since last time."""
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             tokens = request.prompt_token_ids + request.output_token_ids
-            extend_block_hashes(request.block_hashes, tokens, self.block_size)
+            extend_block_hashes(request.block_hashes, tokens, self.block_size,
+                                len(request.prompt_token_ids))
         return request.block_hashes
 
     # ---- after the forward pass -------------------------------------------------------------

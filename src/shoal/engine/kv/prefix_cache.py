@@ -16,28 +16,36 @@ from collections.abc import Sequence
 ROOT_HASH = b"shoal-prefix-root"
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], generated: bool = False) -> bytes:
     """Chained hash of one full block. 128-bit blake2b makes a collision (which would serve
-    another prompt's KV) practically impossible, unlike Python's 64-bit hash()."""
+    another prompt's KV) practically impossible, unlike Python's 64-bit hash().
+
+    generated: the block holds generated tokens, whose KV the engine computes another way
+    than a prompt's (the decode kernel; kernels/quant.h): such a block never stands in for
+    the same tokens met in a later prompt, whose result must not depend on the cache."""
     digest = hashlib.blake2b(parent_hash, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    if generated:
+        digest.update(b"generated")
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int],
-                        block_size: int) -> list[bytes]:
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        prompt_len: int | None = None) -> list[bytes]:
     """Append hashes for the full blocks of token_ids not yet hashed; returns `hashes`.
 
     `hashes` holds the hashes of the first len(hashes) blocks, so a growing request pays
-    only for its newly full blocks.
+    only for its newly full blocks. Blocks reaching past prompt_len (None: the whole list
+    is prompt) hold generated tokens and hash apart (hash_block).
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     num_full = len(token_ids) // block_size
+    limit = len(token_ids) if prompt_len is None else prompt_len
     parent = hashes[-1] if hashes else ROOT_HASH
     for index in range(len(hashes), num_full):
         block = token_ids[index * block_size:(index + 1) * block_size]
-        parent = hash_block(parent, block)
+        parent = hash_block(parent, block, generated=(index + 1) * block_size > limit)
         hashes.append(parent)
     return hashes
 
