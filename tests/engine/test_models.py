@@ -151,3 +151,20 @@ def test_packed_model_holds_about_its_file_size(tiny_checkpoints):
     file_bytes = checkpoint.gguf_path.stat().st_size
     assert fast.weight_bytes <= 1.2 * file_bytes
     assert load(checkpoint, "gguf").weight_bytes > 2 * fast.weight_bytes  # fp32: dequantized
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
+    # In bf16 too: linear layers compute each row alone and each prompt row attends on its
+    # own, so however the prompt is split (or cached), its last row's logits are the same bits.
+    fast = load(tiny_checkpoints[family], "gguf", dtype="bfloat16")
+    if not fast.module.plan.keep_quantized:
+        pytest.skip("no packed-weight kernel on this CPU")
+    blocks = shuffled_blocks(96)
+    prompt = (PROMPT * 20)[:250]  # long enough for torch's attention to split its work
+    whole = step(ModelRunner(fast, 96, BLOCK), chunk("a", prompt, 0, blocks))
+    for cut in (5, 100, 200, 249):
+        runner = ModelRunner(fast, 96, BLOCK)
+        step(runner, chunk("a", prompt[:cut], 0, blocks, sample=False))
+        split = step(runner, chunk("a", prompt[cut:], cut, blocks, prompt=True))
+        assert torch.equal(split, whole), cut

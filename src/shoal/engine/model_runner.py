@@ -18,6 +18,7 @@ from shoal.engine.models.layers.attention import (
     AttentionMetadata,
     AttentionView,
     DecodeRows,
+    RowKeys,
     StageWrite,
     attention_dtype_for,
 )
@@ -77,6 +78,9 @@ class ModelRunner:
                                            loaded.cache_dtype, self.device, stage_tokens)
         self.stage = DecodeStage(num_blocks * block_size, stage_tokens) if stage_tokens else None
         self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
+        # With the compiled kernels each Python-path row attends on its own (kernels
+        # attend_rows): its result does not depend on how its prompt was split.
+        self._row_attention = self.model.plan.kernel is not None and self.device.type == "cpu"
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
@@ -210,6 +214,14 @@ class ModelRunner:
     def _group(self, row: int, members: tuple[ScheduledChunk, ...]) -> AttentionGroup:
         query_len = len(members[0].token_ids)
         ctx = [c.context_len for c in members]
+        if self._row_attention:
+            window = self.config.sliding_window
+            sliding = self._row_keys(members, window) if window is not None else None
+            return AttentionGroup(
+                token_start=row, batch=len(members), query_len=query_len,
+                full=AttentionView(gather=None, mask=None, rows=self._row_keys(members, None)),
+                sliding=None if sliding is None else AttentionView(gather=None, mask=None,
+                                                                   rows=sliding))
         if query_len == 1 and self.stage is not None:
             staged = self._staged_group(row, members, ctx)
             if staged is not None:
@@ -227,6 +239,25 @@ class ModelRunner:
             sliding = self._view(members, _KeyWindow(lo, ctx), query_len, window)
         return AttentionGroup(token_start=row, batch=len(members), query_len=query_len,
                               full=full, sliding=sliding)
+
+    def _row_keys(self, members: tuple[ScheduledChunk, ...], window: int | None) -> RowKeys:
+        """Each member's rows over its own keys: position p sees positions [lo, p], lo = 0
+        or, in a sliding window, p - window + 1."""
+        size = self.block_size
+        slots, starts, lengths = [], [], []
+        base = 0
+        for chunk in members:
+            positions = torch.arange(chunk.context_len)
+            table = torch.tensor(chunk.block_ids, dtype=torch.long)
+            slots.append(table[positions // size] * size + positions % size)
+            new = torch.arange(chunk.start_position, chunk.context_len)
+            lo = new * 0 if window is None else (new - window + 1).clamp(min=0)
+            starts.append(base + lo)
+            lengths.append(new + 1 - lo)
+            base += chunk.context_len
+        device = self.device
+        return RowKeys(key_slots=torch.cat(slots).to(device), start=torch.cat(starts).to(device),
+                       length=torch.cat(lengths).to(device))
 
     def _staged_group(self, row: int, members: tuple[ScheduledChunk, ...],
                       ctx: list[int]) -> AttentionGroup | None:

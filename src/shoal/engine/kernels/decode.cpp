@@ -300,6 +300,49 @@ at::Tensor gated(const at::Tensor& gate_up, bool gelu) {
   return out;
 }
 
+// Attention of prompt rows (the Python path's prefill): row r's queries q[r] ([H, D] float32,
+// rotated) over the keys at key_slots[start[r] .. start[r] + length[r]) of a layer's cache
+// (its own key written there first) -> [T, H * D] bf16. Each row is computed alone, its
+// keys in order: a row's result does not depend on how its prompt was split into chunks
+// (torch's attention moves by ~1e-7 with the split, enough to flip a bf16 rounding).
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& key_slots,
+                       const at::Tensor& start, const at::Tensor& length, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
+              "attend_rows: q must be [T, H, D] float32");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == q.size(2) &&
+                  (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
+              "attend_rows: the cache must be [2 * H_kv, slots, D] float32 or bfloat16");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = cache.size(0) / 2, slots = cache.size(1);
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "attend_rows: heads and KV heads differ");
+  const at::Tensor keys = key_slots.to(at::kLong).contiguous();
+  const at::Tensor starts = start.to(at::kLong).contiguous(), lengths = length.to(at::kLong).contiguous();
+  TORCH_CHECK(starts.numel() == rows && lengths.numel() == rows,
+              "attend_rows: one start and length per row");
+  const int64_t* key_p = keys.data_ptr<int64_t>();
+  for (int64_t i = 0; i < keys.numel(); ++i)
+    TORCH_CHECK(key_p[i] >= 0 && key_p[i] < slots, "attend_rows: key slot out of range");
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(lengths.data_ptr<int64_t>()[r] >= 1 && starts.data_ptr<int64_t>()[r] >= 0 &&
+                    starts.data_ptr<int64_t>()[r] + lengths.data_ptr<int64_t>()[r] <= keys.numel(),
+                "attend_rows: a row's keys lie outside key_slots");
+  const at::Tensor queries = q.contiguous();
+  at::Tensor out = at::empty({rows, heads * dim}, q.options().dtype(at::kBFloat16));
+  const shoal_attention::Layout layout{heads, kv_heads, dim, slots, static_cast<float>(scale)};
+  auto nothing = [](int64_t, int64_t) {};
+  // Every item is a row's whole key range: always worth a thread.
+  if (cache.scalar_type() == at::kFloat) {
+    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<float>(), key_p,
+                            starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, 0,
+                            out.data_ptr<bf16>(), nothing);
+  } else {
+    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<bf16>(), key_p,
+                            starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, 0,
+                            out.data_ptr<bf16>(), nothing);
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace shoal_quant {
@@ -309,6 +352,8 @@ void bind(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   shoal_quant::bind(m);
   m.def("gated", &gated, "act(gate) * up of a [T, 2F] bf16 gate/up projection",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("attend_rows", &attend_rows, "attention of prompt rows, each over its own keys",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init([](const std::vector<at::Tensor>& norms,

@@ -59,7 +59,7 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=config.head_dim, scale=config.scale,
         sliding=config.layer_type(index) == "sliding", q_norm=q_norm, k_norm=k_norm,
-        attention_dtype=_attention_cast(plan))
+        attention_dtype=_attention_cast(plan), kernel=plan.kernel)
 
 
 def _row_parallel(layer: nn.Module, plan: WeightPlan) -> nn.Module:

@@ -21,6 +21,16 @@ from shoal.engine.models.layers.rotary import apply_rotary, apply_rotary_
 
 
 @dataclass
+class RowKeys:
+    """Each row's own keys, for the compiled row attention (kernels attend_rows): row r
+    attends to the cache slots key_slots[start[r] .. start[r] + length[r]) in order."""
+
+    key_slots: torch.Tensor  # [N] int64: the members' key windows, concatenated
+    start: torch.Tensor      # [rows] int64
+    length: torch.Tensor     # [rows] int64
+
+
+@dataclass
 class AttentionView:
     """Which keys one group attends to.
 
@@ -39,6 +49,8 @@ class AttentionView:
     # (first, row_len, lo, end): a decode group read from the stage (kv/stage.py), row b's
     # keys at positions [lo, end) being slots first + b * row_len + [lo, end).
     staged: tuple[int, int, int, int] | None = None
+    # Set when each row attends on its own through the compiled kernel (the others unused).
+    rows: RowKeys | None = None
 
 
 @dataclass
@@ -119,8 +131,9 @@ class SelfAttention(Layer):
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding: bool,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 attention_dtype: torch.dtype | None = None) -> None:
+                 attention_dtype: torch.dtype | None = None, kernel=None) -> None:
         super().__init__()
+        self.kernel = kernel  # the compiled extension: row attention for groups that ask
         self.attention_dtype = attention_dtype  # None: attend in the compute dtype
         self.qkv, self.o = qkv, o
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -163,6 +176,10 @@ class SelfAttention(Layer):
         rows = slice(group.token_start, group.token_end)
         if rows.start > 0 or rows.stop < q.shape[0]:
             q = q[rows]
+        if view.rows is not None:  # q: [B * Tq, H, D] -> [B * Tq, H * D] bf16
+            keys = view.rows
+            return self.kernel.attend_rows(q, kv_cache, keys.key_slots, keys.start, keys.length,
+                                           self.scale)
         # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
         q = q.unsqueeze(2) if query_len == 1 else \
             q.view(batch, query_len, heads, dim).transpose(1, 2)

@@ -88,6 +88,8 @@ class EstimatedHead(Layer):
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         """x: [S, hidden] bf16 -> float32 logits [S, vocab]."""
         rows = x.shape[0]
+        if rows == 0:  # a step with nothing to sample (a prompt's middle chunk)
+            return torch.empty(0, self.out_features, dtype=torch.float32, device=x.device)
         generated = rows if prompt_from is None else min(prompt_from, rows)
         parts = []
         if generated:
