@@ -24,8 +24,8 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
     router = ScriptedRouter()
     router.supervisors = [
         ready_supervisor(tmp_path, "measured", MemoryUsage(
-            weights_bytes=100_000, kv_bytes_in_use=3_000, kv_bytes_capacity=50_000,
-            rss_bytes=900_000)),
+            weights_bytes=100_000, kv_bytes_in_use=3_000, kv_bytes_cached=2_000,
+            kv_bytes_capacity=50_000, rss_bytes=900_000)),
         ready_supervisor(tmp_path, "unreported", None),  # loaded, no report yet
         ready_supervisor(tmp_path, "blind", MemoryUsage(rss_bytes=800_000)),
     ]
@@ -36,9 +36,11 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
     models = {m["model"]: m for m in client.get("/api/ps").json()["models"]}
     assert list(models) == ["measured", "unreported", "blind"]
     measured = models["measured"]
-    assert measured["size"] == 103_000 and measured["size_vram"] == 0
+    # weights + the blocks requests hold + those kept for the prefix cache
+    assert measured["size"] == 105_000 and measured["size_vram"] == 0
     assert measured["shoal"] == {"weights_bytes": 100_000, "kv_bytes_in_use": 3_000,
-                                 "kv_bytes_capacity": 50_000, "rss_bytes": 900_000}
+                                 "kv_bytes_cached": 2_000, "kv_bytes_capacity": 50_000,
+                                 "rss_bytes": 900_000}
     assert measured["expires_at"] is None and measured["context_length"] == 64
     assert models["unreported"]["size"] == 4 and "shoal" not in models["unreported"]
     assert models["blind"]["size"] == 4  # weights unknown: the file's size stands
@@ -48,5 +50,5 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
     assert tags["measured"]["size"] == 4  # /api/tags keeps the weight file's size
     assert tags["measured"]["digest"] == measured["digest"]
     health = {m["model"]: m for m in client.get("/health").json()["models"]}
-    assert health["measured"]["size_bytes"] == 103_000
+    assert health["measured"]["size_bytes"] == 105_000
     assert health["unreported"]["size_bytes"] is None

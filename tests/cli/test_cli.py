@@ -138,7 +138,7 @@ def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):
     answer_with(monkeypatch)
     assert main(["ps", "--url", "http://node"]) == 0
     header, local, remote = capsys.readouterr().out.splitlines()
-    assert "WEIGHTS" in header and "KV IN USE / ALL" in header and "RSS" in header
+    assert "WEIGHTS" in header and "KV HELD / ALL" in header and "RSS" in header
     assert "100 MiB" in local and "3 MiB / 224 MiB" in local and "2.0 GiB" in local
     assert remote.split()[5:8] == ["-", "-", "-"]  # another node's runner
     assert main(["ps", "--url", "http://node", "--json"]) == 0

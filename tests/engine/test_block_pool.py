@@ -77,3 +77,17 @@ def test_disabled_prefix_caching_finds_nothing():
     (block,) = pool.allocate(1)
     pool.cache_block(block_hash, block)
     assert pool.find_cached([block_hash]) == []
+
+
+def test_free_blocks_kept_for_the_prefix_cache_are_counted():
+    from shoal.engine.kv.block_pool import BlockPool
+
+    pool = BlockPool(6)
+    first, second = pool.allocate(2)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    pool.cache_block(block_hash, first)
+    assert pool.num_cached_free_blocks == 0  # still referenced
+    pool.free([first, second])
+    assert pool.num_cached_free_blocks == 1  # the cached one is kept, the other is not
+    pool.allocate(6)  # takes every block, evicting the cached one last
+    assert pool.num_cached_free_blocks == 0

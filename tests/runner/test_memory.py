@@ -60,7 +60,8 @@ def test_worth_sending_on_first_change_or_heartbeat():
 
 
 def test_kv_blocks_from_engine_stats():
-    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_total": 10, "num_running": 1}) == (3, 10)
+    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_total": 10, "num_running": 1}) == (3, 0, 10)
+    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_cached": 4, "kv_blocks_total": 10}) == (3, 4, 10)
     assert kv_blocks({"num_running": 1}) is None
 
 
@@ -77,6 +78,7 @@ def test_report_follows_blocks_used_and_freed(tmp_path):
     memory_reporter, sent, clock = reporter(engine)
     memory_reporter.report()
     assert sent == [MemoryUsage(weights_bytes=WEIGHT_BYTES, kv_bytes_in_use=0,
+                                kv_bytes_cached=0,
                                 kv_bytes_capacity=KV_NUM_BLOCKS * KV_BYTES_PER_BLOCK,
                                 rss_bytes=7_000_000)]
     add(engine, "a", "one two three four five")  # 5 tokens: 2 blocks of 4

@@ -80,8 +80,10 @@ def _size(size: int | None) -> str:
 
 
 def _kv(memory: dict[str, Any]) -> str:
+    """KV held (requests' blocks plus those kept for the prefix cache) over all blocks."""
     in_use, capacity = memory.get("kv_bytes_in_use"), memory.get("kv_bytes_capacity")
-    return _size(in_use) if capacity is None else f"{_size(in_use)} / {_size(capacity)}"
+    held = None if in_use is None else in_use + (memory.get("kv_bytes_cached") or 0)
+    return _size(held) if capacity is None else f"{_size(held)} / {_size(capacity)}"
 
 
 def local_memory(cluster: dict[str, Any], memory: dict[str, dict[str, Any]]
@@ -98,7 +100,7 @@ def print_instances(cluster: dict[str, Any],
                     memory: dict[str, dict[str, Any]] | None = None) -> None:
     """The instances; with memory (instance id -> figures) also what this node holds."""
     header = ("INSTANCE", "MODEL", "SHARDING", "ORIGIN", "STATUS")
-    held = ("WEIGHTS", "KV IN USE / ALL", "RSS") if memory is not None else ()
+    held = ("WEIGHTS", "KV HELD / ALL", "RSS") if memory is not None else ()
     rows = [(*header, *held, "RANKS (node[layers])")]
     for instance in cluster["instances"]:
         figures: tuple[str, ...] = ()

@@ -41,20 +41,22 @@ def kv_bytes_per_block(loaded: Any, block_size: int) -> int:
                               num_layers=(end - start) or None) * block_size
 
 
-def kv_blocks(stats: dict[str, Any]) -> tuple[int, int] | None:
-    """(blocks in use, blocks in all) from engine.stats(); None if it has no block pool."""
+def kv_blocks(stats: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(blocks in use, free blocks kept for the prefix cache, blocks in all) from
+    engine.stats(); None if it has no block pool."""
     used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
     if not isinstance(used, int) or not isinstance(total, int):
         return None
-    return used, total
+    cached = stats.get("kv_blocks_cached")
+    return used, cached if isinstance(cached, int) else 0, total
 
 
 def worth_sending(last: MemoryUsage | None, now: MemoryUsage, since_sent_s: float) -> bool:
     """A report is due when it is the first, the heartbeat is due, or a figure moved."""
     if last is None or since_sent_s >= HEARTBEAT_S:
         return True
-    if (last.weights_bytes, last.kv_bytes_in_use, last.kv_bytes_capacity) != (
-            now.weights_bytes, now.kv_bytes_in_use, now.kv_bytes_capacity):
+    figures = ("weights_bytes", "kv_bytes_in_use", "kv_bytes_cached", "kv_bytes_capacity")
+    if any(getattr(last, name) != getattr(now, name) for name in figures):
         return True
     if last.rss_bytes is None or now.rss_bytes is None:
         return last.rss_bytes != now.rss_bytes
@@ -99,10 +101,10 @@ class MemoryReporter:
         self._emit(self.measure(), now)
 
     def measure(self) -> MemoryUsage:
-        in_use, capacity = self._read(self._kv_bytes, (None, None))
+        in_use, cached, capacity = self._read(self._kv_bytes, (None, None, None))
         return MemoryUsage(weights_bytes=self._read(lambda: weights_bytes(self._engine), None),
-                           kv_bytes_in_use=in_use, kv_bytes_capacity=capacity,
-                           rss_bytes=self._read(self._rss, None))
+                           kv_bytes_in_use=in_use, kv_bytes_cached=cached,
+                           kv_bytes_capacity=capacity, rss_bytes=self._read(self._rss, None))
 
     def _read(self, read: Callable[[], Any], unknown: Any) -> Any:
         try:
@@ -113,14 +115,14 @@ class MemoryReporter:
             self._warned = True
             return unknown
 
-    def _kv_bytes(self) -> tuple[int | None, int | None]:
+    def _kv_bytes(self) -> tuple[int | None, int | None, int | None]:
         per_block = self._bytes_per_block()
         stats = getattr(self._engine, "stats", None)
         blocks = kv_blocks(stats()) if per_block is not None and callable(stats) else None
         if blocks is None or per_block is None:
-            return None, None
-        used, total = blocks
-        return used * per_block, total * per_block
+            return None, None, None
+        used, cached, total = blocks
+        return used * per_block, cached * per_block, total * per_block
 
     def _bytes_per_block(self) -> int | None:
         if not self._per_block_known:  # constant for the engine's life

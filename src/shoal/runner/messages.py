@@ -87,15 +87,17 @@ class MemoryUsage(RunnerMessage):
     type: Literal["memory"] = "memory"
     weights_bytes: int | None = None  # the weights as held (packed GGUF stays near file size)
     kv_bytes_in_use: int | None = None  # KV cache blocks that requests hold now
+    kv_bytes_cached: int | None = None  # free blocks kept for the prefix cache
     kv_bytes_capacity: int | None = None  # every KV cache block (reserved, touched lazily)
     rss_bytes: int | None = None  # resident memory of the runner process
 
     @property
     def held_bytes(self) -> int | None:
-        """Weights plus the KV cache in use: what the model holds beyond the process."""
+        """Weights plus the KV cache requests and the prefix cache hold: what the model
+        holds beyond the process's own floor."""
         if self.weights_bytes is None:
             return None
-        return self.weights_bytes + (self.kv_bytes_in_use or 0)
+        return self.weights_bytes + (self.kv_bytes_in_use or 0) + (self.kv_bytes_cached or 0)
 
 
 class Failed(RunnerMessage):

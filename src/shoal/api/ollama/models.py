@@ -126,6 +126,7 @@ def running_json(model: ListedModel) -> dict[str, Any]:
             described["size"] = memory.held_bytes
         described["shoal"] = {"weights_bytes": memory.weights_bytes,
                               "kv_bytes_in_use": memory.kv_bytes_in_use,
+                              "kv_bytes_cached": memory.kv_bytes_cached,
                               "kv_bytes_capacity": memory.kv_bytes_capacity,
                               "rss_bytes": memory.rss_bytes}
     return described

@@ -46,7 +46,9 @@ struct Block {
   bool sliding;
 };
 
-at::Tensor given(const at::Tensor& tensor) { return tensor.numel() ? tensor.contiguous() : at::Tensor(); }
+at::Tensor given(const at::Tensor& tensor) {
+  return tensor.numel() ? tensor.contiguous() : at::Tensor();
+}
 
 const bf16* bf16_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<bf16>() : nullptr; }
 
@@ -208,7 +210,8 @@ class Decoder {
     const bf16* delta_p = bf16_or_null(delta);
     const bf16* w = weight.data_ptr<bf16>();
     shoal_decode::for_rows(h.size(0), [&](int64_t b) {
-      if (delta_p != nullptr) shoal_decode::residual_add(h_p + b * width, delta_p + b * width, width);
+      if (delta_p != nullptr)
+        shoal_decode::residual_add(h_p + b * width, delta_p + b * width, width);
       shoal_decode::rms_norm(h_p + b * width, w, x_p + b * width, width, eps_);
     });
   }
@@ -316,7 +319,8 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
   const int64_t kv_heads = cache.size(0) / 2, slots = cache.size(1);
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "attend_rows: heads and KV heads differ");
   const at::Tensor keys = key_slots.to(at::kLong).contiguous();
-  const at::Tensor starts = start.to(at::kLong).contiguous(), lengths = length.to(at::kLong).contiguous();
+  const at::Tensor starts = start.to(at::kLong).contiguous();
+  const at::Tensor lengths = length.to(at::kLong).contiguous();
   TORCH_CHECK(starts.numel() == rows && lengths.numel() == rows,
               "attend_rows: one start and length per row");
   const int64_t* key_p = keys.data_ptr<int64_t>();

@@ -119,7 +119,7 @@ void decode_strip_split(const uint8_t* strip, int64_t k, __m512i* split_tiles) {
         }
       }
       __m512i v[Tr::kVectors];
-      decode_pair<T, p>(tile, c, v);
+      decode_vector<T, p>(tile, c, v);
       __m512 low, high;
       if constexpr (Tr::kFloat) {
         // The bf16 parts of a float weight sum back to it: add them in float32 first.

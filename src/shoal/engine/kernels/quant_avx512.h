@@ -96,7 +96,7 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
         constexpr int v = sub * Tr::kSubPairs + index;
         for (int s = 0; s < S; ++s) {
           __m512i w[V];
-          decode_pair<T, v>(tile[s], c, w);
+          decode_vector<T, v>(tile[s], c, w);
           for (int i = 0; i < V; ++i)
             chains.add(s, i, v % 2 == 1, w[i],
                        [&](int r) { return pair_of(xc + r * ldx + k0 + 2 * v); });

@@ -36,7 +36,8 @@ void read_small(const Format& f, const uint8_t* block, Codes& out) {
 
 void read_q8_0(const uint8_t* block, Codes& out) {
   out.d = read_u16(block);
-  for (int j = 0; j < 32; ++j) out.u[j] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + j]) + 128);
+  for (int j = 0; j < 32; ++j)
+    out.u[j] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + j]) + 128);
 }
 
 // Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin. Each half of 128

@@ -109,8 +109,8 @@ inline __m512i to_bf16(__m512 upper, __m512 lower) {
 // Vector P of a tile as bf16 (kVectors of them: float types split exactly into bf16
 // parts that sum to the weight).
 template <QType T, int P>
-inline void decode_pair(const uint8_t* tile, const Constants& c,
-                        __m512i (&v)[Traits<T>::kVectors]) {
+inline void decode_vector(const uint8_t* tile, const Constants& c,
+                          __m512i (&v)[Traits<T>::kVectors]) {
   constexpr Format f = Traits<T>::f;
   if constexpr (f.planes == Planes::kNibbles || f.planes == Planes::kNibblesBits ||
                 f.planes == Planes::kNibblesCrumbs) {
@@ -133,7 +133,8 @@ inline void decode_pair(const uint8_t* tile, const Constants& c,
     v[0] = value;
   } else if constexpr (f.planes == Planes::kInt8) {
     const uint8_t* bytes = tile + 32 * P;
-    const __m512i low = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512i low =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
     const __m512i high =
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
     v[0] = to_bf16(_mm512_cvtepi32_ps(high), _mm512_cvtepi32_ps(low));
@@ -242,8 +243,8 @@ void decode_strip(const uint8_t* strip, int64_t k, __m512i* vectors, float* scal
     __m512i* out = vectors + t * kPairs * V;
     static_for<kPairs / 2>([&](auto q) {
       __m512i even[V], odd[V];
-      decode_pair<T, 2 * q>(tile, c, even);
-      decode_pair<T, 2 * q + 1>(tile, c, odd);
+      decode_vector<T, 2 * q>(tile, c, even);
+      decode_vector<T, 2 * q + 1>(tile, c, odd);
       for (int i = 0; i < V; ++i) {
         __m512i first = even[i], second = odd[i];
         if constexpr (kPairLayout) to_pairs(even[i], odd[i], first, second);

@@ -87,7 +87,9 @@ inline void write_code(const Format& f, uint8_t* tile, int k_in_tile, int col, i
       write_field(tile, p, j, 2, u);
       write_field(tile + 128, p, j, 1, u >> 2);
       break;
-    case Planes::kInt8: tile[32 * p + j] = static_cast<uint8_t>(static_cast<int8_t>(u - 128)); break;
+    case Planes::kInt8:
+      tile[32 * p + j] = static_cast<uint8_t>(static_cast<int8_t>(u - 128));
+      break;
     default: break;
   }
 }

@@ -38,6 +38,11 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding a cached prefix (kept until allocation evicts them)."""
+        return sum(1 for block_id in self.prefix_cache.block_ids() if block_id in self._free)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request."""
         return self.num_used_blocks / self.num_blocks

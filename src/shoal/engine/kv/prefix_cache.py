@@ -90,6 +90,10 @@ class PrefixCache:
         self._hash_of[block_id] = block_hash
         return True
 
+    def block_ids(self):
+        """The ids of the blocks that hold cached content."""
+        return self._hash_of.keys()
+
     def hash_of(self, block_id: int) -> bytes | None:
         return self._hash_of.get(block_id)
 
