@@ -203,7 +203,10 @@ class ModelRunner:
         while index < len(chunks):
             end = index + 1
             if len(chunks[index].token_ids) == 1:
-                while end < len(chunks) and len(chunks[end].token_ids) == 1:
+                # Single-token chunks share a group, prompt and generated ones apart (each
+                # kind has its own row attention).
+                while (end < len(chunks) and len(chunks[end].token_ids) == 1
+                       and chunks[end].prompt == chunks[index].prompt):
                     end += 1
             members = chunks[index:end]
             groups.append(self._group(row, members))
@@ -244,20 +247,21 @@ class ModelRunner:
         """Each member's rows over its own keys: position p sees positions [lo, p], lo = 0
         or, in a sliding window, p - window + 1."""
         size = self.block_size
-        slots, starts, lengths = [], [], []
+        slots, bases, positions, los = [], [], [], []
         base = 0
         for chunk in members:
-            positions = torch.arange(chunk.context_len)
+            every = torch.arange(chunk.context_len)
             table = torch.tensor(chunk.block_ids, dtype=torch.long)
-            slots.append(table[positions // size] * size + positions % size)
+            slots.append(table[every // size] * size + every % size)
             new = torch.arange(chunk.start_position, chunk.context_len)
-            lo = new * 0 if window is None else (new - window + 1).clamp(min=0)
-            starts.append(base + lo)
-            lengths.append(new + 1 - lo)
+            positions.append(new)
+            los.append(new * 0 if window is None else (new - window + 1).clamp(min=0))
+            bases.append(torch.full_like(new, base))
             base += chunk.context_len
         device = self.device
-        return RowKeys(key_slots=torch.cat(slots).to(device), start=torch.cat(starts).to(device),
-                       length=torch.cat(lengths).to(device))
+        return RowKeys(key_slots=torch.cat(slots).to(device), base=torch.cat(bases).to(device),
+                       position=torch.cat(positions).to(device), lo=torch.cat(los).to(device),
+                       prompt=members[0].prompt)
 
     def _staged_group(self, row: int, members: tuple[ScheduledChunk, ...],
                       ctx: list[int]) -> AttentionGroup | None:

@@ -31,8 +31,8 @@ _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
                                           "quant_paths.cpp", "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
-    "attention.h", "decode_rows.h", "vector.h", "quant.h", "quant_amx.h", "quant_avx512.h",
-    "quant_formats.h", "quant_kernels.h", "quant_simd.h", "quant_strip.h"))
+    "attention.h", "decode_rows.h", "prompt_attention.h", "vector.h", "quant.h", "quant_amx.h",
+    "quant_avx512.h", "quant_formats.h", "quant_kernels.h", "quant_simd.h", "quant_strip.h"))
 NAME = "shoal_kernels"
 # -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,
 # so they bind to the one torch itself loaded (two runtimes would fight over the cores).

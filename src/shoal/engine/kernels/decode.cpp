@@ -22,6 +22,7 @@
 
 #include "attention.h"
 #include "decode_rows.h"
+#include "prompt_attention.h"
 #include "quant.h"
 
 namespace {
@@ -308,8 +309,13 @@ at::Tensor gated(const at::Tensor& gate_up, bool gelu) {
 // (its own key written there first) -> [T, H * D] bf16. Each row is computed alone, its
 // keys in order: a row's result does not depend on how its prompt was split into chunks
 // (torch's attention moves by ~1e-7 with the split, enough to flip a bf16 rounding).
+// Attention of rows each over its own keys: row r is position position[r] of a request
+// whose key slots are key_slots[base[r] ..] and sees positions [lo[r], position[r]].
+// Prompt rows take the prompt kernel (prompt_attention.h); generated rows the decode
+// kernel's arithmetic, so a generated token's result is the fused decoder's.
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& key_slots,
-                       const at::Tensor& start, const at::Tensor& length, double scale) {
+                       const at::Tensor& base, const at::Tensor& position, const at::Tensor& lo,
+                       double scale, bool prompt) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
               "attend_rows: q must be [T, H, D] float32");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == q.size(2) &&
@@ -319,28 +325,46 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
   const int64_t kv_heads = cache.size(0) / 2, slots = cache.size(1);
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "attend_rows: heads and KV heads differ");
   const at::Tensor keys = key_slots.to(at::kLong).contiguous();
-  const at::Tensor starts = start.to(at::kLong).contiguous();
-  const at::Tensor lengths = length.to(at::kLong).contiguous();
-  TORCH_CHECK(starts.numel() == rows && lengths.numel() == rows,
-              "attend_rows: one start and length per row");
+  const at::Tensor bases = base.to(at::kLong).contiguous();
+  const at::Tensor positions = position.to(at::kLong).contiguous();
+  const at::Tensor los = lo.to(at::kLong).contiguous();
+  TORCH_CHECK(bases.numel() == rows && positions.numel() == rows && los.numel() == rows,
+              "attend_rows: one base, position and lo per row");
   const int64_t* key_p = keys.data_ptr<int64_t>();
   for (int64_t i = 0; i < keys.numel(); ++i)
     TORCH_CHECK(key_p[i] >= 0 && key_p[i] < slots, "attend_rows: key slot out of range");
+  const int64_t *base_p = bases.data_ptr<int64_t>(), *position_p = positions.data_ptr<int64_t>();
+  const int64_t* lo_p = los.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(lengths.data_ptr<int64_t>()[r] >= 1 && starts.data_ptr<int64_t>()[r] >= 0 &&
-                    starts.data_ptr<int64_t>()[r] + lengths.data_ptr<int64_t>()[r] <= keys.numel(),
+    TORCH_CHECK(base_p[r] >= 0 && lo_p[r] >= 0 && lo_p[r] <= position_p[r] &&
+                    base_p[r] + position_p[r] < keys.numel(),
                 "attend_rows: a row's keys lie outside key_slots");
   const at::Tensor queries = q.contiguous();
   at::Tensor out = at::empty({rows, heads * dim}, q.options().dtype(at::kBFloat16));
+  const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
+  if (prompt) {
+    const shoal_prompt_attention::Rows layout{queries.data_ptr<float>(), rows, heads, kv_heads,
+                                              dim, key_p, base_p, position_p, lo_p,
+                                              static_cast<float>(scale)};
+    if (bf16_cache) {
+      shoal_prompt_attention::attend(layout, cache.data_ptr<bf16>(), slots, out.data_ptr<bf16>());
+    } else {
+      shoal_prompt_attention::attend(layout, cache.data_ptr<float>(), slots,
+                                     out.data_ptr<bf16>());
+    }
+    return out;
+  }
+  const at::Tensor starts = bases + los;
+  const at::Tensor lengths = positions + 1 - los;
   const shoal_attention::Layout layout{heads, kv_heads, dim, slots, static_cast<float>(scale)};
   auto nothing = [](int64_t, int64_t) {};
   // Every item is a row's whole key range: always worth a thread.
-  if (cache.scalar_type() == at::kFloat) {
-    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<float>(), key_p,
+  if (bf16_cache) {
+    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<bf16>(), key_p,
                             starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, 0,
                             out.data_ptr<bf16>(), nothing);
   } else {
-    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<bf16>(), key_p,
+    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<float>(), key_p,
                             starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, 0,
                             out.data_ptr<bf16>(), nothing);
   }

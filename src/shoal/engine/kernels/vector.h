@@ -67,6 +67,22 @@ inline void store(bf16* p, f32x16 v) {
   std::memcpy(p, &half, sizeof half);
 }
 
+// a * b + c: one rounding where the CPU has FMA (AVX-512), a product and a sum elsewhere.
+// Either way the same inputs give the same bits on one machine.
+inline f32x16 fma(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float hmax(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
 inline float hsum(f32x16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));

@@ -22,12 +22,16 @@ from shoal.engine.models.layers.rotary import apply_rotary, apply_rotary_
 
 @dataclass
 class RowKeys:
-    """Each row's own keys, for the compiled row attention (kernels attend_rows): row r
-    attends to the cache slots key_slots[start[r] .. start[r] + length[r]) in order."""
+    """Each row's own keys, for the compiled row attention (kernels attend_rows): row r is
+    position position[r] of a request whose key slots are key_slots[base[r] ..], and it
+    attends to positions [lo[r], position[r]] in order. Prompt rows and generated rows
+    take different kernels (the generated ones the fused decoder's arithmetic)."""
 
-    key_slots: torch.Tensor  # [N] int64: the members' key windows, concatenated
-    start: torch.Tensor      # [rows] int64
-    length: torch.Tensor     # [rows] int64
+    key_slots: torch.Tensor  # [N] int64: each member's slots for positions 0 .., concatenated
+    base: torch.Tensor       # [rows] int64
+    position: torch.Tensor   # [rows] int64
+    lo: torch.Tensor         # [rows] int64
+    prompt: bool
 
 
 @dataclass
@@ -178,8 +182,8 @@ class SelfAttention(Layer):
             q = q[rows]
         if view.rows is not None:  # q: [B * Tq, H, D] -> [B * Tq, H * D] bf16
             keys = view.rows
-            return self.kernel.attend_rows(q, kv_cache, keys.key_slots, keys.start, keys.length,
-                                           self.scale)
+            return self.kernel.attend_rows(q, kv_cache, keys.key_slots, keys.base,
+                                           keys.position, keys.lo, self.scale, keys.prompt)
         # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
         q = q.unsqueeze(2) if query_len == 1 else \
             q.view(batch, query_len, heads, dim).transpose(1, 2)

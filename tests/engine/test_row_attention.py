@@ -1,0 +1,111 @@
+"""The compiled row attention (kernels attend_rows): prompt rows through the prompt kernel,
+generated rows through the decode kernel's arithmetic, each row over its own keys.
+
+A row's result must be a function of its query and its own keys and values alone: whatever
+other rows share the call, however its prompt was cut into chunks, the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.engine.kernels import build
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = build.KERNEL.load()
+    assert module is not None, "the kernels did not build (see the warning logged)"
+    return module
+
+
+class Case:
+    """Two requests of 70 and 33 positions whose keys lie scattered over a 512-slot cache;
+    every position of both is a row (request 1's rows after request 0's)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, dtype: torch.dtype,
+                 window: int | None, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.cache = torch.randn(2 * kv_heads, 512, dim, generator=generator).to(dtype)
+        order = torch.randperm(512, generator=generator)
+        self.key_slots = torch.cat((order[:70], order[100:133]))
+        base, position, lo = [], [], []
+        for start, length in ((0, 70), (70, 33)):
+            for p in range(length):
+                base.append(start)
+                position.append(p)
+                lo.append(0 if window is None else max(0, p - window + 1))
+        self.base, self.position, self.lo = (torch.tensor(v) for v in (base, position, lo))
+        self.q = torch.randn(len(position), heads, dim, generator=generator)
+        self.scale = dim ** -0.5
+        self.kv_heads = kv_heads
+
+    def run(self, kernel, rows: slice | list[int] = slice(None), prompt: bool = True):
+        pick = (lambda t: t[rows])
+        return kernel.attend_rows(pick(self.q), self.cache, self.key_slots, pick(self.base),
+                                  pick(self.position), pick(self.lo), self.scale, prompt)
+
+    def reference(self) -> torch.Tensor:
+        """Float64 softmax attention, row by row: [rows, heads * dim]."""
+        rows, heads, dim = self.q.shape
+        group = heads // self.kv_heads
+        out = torch.empty(rows, heads, dim, dtype=torch.float64)
+        for r in range(rows):
+            keys = self.key_slots[self.base[r] + torch.arange(self.lo[r], self.position[r] + 1)]
+            for h in range(heads):
+                g = h // group
+                k = self.cache[g, keys].double()
+                v = self.cache[self.kv_heads + g, keys].double()
+                weights = torch.softmax(k @ self.q[r, h].double() * self.scale, dim=0)
+                out[r, h] = weights @ v
+        return out.view(rows, heads * dim)
+
+
+SHAPES = [  # head size, heads, KV heads, cache dtype, sliding window
+    (64, 9, 3, torch.float32, None),
+    (64, 14, 2, torch.bfloat16, None),
+    (128, 4, 2, torch.bfloat16, None),
+    (256, 4, 1, torch.bfloat16, 40),
+    (40, 4, 2, torch.float32, 7),  # a head size with no vector form
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("prompt", [True, False], ids=["prompt", "generated"])
+def test_rows_match_float64_attention(kernel, shape, prompt):
+    case = Case(*shape)
+    out = case.run(kernel, prompt=prompt)
+    assert out.dtype == torch.bfloat16 and out.shape == (103, shape[1] * shape[0])
+    # bf16 output: within a rounding of the exact result (values are O(1)).
+    torch.testing.assert_close(out.double(), case.reference(), atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("prompt", [True, False], ids=["prompt", "generated"])
+def test_a_row_does_not_depend_on_what_shares_its_call(kernel, shape, prompt):
+    case = Case(*shape)
+    together = case.run(kernel, prompt=prompt)
+    alone = torch.cat([case.run(kernel, slice(r, r + 1), prompt) for r in range(103)])
+    assert torch.equal(together, alone)
+    # Chunks cut anywhere (mid-item, mid-request), and rows in another order.
+    cuts = [0, 5, 17, 40, 69, 71, 90, 103]
+    chunked = torch.cat([case.run(kernel, slice(a, b), prompt) for a, b in zip(cuts, cuts[1:])])
+    assert torch.equal(together, chunked)
+    reverse = list(range(102, -1, -1))
+    assert torch.equal(together[reverse], case.run(kernel, reverse, prompt))
+
+
+def test_bad_rows_are_refused(kernel):
+    case = Case(64, 9, 3, torch.float32, None)
+    with pytest.raises(RuntimeError, match="lie outside key_slots"):
+        kernel.attend_rows(case.q[:1], case.cache, case.key_slots, case.base[:1],
+                           torch.tensor([200]), case.lo[:1], case.scale, True)
+    with pytest.raises(RuntimeError, match="lie outside key_slots"):
+        kernel.attend_rows(case.q[:1], case.cache, case.key_slots, case.base[:1],
+                           torch.tensor([3]), torch.tensor([4]), case.scale, True)
+    with pytest.raises(RuntimeError, match="one base, position and lo per row"):
+        kernel.attend_rows(case.q[:2], case.cache, case.key_slots, case.base[:1],
+                           case.position[:1], case.lo[:1], case.scale, True)
+    with pytest.raises(RuntimeError, match="key slot out of range"):
+        kernel.attend_rows(case.q[:1], case.cache, case.key_slots + 1000, case.base[:1],
+                           case.position[:1], case.lo[:1], case.scale, True)
