@@ -207,5 +207,9 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch):
                                                              dim=-1).indices
     assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
     assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
-    # Prompt rows (from prompt_from on) get the exact head all through.
-    assert torch.equal(head(x, 1)[1:], head.exact(x[1:], 0))
+    # Prompt rows (from prompt_from on) get the exact head all through, on the
+    # generated-token arithmetic (a row's logits are the same bits alone or in a batch).
+    assert torch.equal(head(x, 1)[1:], exact[1:])
+    assert torch.equal(head(x[2:], 0), exact[2:])
+    plain = head_module.build_head(raw, plan, None, spare_bytes=0)
+    assert torch.equal(plain(x, 0), plain(x)) and torch.equal(plain(x, 0), exact)

@@ -6,6 +6,10 @@ estimate of it instead (Q4_1, 5 bits per weight) and recompute the estimate's to
 RESCORE_CANDIDATES tokens of each row exactly: the tokens sampling can realistically pick
 get the head's exact values, the far tail keeps the estimate. Prompt rows (the first token
 of each request) use the exact head.
+
+Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
+last prompt row too: it is one row per request, where the prompt path's tile split would
+decode the whole head for it (27 ms of Gemma 3's 500-token prefill).
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     the embedding's own tensor (packed or dense), so the table is held once. spare_bytes:
     memory the model may still take for a 4-bit estimate of the head."""
     if embedding is not None and embedding.weight is not None:
-        return TiedHead(DenseLinear(embedding.weight))
+        return ExactHead(DenseLinear(embedding.weight), tied=True)
     if embedding is not None and embedding.packed is not None:
         code, packed = embedding.type_code, embedding.packed
     elif plan.kernel is not None and packed_type(raw) is not None:
         code, packed = pack(raw, plan.kernel)
     else:
-        return build_linear([raw], None, plan, float_out=True)
+        return ExactHead(build_linear([raw], None, plan, float_out=True), tied=False)
     vocab, hidden = raw.shape
     op = plan.kernel.QuantLinear([code], [packed], [vocab], hidden, None)
     exact = QuantLinear(op, float_out=True)
@@ -58,22 +62,23 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
             and _estimate_bytes(vocab, hidden) <= spare_bytes):
         estimate = _estimate(plan.kernel, code, packed, vocab, hidden)
         return EstimatedHead(exact, estimate, tied)
-    return TiedHead(exact) if tied else exact
+    return ExactHead(exact, tied)
 
 
-class TiedHead(nn.Module):
-    """A head sharing the embedding's tensor: its bytes are the embedding's (counted once)."""
+class ExactHead(Layer):
+    """The head's own weights for every row. A tied head's bytes are the embedding's
+    (counted once)."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, linear: nn.Module, tied: bool) -> None:
         super().__init__()
-        self.linear = linear
+        self.linear, self.tied = linear, tied
         self.out_features = linear.out_features
 
-    def forward(self, x, prompt_from: int | None = None):
-        return self.linear(x, prompt_from)
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        return self.linear(x)  # generated-token arithmetic for every row (module docstring)
 
     def nbytes(self) -> int:
-        return 0
+        return 0 if self.tied else self.linear.nbytes()
 
 
 class EstimatedHead(Layer):
@@ -95,7 +100,7 @@ class EstimatedHead(Layer):
         if generated:
             parts.append(self._rescored(x[:generated]))
         if generated < rows:
-            parts.append(self.exact(x[generated:], 0))
+            parts.append(self.exact(x[generated:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _rescored(self, x: torch.Tensor) -> torch.Tensor:
