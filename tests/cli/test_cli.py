@@ -121,12 +121,12 @@ HELD = {"weights_bytes": 100 * 2**20, "kv_bytes_in_use": 3 * 2**20,
         "kv_bytes_capacity": 224 * 2**20, "rss_bytes": 2 * 2**30}
 
 
-def answer_with(monkeypatch, ps_status=200):
+def answer_with(monkeypatch, ps_status=200, cluster=CLUSTER):
     import httpx
 
     def get(url, timeout=None):
         if url.endswith("/cluster"):
-            return httpx.Response(200, json=CLUSTER)
+            return httpx.Response(200, json=cluster)
         models = [{"model": "smollm2", "size": 103 * 2**20, "shoal": HELD},
                   {"model": "qwen", "size": 5}]  # a model with no report: no "shoal"
         return httpx.Response(ps_status, json={"models": models})
@@ -144,6 +144,17 @@ def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):
     assert main(["ps", "--url", "http://node", "--json"]) == 0
     instances = json.loads(capsys.readouterr().out)
     assert instances[0]["memory"] == HELD and instances[1]["memory"] is None
+
+
+def test_ps_shows_a_runner_the_cluster_state_does_not_list_yet(monkeypatch, capsys):
+    answer_with(monkeypatch, cluster={**CLUSTER, "instances": CLUSTER["instances"][1:]})
+    assert main(["ps", "--url", "http://node"]) == 0
+    header, remote, pending = capsys.readouterr().out.splitlines()
+    assert remote.startswith("i-remote")
+    assert pending.split()[:2] == ["-", "smollm2"] and "100 MiB" in pending
+    assert main(["ps", "--url", "http://node", "--json"]) == 0
+    instances = json.loads(capsys.readouterr().out)
+    assert instances[1] == {"instance_id": None, "model": "smollm2", "memory": HELD}
 
 
 def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):

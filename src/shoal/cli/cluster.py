@@ -96,20 +96,26 @@ def local_memory(cluster: dict[str, Any], memory: dict[str, dict[str, Any]]
             and i["ranks"][0]["node_id"] == here}
 
 
+def _figures(known: dict[str, Any]) -> tuple[str, ...]:
+    return (_size(known.get("weights_bytes")), _kv(known), _size(known.get("rss_bytes")))
+
+
 def print_instances(cluster: dict[str, Any],
-                    memory: dict[str, dict[str, Any]] | None = None) -> None:
-    """The instances; with memory (instance id -> figures) also what this node holds."""
+                    memory: dict[str, dict[str, Any]] | None = None,
+                    unlisted: dict[str, dict[str, Any]] | None = None) -> None:
+    """The instances; with memory (instance id -> figures) also what this node holds, and
+    with unlisted (model -> figures) this node's runners the cluster state does not list yet
+    (a model loaded on first use appears there once the master has recorded it)."""
     header = ("INSTANCE", "MODEL", "SHARDING", "ORIGIN", "STATUS")
     held = ("WEIGHTS", "KV HELD / ALL", "RSS") if memory is not None else ()
     rows = [(*header, *held, "RANKS (node[layers])")]
     for instance in cluster["instances"]:
-        figures: tuple[str, ...] = ()
-        if memory is not None:
-            known = memory.get(instance["instance_id"], {})
-            figures = (_size(known.get("weights_bytes")), _kv(known),
-                       _size(known.get("rss_bytes")))
+        figures = _figures(memory.get(instance["instance_id"], {})) if memory is not None else ()
         rows.append((instance["instance_id"], instance["model"], instance["sharding"],
                      instance["origin"], instance["status"], *figures, _ranks(instance)))
+    for model, known in (unlisted or {}).items():
+        rows.append(("-", model, "whole", "local", "loaded (not yet in the cluster state)",
+                     *_figures(known), cluster["node_id"]))
     print_table(rows)
 
 
@@ -137,10 +143,15 @@ def run_ps(args: argparse.Namespace) -> int:
     cluster = fetch_cluster(args.url)
     if cluster is None:
         return 1
-    memory = local_memory(cluster, fetch_memory(args.url))
+    runners = fetch_memory(args.url)
+    memory = local_memory(cluster, runners)
+    listed = {i["model"] for i in cluster["instances"] if i["instance_id"] in memory}
+    unlisted = {model: known for model, known in runners.items() if model not in listed}
     if args.json:
         print(json.dumps([{**i, "memory": memory.get(i["instance_id"])}
-                          for i in cluster["instances"]], indent=2))
+                          for i in cluster["instances"]]
+                         + [{"instance_id": None, "model": model, "memory": known}
+                            for model, known in unlisted.items()], indent=2))
         return 0
-    print_instances(cluster, memory)
+    print_instances(cluster, memory, unlisted)
     return 0

@@ -81,6 +81,11 @@ class QuantLinear {
   const Segment& segment_of(int64_t strip) const;
   void store(const Call& call, const Segment& seg, int64_t local, const float* acc, int rows,
              int64_t row0) const;
+  // Strips local and local + 1 of seg together, each row's 32 bf16 columns in one 64-byte
+  // store (a whole cache line where aligned, which the CPU need not read first); false
+  // (nothing stored) where they are not two whole strips or the output is float32.
+  bool store_pair(const Call& call, const Segment& seg, int64_t local, const float* first,
+                  const float* second, int rows, int64_t row0) const;
   // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
   void run_direct(const Call& call) const;
   void run_buffered(const Call& call) const;

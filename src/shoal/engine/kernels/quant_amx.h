@@ -153,26 +153,30 @@ void decode_strip_split(const uint8_t* strip, int64_t k, __m512i* split_tiles) {
 inline void strips_amx_split(const __m512i* strip0, const __m512i* strip1, int64_t k,
                              const bf16* x0, const bf16* x1, int64_t ldx, float* out) {
   const int64_t stride = ldx * static_cast<int64_t>(sizeof(bf16));
-  const int64_t tiles = k / kTileK;
+  constexpr int64_t kTileFloats = kTileRows * kCols;
   tile_zero<0>();
   tile_zero<1>();
   tile_zero<2>();
   tile_zero<3>();
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t t = 0; t < k / kTileK; ++t) {
     tile_load<4>(x0 + t * kTileK, stride);
     tile_load<5>(x1 + t * kTileK, stride);
-    for (int part = 0; part < 2; ++part) {  // hi, then lo
-      tile_load<6>(strip0 + (2 * t + part) * kPairs, 64);
-      tile_dot<0, 4, 6>();
-      tile_dot<1, 5, 6>();
-      if (strip1 != nullptr) {
-        tile_load<7>(strip1 + (2 * t + part) * kPairs, 64);
-        tile_dot<2, 4, 7>();
-        tile_dot<3, 5, 7>();
-      }
+    // Each C adds x . hi, then x . lo.
+    tile_load<6>(strip0 + 2 * t * kPairs, 64);
+    tile_load<7>(strip0 + (2 * t + 1) * kPairs, 64);
+    tile_dot<0, 4, 6>();
+    tile_dot<1, 5, 6>();
+    tile_dot<0, 4, 7>();
+    tile_dot<1, 5, 7>();
+    if (strip1 != nullptr) {
+      tile_load<6>(strip1 + 2 * t * kPairs, 64);
+      tile_load<7>(strip1 + (2 * t + 1) * kPairs, 64);
+      tile_dot<2, 4, 6>();
+      tile_dot<3, 5, 6>();
+      tile_dot<2, 4, 7>();
+      tile_dot<3, 5, 7>();
     }
   }
-  constexpr int64_t kTileFloats = kTileRows * kCols;
   tile_store<0>(out, 64);
   tile_store<1>(out + kTileFloats, 64);
   if (strip1 != nullptr) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "quant.h"
+#include "vector.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SHOAL_QUANT_AVX512 1
@@ -35,6 +36,7 @@ namespace {
 // (AMX prompt rows read x again for every pair of strips; other paths for every strip).
 constexpr int64_t kRowBlockBytes = 512 * 1024;
 constexpr int64_t kAmxBlockBytes = 4 * 1024 * 1024;
+
 
 #if SHOAL_QUANT_AVX512
 // A thread's buffers for decoded strips.
@@ -58,6 +60,21 @@ void QuantLinear::store(const Call& call, const Segment& seg, int64_t local, con
                         int rows, int64_t row0) const {
   const int cols = static_cast<int>(std::min<int64_t>(kCols, seg.n - local * kCols));
   const int64_t col0 = seg.first_column + local * kCols;
+  if (cols == kCols) {  // a whole strip: 16 columns a vector (the same roundings)
+    const shoal_vec::f32x16 bias =
+        call.bias != nullptr ? shoal_vec::load(call.bias + col0) : shoal_vec::f32x16{};
+    for (int r = 0; r < rows; ++r) {
+      shoal_vec::f32x16 v = shoal_vec::load(acc + r * kCols);
+      if (call.bias != nullptr) v += bias;
+      const int64_t at = (row0 + r) * n_total_ + col0;
+      if (call.float_out) {
+        shoal_vec::store(static_cast<float*>(call.out) + at, v);
+      } else {
+        shoal_vec::store(static_cast<bf16*>(call.out) + at, v);
+      }
+    }
+    return;
+  }
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) {
       float v = acc[r * kCols + c];
@@ -69,6 +86,27 @@ void QuantLinear::store(const Call& call, const Segment& seg, int64_t local, con
         static_cast<bf16*>(call.out)[at] = bf16(v);
       }
     }
+}
+
+bool QuantLinear::store_pair(const Call& call, const Segment& seg, int64_t local,
+                             const float* first, const float* second, int rows,
+                             int64_t row0) const {
+  if (call.float_out || (local + 2) * kCols > seg.n) return false;
+  const int64_t col0 = seg.first_column + local * kCols;
+  using shoal_vec::f32x16;
+  const f32x16 bias0 = call.bias != nullptr ? shoal_vec::load(call.bias + col0) : f32x16{};
+  const f32x16 bias1 =
+      call.bias != nullptr ? shoal_vec::load(call.bias + col0 + kCols) : f32x16{};
+  bf16* out = static_cast<bf16*>(call.out) + row0 * n_total_ + col0;
+  for (int r = 0; r < rows; ++r) {
+    f32x16 a = shoal_vec::load(first + r * kCols), b = shoal_vec::load(second + r * kCols);
+    if (call.bias != nullptr) a += bias0, b += bias1;
+    alignas(64) bf16 line[2 * kCols];
+    shoal_vec::store(line, a);
+    shoal_vec::store(line + kCols, b);
+    std::memcpy(out + r * n_total_, line, sizeof line);  // one 64-byte store
+  }
+  return true;
 }
 
 // Few rows: each thread decodes its strips' tiles in registers, up to four strips of one
@@ -175,6 +213,7 @@ void QuantLinear::run_amx_prompt(const Call& call) const {
 #if SHOAL_QUANT_AMX
   const int64_t m = call.m, k = k_;
   constexpr int64_t kPassRows = kRowTiles * kTileRows;
+  constexpr int64_t kTileFloats = kTileRows * kCols;
   const int64_t block_rows =
       std::max<int64_t>(kPassRows, kAmxBlockBytes / (2 * k) / kPassRows * kPassRows);
   const int64_t pairs = (strips_total_ + 1) / 2;
@@ -185,14 +224,14 @@ void QuantLinear::run_amx_prompt(const Call& call) const {
       thread_local StripBuffer buffer;
       if (buffer.pairs.size() < split_vectors) buffer.pairs.resize(split_vectors);
       if (buffer.second.size() < split_vectors) buffer.second.resize(split_vectors);
-      alignas(64) float acc[2 * kPassRows * kCols];
+      alignas(64) float c[2 * kPassRows * kCols];  // [strip][row tile][16][16]
       int configured = 0;
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t s0 = 2 * pair, s1 = s0 + 1;
         const Segment& seg0 = segment_of(s0);
-        kernels(seg0.type).split(
-            seg0.packed.data_ptr<uint8_t>() + (s0 - seg0.first_strip) * seg0.strip_bytes, k,
-            buffer.pairs.data());
+        const int64_t local0 = s0 - seg0.first_strip;
+        kernels(seg0.type).split(seg0.packed.data_ptr<uint8_t>() + local0 * seg0.strip_bytes,
+                                 k, buffer.pairs.data());
         const Segment* seg1 = s1 < strips_total_ ? &segment_of(s1) : nullptr;
         if (seg1 != nullptr)
           kernels(seg1->type).split(
@@ -207,13 +246,16 @@ void QuantLinear::run_amx_prompt(const Call& call) const {
           if (tile != configured) configure_tiles(configured = tile);
           const bf16* x0 = call.x + r0 * k;
           strips_amx_split(buffer.pairs.data(), seg1 ? buffer.second.data() : nullptr, k, x0,
-                           both ? x0 + kTileRows * k : x0, k, acc);
-          for (int strip = 0; strip < (seg1 ? 2 : 1); ++strip) {
-            const Segment& seg = strip ? *seg1 : seg0;
-            const int64_t local = (strip ? s1 : s0) - seg.first_strip;
-            const float* results = acc + 2 * strip * kTileRows * kCols;
-            store(call, seg, local, results, tile, r0);
-            if (both) store(call, seg, local, results + kTileRows * kCols, tile, r0 + tile);
+                           both ? x0 + kTileRows * k : x0, k, c);
+          for (int half = 0; half < (both ? 2 : 1); ++half) {
+            const float* first = c + half * kTileFloats;
+            const int64_t row = r0 + half * tile;
+            if (seg1 == &seg0 &&
+                store_pair(call, seg0, local0, first, first + 2 * kTileFloats, tile, row))
+              continue;
+            store(call, seg0, local0, first, tile, row);
+            if (seg1 != nullptr)
+              store(call, *seg1, s1 - seg1->first_strip, first + 2 * kTileFloats, tile, row);
           }
           r0 += both ? kPassRows : tile;
         }
