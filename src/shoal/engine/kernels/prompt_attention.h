@@ -113,8 +113,10 @@ inline void scores(const float* q, const float* keys_t, int64_t blocks, int64_t 
                    float scale, float* w) {
   const int64_t stride = dim * kLanes;
   int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) score_blocks<8>(q, keys_t + b * stride, dim, scale, w + b * kLanes);
-  for (; b < blocks; ++b) score_blocks<1>(q, keys_t + b * stride, dim, scale, w + b * kLanes);
+  for (; b + 8 <= blocks; b += 8)
+    score_blocks<8>(q, keys_t + b * stride, dim, scale, w + b * kLanes);
+  for (; b < blocks; ++b)
+    score_blocks<1>(q, keys_t + b * stride, dim, scale, w + b * kLanes);
 }
 
 // Scores to weights in place: exp(score - peak) for keys [lo, position] (counted from w's

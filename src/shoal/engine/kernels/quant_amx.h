@@ -148,6 +148,18 @@ void decode_strip_split(const uint8_t* strip, int64_t k, __m512i* split_tiles) {
   }
 }
 
+// C0 += x0 . strip's k-tile t and C1 += x1 . it (x0, x1 in tiles 4, 5), hi part then lo
+// part: each C sums in the same order whatever else is computed beside it.
+template <int C0, int C1>
+inline void split_dots(const __m512i* strip, int64_t t) {
+  tile_load<6>(strip + 2 * t * kPairs, 64);
+  tile_load<7>(strip + (2 * t + 1) * kPairs, 64);
+  tile_dot<C0, 4, 6>();
+  tile_dot<C1, 5, 6>();
+  tile_dot<C0, 4, 7>();
+  tile_dot<C1, 5, 7>();
+}
+
 // Two row tiles (kRowTiles x rows) times two decoded strips (nullptr: one strip), C summed
 // over all of k: out [2 strips][2 row tiles][rows][16]. Tiles configured for `rows`.
 inline void strips_amx_split(const __m512i* strip0, const __m512i* strip1, int64_t k,
@@ -161,21 +173,8 @@ inline void strips_amx_split(const __m512i* strip0, const __m512i* strip1, int64
   for (int64_t t = 0; t < k / kTileK; ++t) {
     tile_load<4>(x0 + t * kTileK, stride);
     tile_load<5>(x1 + t * kTileK, stride);
-    // Each C adds x . hi, then x . lo.
-    tile_load<6>(strip0 + 2 * t * kPairs, 64);
-    tile_load<7>(strip0 + (2 * t + 1) * kPairs, 64);
-    tile_dot<0, 4, 6>();
-    tile_dot<1, 5, 6>();
-    tile_dot<0, 4, 7>();
-    tile_dot<1, 5, 7>();
-    if (strip1 != nullptr) {
-      tile_load<6>(strip1 + 2 * t * kPairs, 64);
-      tile_load<7>(strip1 + (2 * t + 1) * kPairs, 64);
-      tile_dot<2, 4, 6>();
-      tile_dot<3, 5, 6>();
-      tile_dot<2, 4, 7>();
-      tile_dot<3, 5, 7>();
-    }
+    split_dots<0, 1>(strip0, t);
+    if (strip1 != nullptr) split_dots<2, 3>(strip1, t);
   }
   tile_store<0>(out, 64);
   tile_store<1>(out + kTileFloats, 64);
