@@ -15,9 +15,9 @@ build it without: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_V
 -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF
 -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python.
 
-This machine's speed drifts by ~30% within a minute, so the batch-1 decode comparison and
-the HTTP stream counts run --rounds turns each and report medians (HTTP turns use fresh
-prompts: a repeated prompt would be served from the prefix cache).
+This machine's speed drifts by ~30% within a minute, so the prefill and batch-1 decode
+comparisons (turn about with the peer) and the HTTP stream counts run --rounds turns each
+and report medians (every turn a fresh prompt: a repeated one would hit the prefix cache).
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ WORDS = ("river stone market lantern orchard signal harbor meadow copper violin 
 
 
 def synthetic_text(num_words: int, salt: int = 0) -> str:
-    return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(num_words))
+    """Words in an order set by salt, led by the salt itself: distinct salts never share a
+    first block, so no prompt of the run hits the prefix cache by chance."""
+    words = (WORDS[(i * 7 + salt) % len(WORDS)] for i in range(num_words - 1))
+    return " ".join((f"{salt}.", *words))
 
 
 def prompt_of_tokens(engine: Engine, num_tokens: int, salt: int = 0) -> list[int]:
@@ -84,6 +87,15 @@ def step_ms(steps: list[float]) -> dict:
             "p10": 1e3 * ordered[len(ordered) // 10]}
 
 
+PREFILL_TOKENS = 500
+
+
+def prefill_tokens_per_s(engine: Engine, salt: int) -> float:
+    """A fresh 500-token prompt (its own words: no prefix-cache hit) up to its first token."""
+    return PREFILL_TOKENS / run_to_end(engine, [prompt_of_tokens(engine, PREFILL_TOKENS,
+                                                                 salt=salt)], 1)["ttft"]
+
+
 def decode_tokens_per_s(engine: Engine) -> tuple[float, list[float]]:
     """Batch-1 greedy decode of 128 tokens after a 200-token prompt: (tokens/s, step times)."""
     decode = run_to_end(engine, [prompt_of_tokens(engine, 200, salt=2)], 129)
@@ -94,13 +106,13 @@ def bench_engine(model: str, threads: int) -> tuple[dict, Engine]:
     engine = Engine(EngineConfig(source=resolve_model(model), threads=threads,
                                  max_num_batched_tokens=2048))
     run_to_end(engine, [prompt_of_tokens(engine, 64, salt=99)], 8)  # warm-up
-    prefill_ids = prompt_of_tokens(engine, 500, salt=1)
-    prefill = run_to_end(engine, [prefill_ids], 1)
+    prefill_each = [prefill_tokens_per_s(engine, salt) for salt in (30, 31, 32)]
     decode_tps, decode_steps = decode_tokens_per_s(engine)
     batch = run_to_end(engine, [prompt_of_tokens(engine, 50, salt=10 + i) for i in range(16)], 64)
     return {
-        "prefill_tokens": len(prefill_ids),
-        "prefill_tokens_per_s": len(prefill_ids) / prefill["ttft"],
+        "prefill_tokens": PREFILL_TOKENS,
+        "prefill_tokens_per_s": statistics.median(prefill_each),
+        "prefill_each_turn": prefill_each,
         "decode_batch1_tokens_per_s": decode_tps,
         # 16 requests of 50-token prompts, 64 tokens each, prefill included.
         "batch16_tokens_per_s": batch["generated"] / batch["seconds"],
@@ -258,8 +270,9 @@ class LlamaCppPeer:
         self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads,
                          n_threads_batch=threads, n_batch=512, verbose=False)
 
-    def prefill_tokens_per_s(self) -> float:
-        prompt = self.llm.tokenize(synthetic_text(1000, 1).encode(), add_bos=False)[:500]
+    def prefill_tokens_per_s(self, salt: int) -> float:
+        prompt = self.llm.tokenize(synthetic_text(1000, salt).encode(),
+                                   add_bos=False)[:PREFILL_TOKENS]
         self.llm.reset()
         start = time.perf_counter()
         self.llm.eval(prompt)
@@ -281,19 +294,24 @@ class LlamaCppPeer:
         return 128 / (time.perf_counter() - start)
 
 
-def interleaved_decode(engine: Engine, peer: LlamaCppPeer, rounds: int) -> dict:
-    """Median batch-1 decode tokens/s of shoal and the peer, measured turn about: this
-    machine's speed drifts by ~30% within a minute, and alternating keeps both sides under
-    the same drift."""
-    ours, peer_forward, peer_sampled = [], [], []
-    for _ in range(rounds):
+def interleaved_turns(engine: Engine, peer: LlamaCppPeer, rounds: int) -> dict:
+    """Median 500-token prefill and batch-1 decode tokens/s of shoal and the peer, measured
+    turn about: this machine's speed drifts by ~30% within a minute, and alternating keeps
+    both sides under the same drift. Each prefill turn is a fresh prompt."""
+    ours, peer_forward, peer_sampled, our_prefill, peer_prefill = [], [], [], [], []
+    for turn in range(rounds):
+        our_prefill.append(prefill_tokens_per_s(engine, salt=40 + turn))
+        peer_prefill.append(peer.prefill_tokens_per_s(salt=40 + turn))
         ours.append(decode_tokens_per_s(engine)[0])
         peer_forward.append(peer.decode_tokens_per_s(sample=False))
         peer_sampled.append(peer.decode_tokens_per_s(sample=True))
-    return {"rounds": rounds,
-            "shoal_tokens_per_s": statistics.median(ours),
-            "peer_forward_tokens_per_s": statistics.median(peer_forward),
-            "peer_sampled_tokens_per_s": statistics.median(peer_sampled)}
+    return {"prefill": {"rounds": rounds,
+                        "shoal_tokens_per_s": statistics.median(our_prefill),
+                        "peer_tokens_per_s": statistics.median(peer_prefill)},
+            "decode": {"rounds": rounds,
+                       "shoal_tokens_per_s": statistics.median(ours),
+                       "peer_forward_tokens_per_s": statistics.median(peer_forward),
+                       "peer_sampled_tokens_per_s": statistics.median(peer_sampled)}}
 
 
 def main() -> None:
@@ -317,9 +335,7 @@ def main() -> None:
     result["engine_process_peak_rss_bytes"] = peak_kib * 1024
     if args.peer == "llama-cpp":
         peer = LlamaCppPeer(args.model, args.threads)
-        decode = interleaved_decode(engine, peer, args.rounds)
-        result["peer_llama_cpp"] = {"prefill_tokens_per_s": peer.prefill_tokens_per_s(),
-                                    "decode": decode}
+        result["peer_llama_cpp"] = interleaved_turns(engine, peer, args.rounds)
         del peer
     del engine
     if not args.skip_http:
@@ -333,8 +349,8 @@ def main() -> None:
             "decode_batch1": decode["shoal_tokens_per_s"] / peer_decode,
             "decode_batch1_vs_peer_with_python_sampling":
                 decode["shoal_tokens_per_s"] / decode["peer_sampled_tokens_per_s"],
-            "prefill": (result["engine"]["prefill_tokens_per_s"]
-                        / peer_result["prefill_tokens_per_s"]),
+            "prefill": (peer_result["prefill"]["shoal_tokens_per_s"]
+                        / peer_result["prefill"]["peer_tokens_per_s"]),
         }
         if "http" in result:
             agg16 = result["http"]["concurrency"][-1]["aggregate_tokens_per_s"]

@@ -91,3 +91,20 @@ def test_free_blocks_kept_for_the_prefix_cache_are_counted():
     assert pool.num_cached_free_blocks == 1  # the cached one is kept, the other is not
     pool.allocate(6)  # takes every block, evicting the cached one last
     assert pool.num_cached_free_blocks == 0
+
+
+def test_resident_free_blocks_are_cached_and_spent_ones():
+    from shoal.engine.kv.block_pool import BlockPool
+
+    pool = BlockPool(6)
+    first, second = pool.allocate(2)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    pool.cache_block(block_hash, first)
+    assert (pool.num_touched_blocks, pool.num_resident_free_blocks) == (2, 0)
+    pool.free([first, second])
+    assert pool.num_resident_free_blocks == 2  # the cached block and the spent one
+    assert pool.allocate(1) == [second]  # a spent block is reused before any fresh one
+    assert (pool.num_touched_blocks, pool.num_resident_free_blocks) == (2, 1)
+    pool.allocate(3)  # the cached block is evicted only after the never-used ones
+    assert (pool.num_touched_blocks, pool.num_resident_free_blocks) == (5, 1)
+    assert pool.num_cached_free_blocks == 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from fake_embedding import FakeEmbeddingEngine, fake_embedding_source
 from fakes import (
     KV_BYTES_PER_BLOCK,
@@ -161,3 +163,30 @@ def test_supervisor_keeps_the_runner_s_latest_report(tmp_path):
     assert idle.weights_bytes == WEIGHT_BYTES
     assert described["size_bytes"] == WEIGHT_BYTES
     assert after is None
+
+
+@pytest.mark.skipif(memory._TRIM is None, reason="the C library has no malloc_trim (not glibc)")
+def test_freed_heap_pages_go_back_to_the_system():
+    import ctypes
+
+    import psutil
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    # 64 KiB chunks (below glibc's mmap threshold: they live in the heap), touched, every
+    # other one freed: the freed ones cannot merge with each other or the heap's top, so
+    # free() alone gives none back (as with a step's buffers among longer-lived objects).
+    chunks = [libc.malloc(64 * 1024) for _ in range(2048)]
+    for chunk in chunks:
+        ctypes.memset(chunk, 1, 64 * 1024)
+    for chunk in chunks[::2]:
+        libc.free(chunk)
+    process = psutil.Process()
+    before = process.memory_info().rss
+    memory.return_freed_heap()
+    after = process.memory_info().rss
+    for chunk in chunks[1::2]:
+        libc.free(chunk)
+    assert before - after > 48 * 2**20  # of the 64 MiB freed

@@ -35,3 +35,18 @@ def test_one_frame_per_step_with_every_request_s_chunks_in_order(tmp_path):
     assert [(c.kind, c.request_id) for c in frames[-1].chunks] == [
         ("token", "a"), ("finish", "a"), ("token", "b"), ("finish", "b")]
     assert not loop.in_flight
+
+
+def test_the_heap_is_trimmed_once_when_a_burst_of_steps_ends(tmp_path, monkeypatch):
+    trims = []
+    monkeypatch.setattr("shoal.runner.loop.return_freed_heap", lambda: trims.append(1))
+    loop = RunnerLoop(FakeEngine(fake_engine_config(tmp_path)), RecordingChannel())
+    loop.rest(keepalive=False)
+    assert trims == []  # nothing ran: nothing to give back
+    loop.submit(GenerationRequest(request_id="a", model="fake-model", prompt="hello there",
+                                  sampling=SamplingParams()))
+    while loop.has_work():
+        loop.step()
+    loop.rest(keepalive=False)
+    loop.rest(keepalive=False)
+    assert trims == [1]

@@ -77,7 +77,8 @@ class Scheduler:
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used_blocks,
-            "kv_blocks_cached": self.pool.num_cached_free_blocks,
+            # Free blocks still holding memory: prefix-cache entries and spent blocks.
+            "kv_blocks_cached": self.pool.num_resident_free_blocks,
             "kv_usage": self.pool.usage,
             "prefix_cache_blocks": len(cache),
             "prefix_cache_query_tokens": cache.query_tokens,

@@ -24,7 +24,7 @@ from typing import Any
 
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
-from shoal.runner.memory import MemoryReporter
+from shoal.runner.memory import MemoryReporter, return_freed_heap
 from shoal.runner.messages import (
     Failed,
     Load,
@@ -120,6 +120,7 @@ def serve(sock: socket.socket) -> int:
             channel.send(Failed(message=str(error) or type(error).__name__,
                                 error_type=type(error).__name__))
             return 2
+        return_freed_heap()  # loading's scratch (file reads, dequantized blocks) goes back
         memory = MemoryReporter(engine, channel.send)
         memory.report()  # before ready: the supervisor knows the figures once it is ready
         if getattr(engine, "is_follower", False):

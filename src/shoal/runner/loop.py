@@ -27,7 +27,7 @@ from shoal.protocol import (
 )
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.framing import FrameTooLarge
-from shoal.runner.memory import MemoryReporter
+from shoal.runner.memory import MemoryReporter, return_freed_heap
 from shoal.runner.messages import (
     Cancel,
     ChunkBatch,
@@ -75,6 +75,7 @@ class RunnerLoop:
         self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
         self._tool_support: TemplateToolSupport | None = None
         self._outbox: list[Any] | None = None  # chunks of the step being reported
+        self._stepped = False  # steps ran since the heap was last trimmed
 
     def run(self) -> None:
         # Rank 0 of a parallel instance wakes while idle to keep its ranks' waits alive.
@@ -87,8 +88,8 @@ class RunnerLoop:
                     return
             if self.has_work():
                 self.step()
-            elif tick_s is not None:
-                self.idle()
+            else:
+                self.rest(keepalive=tick_s is not None)
             if self.memory is not None:
                 self.memory.maybe_report()
 
@@ -99,6 +100,15 @@ class RunnerLoop:
             return tick_s
         due_s = self.memory.seconds_until_due()
         return due_s if tick_s is None else min(tick_s, due_s)
+
+    def rest(self, keepalive: bool) -> None:
+        """Nothing to step: after a burst of steps, hand their freed buffers back to the
+        system (once); a parallel instance's rank 0 also keeps its ranks' waits alive."""
+        if self._stepped:
+            return_freed_heap()
+            self._stepped = False
+        if keepalive:
+            self.idle()
 
     def idle(self) -> None:
         try:
@@ -239,6 +249,7 @@ class RunnerLoop:
     # ---- step -----------------------------------------------------------------------------
 
     def step(self) -> None:
+        self._stepped = True
         try:
             outputs = self.engine.step()
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving

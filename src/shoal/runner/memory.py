@@ -8,6 +8,7 @@ that cannot tell a figure leaves it None. Measuring never raises into the loop.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -136,6 +137,26 @@ class MemoryReporter:
     def _emit(self, usage: MemoryUsage, now: float) -> None:
         self._send(usage)
         self._last, self._sent_at = usage, now
+
+
+def _malloc_trim() -> Callable[[], object] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; other C libraries lack it
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim(0)). A burst of
+    steps leaves tens of MB of freed activation buffers in the heap (Qwen2.5-Coder-0.5B:
+    +43 MB of RSS after 16 concurrent requests, all of it free); the runner calls this once
+    when it goes idle, so RSS returns to weights + KV + floor. A few ms; a no-op without
+    glibc."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def _own_rss() -> Callable[[], int]:

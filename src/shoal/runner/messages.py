@@ -87,7 +87,7 @@ class MemoryUsage(RunnerMessage):
     type: Literal["memory"] = "memory"
     weights_bytes: int | None = None  # the weights as held (packed GGUF stays near file size)
     kv_bytes_in_use: int | None = None  # KV cache blocks that requests hold now
-    kv_bytes_cached: int | None = None  # free blocks kept for the prefix cache
+    kv_bytes_cached: int | None = None  # free blocks kept resident (prefix cache, spent)
     kv_bytes_capacity: int | None = None  # every KV cache block (reserved, touched lazily)
     rss_bytes: int | None = None  # resident memory of the runner process
 

@@ -24,6 +24,10 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         # Free blocks, least recently freed first; values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks ever allocated: their memory is resident (a block's pages are touched on
+        # first use); the rest of the pool is reserved address space only.
+        self._touched = [False] * num_blocks
+        self.num_touched_blocks = 0
         self.num_evictions = 0
 
     # ---- queries ------------------------------------------------------------------------
@@ -41,6 +45,12 @@ class BlockPool:
     def num_cached_free_blocks(self) -> int:
         """Free blocks still holding a cached prefix (kept until allocation evicts them)."""
         return sum(1 for block_id in self.prefix_cache.block_ids() if block_id in self._free)
+
+    @property
+    def num_resident_free_blocks(self) -> int:
+        """Free blocks whose memory is resident: cached prefixes, and spent blocks (a
+        request's uncached tail) that the next allocation reuses first."""
+        return self.num_touched_blocks - self.num_used_blocks
 
     @property
     def usage(self) -> float:
@@ -72,6 +82,9 @@ class BlockPool:
                 self.prefix_cache.forget(block_id)
                 self.num_evictions += 1
             self._ref_counts[block_id] = 1
+            if not self._touched[block_id]:
+                self._touched[block_id] = True
+                self.num_touched_blocks += 1
             taken.append(block_id)
         return taken
 
