@@ -190,3 +190,14 @@ def test_freed_heap_pages_go_back_to_the_system():
     for chunk in chunks[1::2]:
         libc.free(chunk)
     assert before - after > 48 * 2**20  # of the 64 MiB freed
+
+
+def test_loading_maps_large_blocks_then_serving_gets_the_usual_threshold(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "_MALLOPT", lambda *args: calls.append(("mallopt", *args)))
+    monkeypatch.setattr(memory, "return_freed_heap", lambda: calls.append(("trim",)))
+    with pytest.raises(RuntimeError), memory.loading_heap():
+        calls.append(("load",))
+        raise RuntimeError("the load failed")  # the heap is restored all the same
+    assert calls == [("mallopt", -3, memory.LOADING_MMAP_THRESHOLD), ("load",),
+                     ("mallopt", -3, memory.SERVING_MMAP_THRESHOLD), ("trim",)]

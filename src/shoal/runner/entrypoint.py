@@ -24,7 +24,7 @@ from typing import Any
 
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
-from shoal.runner.memory import MemoryReporter, return_freed_heap
+from shoal.runner.memory import MemoryReporter, loading_heap
 from shoal.runner.messages import (
     Failed,
     Load,
@@ -114,13 +114,13 @@ def serve(sock: socket.socket) -> int:
         if not isinstance(load, Load):
             raise ValueError(f"the first message must be load, not {load.type}")
         try:
-            engine = build_engine(load, channel)
+            with loading_heap():
+                engine = build_engine(load, channel)
         except Exception as error:  # noqa: BLE001 - reported, then exit
             log.error("loading %s failed:\n%s", load.engine.source.model_id, traceback.format_exc())
             channel.send(Failed(message=str(error) or type(error).__name__,
                                 error_type=type(error).__name__))
             return 2
-        return_freed_heap()  # loading's scratch (file reads, dequantized blocks) goes back
         memory = MemoryReporter(engine, channel.send)
         memory.report()  # before ready: the supervisor knows the figures once it is ready
         if getattr(engine, "is_follower", False):
