@@ -9,6 +9,7 @@ inputs and their order apart. The context is MAX_MODEL_LEN tokens.
 from __future__ import annotations
 
 import math
+import json
 from pathlib import Path
 
 import numpy as np
@@ -83,4 +84,7 @@ def fake_embedding_source(tmp_dir, model_id: str = "fake-embed"):
 
     directory = Path(tmp_dir) / model_id
     directory.mkdir(parents=True, exist_ok=True)
+    # What placement reads of a model (shoal.cluster.model_facts); the engine reads nothing.
+    (directory / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}))
     return ModelSource(model_id=model_id, format="safetensors", path=directory, task="embed")

@@ -210,13 +210,32 @@ def fake_runner_env() -> dict[str, str]:
     return {"PYTHONPATH": TESTS_DIR + (os.pathsep + existing if existing else "")}
 
 
+def write_fake_gguf(path) -> None:
+    """A GGUF file with a llama header and no tensors: enough for placement to read the
+    model's facts (shoal.cluster.model_facts); the fake engine never reads it."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_context_length(MAX_MODEL_LEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def fake_engine_config(tmp_dir, model_id: str = "fake-model"):
     from pathlib import Path
 
     from shoal.engine.config import EngineConfig, ModelSource
 
     weights = Path(tmp_dir) / f"{model_id}.gguf"
-    weights.write_bytes(b"fake")
+    if not weights.exists():
+        write_fake_gguf(weights)
     return EngineConfig(source=ModelSource(model_id=model_id, format="gguf", path=weights))
 
 

@@ -1,4 +1,5 @@
-"""A model pool over in-memory supervisors: loads take LOAD_S, nothing spawns a process.
+"""A model pool over in-memory supervisors: loads take LOAD_S, nothing spawns a process; and
+a router over it in a standalone cluster of one node (in-memory transport).
 
 Used by the pool, router and cluster tests.
 """
@@ -9,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from fakes import write_fake_gguf
 
 from shoal.catalog.resolve import ModelNotFound
 from shoal.engine.config import EngineConfig, ModelSource
@@ -22,7 +24,11 @@ from shoal.protocol import (
     TokenChunk,
     Usage,
 )
+from shoal.cluster.setup import open_cluster
+from shoal.config import ClusterSettings
+from shoal.pool.pool import ModelPool
 from shoal.router import Router
+from shoal.runner.registry import RunnerRegistry
 from shoal.runner.supervisor import RunnerUnavailable
 
 LOAD_S = 0.05
@@ -50,6 +56,10 @@ class MemorySupervisor:
             raise RunnerUnavailable("loading 'broken' failed: bad weights")
         self.state = "ready"
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        if self.state != "ready":
+            raise RunnerUnavailable(f"model {self.model_id!r} is {self.state}")
+
     async def shutdown(self) -> None:
         self.events.append(("stop", self.model_id))
         self.state = "stopped"
@@ -76,21 +86,38 @@ class MemorySupervisor:
 @pytest.fixture
 def sources(tmp_path) -> dict[str, ModelSource]:
     weights = tmp_path / "weights.gguf"
-    weights.write_bytes(b"fake")
+    write_fake_gguf(weights)
     directory = tmp_path / "encoder"
     directory.mkdir()
+    (directory / "config.json").write_text(
+        '{"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}')
     return {"chat": ModelSource("chat", "gguf", weights),
             "broken": ModelSource("broken", "gguf", weights),
             "embedder": ModelSource("embedder", "safetensors", Path(directory), task="embed")}
 
 
-def make_router(sources, events, **options) -> Router:
+def make_pool(sources, events, **options) -> ModelPool:
+    """options go to ModelPool (keep_alive_s)."""
     def resolve(name: str) -> ModelSource:
         if name not in sources:
             raise ModelNotFound(f"model {name!r} not found")
         return sources[name]
 
-    return Router(lambda source: MemorySupervisor(source, events), resolve=resolve, **options)
+    registry = RunnerRegistry(lambda source, _parallel: MemorySupervisor(source, events))
+    return ModelPool(registry, resolve=resolve, **options)
+
+
+async def make_router(sources, events, **options) -> Router:
+    """A router over make_pool's pool, its node a standalone cluster of one."""
+    pool = make_pool(sources, events, **options)
+    data_dir = Path(sources["chat"].path).parent / "node"
+    cluster = await open_cluster(ClusterSettings(standalone=True), data_dir, pool, lambda: ())
+    return Router(pool, cluster)
+
+
+async def shutdown(router: Router) -> None:
+    await router.cluster.stop()
+    await router.shutdown()
 
 
 def generate(name: str, prompt: str = "hi", keep_alive_s: float | None = None):

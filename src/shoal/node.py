@@ -1,4 +1,5 @@
-"""Wires one node: config -> pool and router -> cluster membership -> FastAPI app -> uvicorn.
+"""Wires one node: config -> runner registry and pool -> cluster membership -> router ->
+FastAPI app -> uvicorn.
 
 SIGINT / SIGTERM stop the HTTP server, then the node's part in the cluster, then every
 runner (Shutdown -> SIGTERM -> SIGKILL). BackgroundNode runs the same thing on a thread, for
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -21,8 +23,10 @@ import uvicorn
 
 from shoal.api.app import create_app
 from shoal.config import NodeConfig
+from shoal.pool.pool import ModelPool
 from shoal.router import ModelUnavailable, Router
 from shoal.runner.options import SupervisorOptions
+from shoal.runner.registry import RunnerRegistry, SupervisorFactory
 from shoal.runner.supervisor import RunnerSupervisor
 
 log = logging.getLogger("shoal.node")
@@ -42,14 +46,33 @@ def print_progress(model_id: str, stage: str, fraction: float) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def make_router(config: NodeConfig, options: SupervisorOptions | None = None,
-                on_progress: Callable[[str, str, float], None] | None = print_progress,
-                resolve: Callable[[str], Any] | None = None) -> Router:
-    options = options or SupervisorOptions(load_timeout_s=config.runner.load_timeout_s,
-                                           max_in_flight=config.runner.max_in_flight)
-    return Router(lambda source: RunnerSupervisor(config.engine_config(source), options,
-                                                  on_progress),
-                  resolve=resolve or node_resolver(config), keep_alive_s=config.keep_alive_s)
+def runner_factory(config: NodeConfig,
+                   on_progress: Callable[[str, str, float], None] | None = print_progress,
+                   options: SupervisorOptions | None = None) -> SupervisorFactory:
+    """How this node starts a runner: alone for a single-rank instance; for a rank of a
+    multi-rank instance, one that joins the instance's group and is never restarted alone
+    (its group would not take it back)."""
+    single = options or SupervisorOptions(load_timeout_s=config.runner.load_timeout_s,
+                                          max_in_flight=config.runner.max_in_flight)
+
+    def make(source: Any, parallel: Any) -> RunnerSupervisor:
+        if parallel is None:
+            return RunnerSupervisor(config.engine_config(source), single, on_progress)
+        ranked = dataclasses.replace(
+            single, load_timeout_s=single.load_timeout_s + parallel.connect_timeout_s,
+            max_crashes=1)
+        engine = dataclasses.replace(config.engine_config(source), parallel=parallel)
+        return RunnerSupervisor(engine, ranked, on_progress)
+
+    return make
+
+
+def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = None,
+              resolve: Callable[[str], Any] | None = None) -> ModelPool:
+    """This node's runner registry and the pool over it."""
+    registry = RunnerRegistry(make_supervisor or runner_factory(config))
+    return ModelPool(registry, resolve=resolve or node_resolver(config),
+                     keep_alive_s=config.keep_alive_s)
 
 
 def node_resolver(config: NodeConfig) -> Callable[[str], Any]:
@@ -75,21 +98,21 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(config: NodeConfig, router: Router | None = None,
-                stop: asyncio.Event | None = None,
+async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
                 on_listening: Callable[[str], None] | None = None,
-                list_available: Callable[[], Any] | None = None) -> None:
+                list_available: Callable[[], Any] | None = None,
+                make_supervisor: SupervisorFactory | None = None,
+                resolve: Callable[[str], Any] | None = None) -> None:
     """Run the node until stop is set (or SIGINT/SIGTERM arrives on the main thread).
 
-    With no router given, the node builds its own and joins the cluster its config names;
-    a router given by the caller (tests) serves alone, without cluster routes."""
+    The node joins the cluster its config names (a standalone node is a cluster of one).
+    make_supervisor and resolve replace how runners start and names resolve (tests)."""
     stop = stop or asyncio.Event()
     _install_signal_handlers(stop)
     addresses: list[str] = []
-    cluster = None
-    if router is None:
-        router = make_router(config)
-        cluster = await _join_cluster(config, router, addresses)
+    pool = make_pool(config, make_supervisor, resolve)
+    cluster = await _join_cluster(config, pool, addresses)
+    router = Router(pool, cluster)
     try:
         if config.preload:
             await _preload(router, default_models(config), stop)
@@ -111,42 +134,21 @@ async def serve(config: NodeConfig, router: Router | None = None,
         server.should_exit = True
         await server_task
     finally:
-        if cluster is not None:
-            await cluster.stop()
+        await cluster.stop()
         await router.shutdown()
 
 
-def make_rank_runners(config: NodeConfig,
-                      on_progress: Callable[[str, str, float], None] | None = print_progress
-                      ) -> Any:
-    """How this node starts a rank of a multi-rank instance: a runner of its own that joins
-    the instance's group, never restarted alone (its group would not take it back)."""
-    import dataclasses
-
-    from shoal.cluster.ranks import RankRunners
-
-    def make(source: Any, parallel: Any) -> RunnerSupervisor:
-        options = SupervisorOptions(
-            load_timeout_s=config.runner.load_timeout_s + parallel.connect_timeout_s,
-            max_in_flight=config.runner.max_in_flight, max_crashes=1)
-        engine = dataclasses.replace(config.engine_config(source), parallel=parallel)
-        return RunnerSupervisor(engine, options, on_progress)
-
-    return RankRunners(make, node_resolver(config), config.runner.group_connect_deadline_s)
-
-
-async def _join_cluster(config: NodeConfig, router: Router, addresses: list[str]) -> Any:
+async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str]) -> Any:
     from shoal.cluster.setup import open_cluster
     from shoal.cluster.transport.base import TransportError
 
     try:
-        cluster = await open_cluster(config.cluster, config.data_dir, router.pool,
-                                     lambda: tuple(addresses), make_rank_runners(config))
+        return await open_cluster(config.cluster, config.data_dir, pool,
+                                  lambda: tuple(addresses),
+                                  config.runner.group_connect_deadline_s)
     except (TransportError, ValueError, OSError) as error:
-        await router.shutdown()
+        await pool.shutdown()
         raise NodeStartError(f"cannot join the cluster: {error}") from error
-    router.cluster = cluster
-    return cluster
 
 
 async def _preload(router: Router, models: tuple[str, ...], stop: asyncio.Event) -> None:
@@ -205,12 +207,12 @@ def _install_signal_handlers(stop: asyncio.Event) -> None:
 
 
 class BackgroundNode:
-    """A node on a daemon thread: start() returns its URL once it listens."""
+    """A node on a daemon thread: start() returns its URL once it listens. serve_options go
+    to serve()."""
 
-    def __init__(self, config: NodeConfig, router_factory: Callable[[], Router] | None = None,
-                 start_timeout_s: float = 900.0, **serve_options: Any) -> None:
+    def __init__(self, config: NodeConfig, start_timeout_s: float = 900.0,
+                 **serve_options: Any) -> None:
         self.config = config
-        self._router_factory = router_factory
         self._serve_options = serve_options
         self._start_timeout_s = start_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,8 +237,7 @@ class BackgroundNode:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            router = self._router_factory() if self._router_factory else None
-            await serve(self.config, router=router, stop=self._stop,
+            await serve(self.config, stop=self._stop,
                         on_listening=self._on_listening, **self._serve_options)
 
         try:

@@ -9,9 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fakes import fake_engine_config, fake_runner_env, fake_supervisor_options
 
 from shoal.catalog.resolve import ModelNotFound
-from shoal.config import NodeConfig, ServerConfig
+from shoal.config import ClusterSettings, NodeConfig, ServerConfig
 from shoal.node import BackgroundNode
-from shoal.router import Router
 from shoal.runner.supervisor import RunnerSupervisor
 
 
@@ -35,13 +34,13 @@ def fake_node(tmp_path_factory):
     options = fake_supervisor_options(
         env={**fake_runner_env(), "SHOAL_FAKE_ABORT_LOG": str(abort_log)}, max_in_flight=4)
 
-    def router_factory():
-        return Router(lambda source: RunnerSupervisor(fake_engine_config(tmp, source.model_id),
-                                                      options), resolve=resolve)
+    def make_supervisor(source, _parallel):
+        return RunnerSupervisor(fake_engine_config(tmp, source.model_id), options)
 
     config = NodeConfig(server=ServerConfig(port=0, keepalive_s=0.3), models=("fake-model",),
-                        data_dir=tmp)
-    node = BackgroundNode(config, router_factory=router_factory, list_available=list)
+                        data_dir=tmp, cluster=ClusterSettings(standalone=True))
+    node = BackgroundNode(config, make_supervisor=make_supervisor, resolve=resolve,
+                          list_available=list)
     node.start()
     node.abort_log = abort_log
     yield node

@@ -12,10 +12,9 @@ from fake_embedding import MAX_MODEL_LEN, fake_embedding_source, fake_vector
 from fakes import FakeTokenizer, fake_engine_config, fake_supervisor_options
 
 from shoal.catalog.resolve import ModelNotFound
-from shoal.config import NodeConfig, ServerConfig
+from shoal.config import ClusterSettings, NodeConfig, ServerConfig
 from shoal.engine.config import EngineConfig
 from shoal.node import BackgroundNode
-from shoal.router import Router
 from shoal.runner.supervisor import RunnerSupervisor
 
 
@@ -33,12 +32,12 @@ def node(tmp_path_factory):
 
     options = fake_supervisor_options(engine_factory="fake_embedding:make_engine")
 
-    def router_factory():
-        return Router(lambda source: RunnerSupervisor(EngineConfig(source=source), options),
-                      resolve=resolve)
-
-    config = NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp)
-    background = BackgroundNode(config, router_factory=router_factory, list_available=list)
+    config = NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp,
+                        cluster=ClusterSettings(standalone=True))
+    background = BackgroundNode(
+        config, make_supervisor=lambda source, _parallel: RunnerSupervisor(
+            EngineConfig(source=source), options),
+        resolve=resolve, list_available=list)
     background.start()
     yield background
     background.stop()

@@ -140,7 +140,8 @@ def test_tags_list_what_v1_models_lists(fake_node):
     openai_ids = [m["id"] for m in httpx.get(fake_node.url + "/v1/models").json()["data"]]
     assert [m["name"] for m in tags] == openai_ids and "fake-model" in openai_ids
     fake = next(m for m in tags if m["name"] == "fake-model")
-    assert fake["size"] == 4 and len(fake["digest"]) == 64
+    assert fake["size"] == (fake_node.config.data_dir / "fake-model.gguf").stat().st_size
+    assert len(fake["digest"]) == 64
     assert fake["details"]["format"] == "gguf"
 
 
@@ -149,7 +150,8 @@ def test_ps_show_version_and_liveness(fake_node):
     assert [m["model"] for m in running] == ["fake-model"]  # a model that failed is not running
     assert running[0]["context_length"] == 128
     # The fake engine cannot tell its weights or KV cache: "size" is the file's, RSS is known.
-    assert running[0]["size"] == 4 and running[0]["size_vram"] == 0
+    weights = fake_node.config.data_dir / "fake-model.gguf"
+    assert running[0]["size"] == weights.stat().st_size and running[0]["size_vram"] == 0
     held = running[0]["shoal"]
     assert held["weights_bytes"] is None and held["kv_bytes_in_use"] is None
     assert held["rss_bytes"] > 0

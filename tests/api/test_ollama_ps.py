@@ -34,6 +34,7 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
     router.supervisors.append(stopped)
     client = TestClient(create_app(router, list_available=list))
     models = {m["model"]: m for m in client.get("/api/ps").json()["models"]}
+    file_size = (tmp_path / "unreported.gguf").stat().st_size
     assert list(models) == ["measured", "unreported", "blind"]
     measured = models["measured"]
     # weights + the blocks requests hold + those kept for the prefix cache
@@ -42,12 +43,12 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
                                  "kv_bytes_cached": 2_000, "kv_bytes_capacity": 50_000,
                                  "rss_bytes": 900_000}
     assert measured["expires_at"] is None and measured["context_length"] == 64
-    assert models["unreported"]["size"] == 4 and "shoal" not in models["unreported"]
-    assert models["blind"]["size"] == 4  # weights unknown: the file's size stands
+    assert models["unreported"]["size"] == file_size and "shoal" not in models["unreported"]
+    assert models["blind"]["size"] == file_size  # weights unknown: the file's size stands
     assert models["blind"]["shoal"]["weights_bytes"] is None
     assert models["blind"]["shoal"]["rss_bytes"] == 800_000
     tags = {m["model"]: m for m in client.get("/api/tags").json()["models"]}
-    assert tags["measured"]["size"] == 4  # /api/tags keeps the weight file's size
+    assert tags["measured"]["size"] == file_size  # /api/tags keeps the weight file's size
     assert tags["measured"]["digest"] == measured["digest"]
     health = {m["model"]: m for m in client.get("/health").json()["models"]}
     assert health["measured"]["size_bytes"] == 105_000

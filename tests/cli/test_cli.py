@@ -9,6 +9,7 @@ from fakes import fake_engine_config, fake_supervisor_options
 
 from shoal.cli.app import main
 from shoal.config import (
+    ClusterSettings,
     NodeConfig,
     ServerConfig,
     build_cluster_settings,
@@ -16,7 +17,6 @@ from shoal.config import (
     parse_size,
 )
 from shoal.node import BackgroundNode
-from shoal.router import Router
 from shoal.runner.supervisor import RunnerSupervisor
 
 
@@ -91,10 +91,11 @@ def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, m
     source = fake_engine_config(tmp_path).source
     options = fake_supervisor_options()
     node = BackgroundNode(
-        NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp_path),
-        router_factory=lambda: Router(lambda s: RunnerSupervisor(fake_engine_config(
-            tmp_path, s.model_id), options), resolve=lambda name: source),
-        list_available=list)
+        NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp_path,
+                   cluster=ClusterSettings(standalone=True)),
+        make_supervisor=lambda s, _parallel: RunnerSupervisor(
+            fake_engine_config(tmp_path, s.model_id), options),
+        resolve=lambda name: source, list_available=list)
     url = node.start()
     try:
         assert main(["run", "fake-model", "hello", "--url", url, "--max-tokens", "3"]) == 0
@@ -110,10 +111,10 @@ def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, m
 
 
 CLUSTER = {"node_id": "n1", "master_id": "n1", "nodes": [], "instances": [
-    {"instance_id": "i-local", "model": "smollm2", "sharding": "single", "origin": "local",
+    {"instance_id": "i-local", "model": "smollm2", "sharding": "single",
      "ranks": [{"node_id": "n1", "rank": 0, "layers": [0, 30], "phase": "ready"}],
      "status": "ready"},
-    {"instance_id": "i-remote", "model": "qwen", "sharding": "single", "origin": "placed",
+    {"instance_id": "i-remote", "model": "qwen", "sharding": "single",
      "ranks": [{"node_id": "n2", "rank": 0, "layers": [0, 24], "phase": "ready"}],
      "status": "ready"},
 ]}
@@ -140,25 +141,14 @@ def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):
     header, local, remote = capsys.readouterr().out.splitlines()
     assert "WEIGHTS" in header and "KV HELD / ALL" in header and "RSS" in header
     assert "100 MiB" in local and "3 MiB / 224 MiB" in local and "2.0 GiB" in local
-    assert remote.split()[5:8] == ["-", "-", "-"]  # another node's runner
+    assert remote.split()[4:7] == ["-", "-", "-"]  # another node's runner
     assert main(["ps", "--url", "http://node", "--json"]) == 0
     instances = json.loads(capsys.readouterr().out)
     assert instances[0]["memory"] == HELD and instances[1]["memory"] is None
-
-
-def test_ps_shows_a_runner_the_cluster_state_does_not_list_yet(monkeypatch, capsys):
-    answer_with(monkeypatch, cluster={**CLUSTER, "instances": CLUSTER["instances"][1:]})
-    assert main(["ps", "--url", "http://node"]) == 0
-    header, remote, pending = capsys.readouterr().out.splitlines()
-    assert remote.startswith("i-remote")
-    assert pending.split()[:2] == ["-", "smollm2"] and "100 MiB" in pending
-    assert main(["ps", "--url", "http://node", "--json"]) == 0
-    instances = json.loads(capsys.readouterr().out)
-    assert instances[1] == {"instance_id": None, "model": "smollm2", "memory": HELD}
 
 
 def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):
     answer_with(monkeypatch, ps_status=500)
     assert main(["ps", "--url", "http://node"]) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert len(rows) == 3 and rows[1].split()[5:8] == ["-", "-", "-"]
+    assert len(rows) == 3 and rows[1].split()[4:7] == ["-", "-", "-"]

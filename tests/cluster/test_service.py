@@ -1,6 +1,7 @@
 """Three in-process nodes on the in-memory transport, each with a pool of in-memory runners:
-local models mirrored as instances, placed instances hosted and torn down, requests served
-across nodes with their chunks streamed back, cancellation, and a serving node vanishing."""
+models placed on first use and served to other nodes, placed instances started and torn
+down, requests served across nodes with their chunks streamed back, cancellation, and a
+serving node vanishing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 from cluster_waits import wait_until
-from memory_pool import generate, loaded, make_router, sources  # noqa: F401
+from memory_pool import generate, loaded, make_pool, sources  # noqa: F401
 from state_builders import GIB, facts
 
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
@@ -23,6 +24,7 @@ from shoal.cluster.telemetry import NodeReading, TelemetryConfig
 from shoal.cluster.transport import MemoryHub
 from shoal.cluster.worker_driver import WorkerConfig
 from shoal.ids import NodeId
+from shoal.router import Router
 
 CONFIG = dict(election=ElectionConfig(campaign_s=0.1, heartbeat_s=0.03, master_timeout_s=0.3),
               telemetry=TelemetryConfig(interval_s=0.03, timeout_s=0.2),
@@ -45,12 +47,11 @@ class Node:
                              lambda: NodeReading(node_id=self.name, taken_at=time.time(),
                                                  name=name, memory_total=memory,
                                                  memory_available=memory))
-        self.router = make_router(model_sources, self.events)
-        self.service = ClusterService(
-            plane, self.router.pool, lambda: usable, SERVICE,
-            read_facts=lambda source: facts(model=source.model_id, weight_bytes=GIB,
-                                            n_layers=4))
-        self.router.cluster = self.service
+        pool = make_pool(model_sources, self.events)
+        self.service = ClusterService(plane, pool, lambda: usable, SERVICE)
+        self.router = Router(pool, self.service,
+                             read_facts=lambda source: facts(model=source.model_id,
+                                                             weight_bytes=GIB, n_layers=4))
 
     @property
     def state(self):
@@ -81,33 +82,60 @@ async def stop_cluster(nodes: dict) -> None:
             await node.stop()
 
 
+async def collect(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
 def statuses(node: Node, model: str) -> list[tuple[str, str, str]]:
     state = node.state
-    return [(i.origin, i.ranks[0].node_id, state.instance_status(i.instance_id))
+    return [(i.request.on_demand, i.ranks[0].node_id, state.instance_status(i.instance_id))
             for i in state.instances_of(model)]
 
 
-def test_a_local_model_is_mirrored_and_served_to_other_nodes(tmp_path, sources):  # noqa: F811
+def test_a_model_loaded_on_one_node_is_served_to_the_others(tmp_path, sources):  # noqa: F811
     async def main():
         nodes = await start_cluster(tmp_path, sources)
         a, c = nodes["a"], nodes["c"]
         try:
             await c.router.preload(["chat"])
-            await wait_until(lambda: statuses(a, "chat") == [("local", "c", "ready")],
-                             what="chat mirrored as ready")
+            await wait_until(lambda: statuses(a, "chat") == [(True, "c", "ready")],
+                             what="chat placed on c and ready")
             chunks = [chunk async for chunk in a.router.submit(generate("chat", "tokens:5:0"))]
             served_by_a = loaded(a.router)
-            c.router.pool.unload("chat")
+            instance = a.state.instances_of("chat")[0]
+            c.router.pool.unload(instance.instance_id)
             await wait_until(lambda: not a.state.instances, what="instance deleted")
             await wait_until(lambda: not a.state.tasks, what="task finished")
-            return chunks, served_by_a
+            return chunks, served_by_a, loaded(c.router)
         finally:
             await stop_cluster(nodes)
 
-    chunks, served_by_a = asyncio.run(main())
+    chunks, served_by_a, left_on_c = asyncio.run(main())
     assert [c.kind for c in chunks] == ["accepted"] + ["token"] * 5 + ["finish"]
     assert "".join(c.text for c in chunks if c.kind == "token") == "t0 t1 t2 t3 t4 "
     assert served_by_a == []  # node a never loaded the model
+    assert left_on_c == []
+
+
+def test_a_request_for_a_model_no_node_serves_places_it_on_the_asking_node(
+        tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a, b = nodes["a"], nodes["b"]
+        try:
+            answers = await asyncio.gather(*(
+                collect(b.router.submit(generate("chat", f"tokens:2:0.00{i}")))
+                for i in range(4)))
+            unknown = await collect(b.router.submit(generate("nowhere")))
+            return answers, statuses(a, "chat"), b.events, unknown
+        finally:
+            await stop_cluster(nodes)
+
+    answers, placed, events_b, unknown = asyncio.run(main())
+    assert all([c.kind for c in chunks][-1] == "finish" for chunks in answers)
+    assert placed == [(True, "b", "ready")]  # one placement for four concurrent requests
+    assert events_b.count(("start", "chat")) == 1
+    assert unknown[0].code == "model_not_found"
 
 
 def test_a_placed_instance_is_hosted_then_torn_down_on_delete(tmp_path, sources):  # noqa: F811
@@ -118,7 +146,7 @@ def test_a_placed_instance_is_hosted_then_torn_down_on_delete(tmp_path, sources)
             request = PlacementRequest(facts=facts(model="chat", weight_bytes=GIB, n_layers=4),
                                        excluded_nodes=(NodeId("a"), NodeId("b")))
             instance = await a.service.place(request)
-            await wait_until(lambda: statuses(b, "chat") == [("placed", "c", "ready")],
+            await wait_until(lambda: statuses(b, "chat") == [(False, "c", "ready")],
                              what="placed instance ready")
             hosted = loaded(c.router)
             answer = [chunk async for chunk in b.router.submit(generate("chat", "tokens:2:0"))]
@@ -140,7 +168,7 @@ def test_closing_a_remote_stream_cancels_its_task(tmp_path, sources):  # noqa: F
         a, c = nodes["a"], nodes["c"]
         try:
             await c.router.preload(["chat"])
-            await wait_until(lambda: statuses(a, "chat") == [("local", "c", "ready")])
+            await wait_until(lambda: statuses(a, "chat") == [(True, "c", "ready")])
             stream = a.router.submit(generate("chat", "tokens:500:0.01"))
             first = [await anext(stream) for _ in range(3)]
             await wait_until(lambda: bool(c.state.tasks), what="task visible")
@@ -161,7 +189,7 @@ def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, so
         a, b = nodes["a"], nodes["b"]  # c is the master; b serves
         try:
             await b.router.preload(["chat"])
-            await wait_until(lambda: statuses(a, "chat") == [("local", "b", "ready")])
+            await wait_until(lambda: statuses(a, "chat") == [(True, "b", "ready")])
             stream = a.router.submit(generate("chat", "tokens:500:0.01"))
             assert (await anext(stream)).kind == "accepted"
             nodes["hub"].drop(NodeId("b"))

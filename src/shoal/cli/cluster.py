@@ -89,7 +89,7 @@ def _kv(memory: dict[str, Any]) -> str:
 def local_memory(cluster: dict[str, Any], memory: dict[str, dict[str, Any]]
                  ) -> dict[str, dict[str, Any]]:
     """Instance id -> its runner's figures, for single-rank instances on this node (the
-    pool's runners, which /api/ps describes; ranks of split instances are not among them)."""
+    serving runners, which /api/ps describes; ranks of split instances are not among them)."""
     here = cluster["node_id"]
     return {i["instance_id"]: memory[i["model"]] for i in cluster["instances"]
             if i["model"] in memory and len(i["ranks"]) == 1
@@ -101,21 +101,15 @@ def _figures(known: dict[str, Any]) -> tuple[str, ...]:
 
 
 def print_instances(cluster: dict[str, Any],
-                    memory: dict[str, dict[str, Any]] | None = None,
-                    unlisted: dict[str, dict[str, Any]] | None = None) -> None:
-    """The instances; with memory (instance id -> figures) also what this node holds, and
-    with unlisted (model -> figures) this node's runners the cluster state does not list yet
-    (a model loaded on first use appears there once the master has recorded it)."""
-    header = ("INSTANCE", "MODEL", "SHARDING", "ORIGIN", "STATUS")
+                    memory: dict[str, dict[str, Any]] | None = None) -> None:
+    """The instances; with memory (instance id -> figures) also what this node holds."""
+    header = ("INSTANCE", "MODEL", "SHARDING", "STATUS")
     held = ("WEIGHTS", "KV HELD / ALL", "RSS") if memory is not None else ()
     rows = [(*header, *held, "RANKS (node[layers])")]
     for instance in cluster["instances"]:
         figures = _figures(memory.get(instance["instance_id"], {})) if memory is not None else ()
         rows.append((instance["instance_id"], instance["model"], instance["sharding"],
-                     instance["origin"], instance["status"], *figures, _ranks(instance)))
-    for model, known in (unlisted or {}).items():
-        rows.append(("-", model, "whole", "local", "loaded (not yet in the cluster state)",
-                     *_figures(known), cluster["node_id"]))
+                     instance["status"], *figures, _ranks(instance)))
     print_table(rows)
 
 
@@ -145,13 +139,9 @@ def run_ps(args: argparse.Namespace) -> int:
         return 1
     runners = fetch_memory(args.url)
     memory = local_memory(cluster, runners)
-    listed = {i["model"] for i in cluster["instances"] if i["instance_id"] in memory}
-    unlisted = {model: known for model, known in runners.items() if model not in listed}
     if args.json:
         print(json.dumps([{**i, "memory": memory.get(i["instance_id"])}
-                          for i in cluster["instances"]]
-                         + [{"instance_id": None, "model": model, "memory": known}
-                            for model, known in unlisted.items()], indent=2))
+                          for i in cluster["instances"]], indent=2))
         return 0
-    print_instances(cluster, memory, unlisted)
+    print_instances(cluster, memory)
     return 0

@@ -3,7 +3,7 @@
 Both are tagged unions of frozen, strict pydantic models, discriminated by `kind`. They
 travel as msgpack of model_dump(mode="json") and come back with the parse_* helpers.
 
-  commands        api/worker -> master   PlaceInstance, AdoptInstance, DeleteInstance,
+  commands        api/worker -> master   PlaceInstance, DeleteInstance,
                                          RefusePlacement, SubmitTask, CancelTask
   local events    worker -> master       RunnerStatusChanged, TaskFinished, TaskFailed
   global events   master -> all          IndexedEvent(idx, event), idx contiguous from 0
@@ -27,14 +27,6 @@ class PlaceInstance(Frozen):
     kind: Literal["place_instance"] = "place_instance"
     command_id: CommandId
     request: PlacementRequest
-
-
-class AdoptInstance(Frozen):
-    """A node reports a model its own pool runs (a local instance), to be listed and served."""
-
-    kind: Literal["adopt_instance"] = "adopt_instance"
-    command_id: CommandId
-    instance: Instance
 
 
 class DeleteInstance(Frozen):
@@ -77,7 +69,7 @@ class CancelTask(Frozen):
 
 
 Command = Annotated[
-    PlaceInstance | AdoptInstance | DeleteInstance | RefusePlacement | SubmitTask | CancelTask,
+    PlaceInstance | DeleteInstance | RefusePlacement | SubmitTask | CancelTask,
     Field(discriminator="kind"),
 ]
 
@@ -111,7 +103,7 @@ class NodeLeft(Frozen):
 class InstanceCreated(Frozen):
     kind: Literal["instance_created"] = "instance_created"
     instance: Instance
-    command_id: CommandId | None = None  # the PlaceInstance / AdoptInstance it answers
+    command_id: CommandId | None = None  # the PlaceInstance it answers
 
 
 class PlacementFailed(Frozen):

@@ -17,10 +17,6 @@ from shoal.ids import InstanceId, ModelId, NodeId, RunnerId
 
 Sharding = Literal["single", "pipeline", "tensor"]
 RequestedSharding = Literal["auto", "single", "pipeline", "tensor"]
-# placed: the master put it there (POST /instances, or a re-placement); it stays until deleted
-# and is re-placed when its node leaves. local: a node reported a model its own pool loaded
-# (at start or on first use); that node's keep-alive ends it, and it dies with the node.
-InstanceOrigin = Literal["placed", "local"]
 
 
 class Frozen(BaseModel):
@@ -79,6 +75,15 @@ class PlacementRequest(Frozen):
     # Pipeline ranks pass hidden states as int8 with a scale per token (a quarter of the
     # bytes of float32, for slow links; not exact).
     hidden_int8: bool = False
+    # A single-rank instance goes on this node when it fits there (the node a request for
+    # the model arrived at), else where placement would put it anyway.
+    preferred_node: NodeId | None = None
+    # How long the instance stays loaded once idle; None: until deleted. A request's own
+    # keep_alive overrides it (Ollama's meaning), on the node serving the instance.
+    keep_alive_s: float | None = None
+    # Placed for a request (on first use, or named at start): if its runner fails or its
+    # node leaves it is deleted, not placed again; the next request places it anew.
+    on_demand: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> PlacementRequest:
@@ -104,9 +109,6 @@ class Instance(Frozen):
     request: PlacementRequest
     sharding: Sharding
     ranks: tuple[Rank, ...]
-    origin: InstanceOrigin = "placed"
-    # For a local instance: which runner generation of the node's pool it mirrors.
-    generation: int | None = None
     # Set exactly when the instance has several ranks.
     rendezvous: Rendezvous | None = None
     # Placements of this request so far that failed after creation (re-placement bound).
@@ -117,10 +119,6 @@ class Instance(Frozen):
         ranks = self.ranks
         if not ranks:
             raise ValueError("an instance needs at least one rank")
-        if (self.origin == "local") != (self.generation is not None):
-            raise ValueError("a local instance names its pool generation; a placed one does not")
-        if self.origin == "local" and len(ranks) != 1:
-            raise ValueError("a local instance has exactly one rank")
         for index, rank in enumerate(ranks):
             if rank.rank != index or rank.world_size != len(ranks):
                 raise ValueError(f"rank {index} is numbered {rank.rank} of {rank.world_size}; "

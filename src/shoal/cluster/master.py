@@ -28,7 +28,6 @@ from shoal.cluster.apply import apply
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.event_log import EventLog, EventsUnavailable
 from shoal.cluster.events import (
-    AdoptInstance,
     CancelTask,
     Command,
     DeleteInstance,
@@ -84,8 +83,9 @@ class MasterConfig:
     policy: PlacementPolicy = DEFAULT_POLICY
     # A placed instance whose runner fails is placed again, at most this many times.
     max_replacements: int = 3
-    # Rendezvous ports of multi-rank instances are drawn from [low, high).
-    rendezvous_ports: tuple[int, int] = (29500, 60000)
+    # Rendezvous ports of multi-rank instances are drawn from [low, high): below Linux's
+    # ephemeral range (32768-60999), where outgoing connections would collide with them.
+    rendezvous_ports: tuple[int, int] = (29500, 32768)
 
     def __post_init__(self) -> None:
         if self.settle_grace_s < 0 or self.reconcile_s <= 0:
@@ -166,8 +166,6 @@ class Master:
         if isinstance(command, PlaceInstance):
             return self._place(command.request, why=f"command {command.command_id}",
                                command_id=command.command_id)
-        if isinstance(command, AdoptInstance):
-            return self._adopt(command)
         if isinstance(command, DeleteInstance):
             return self._delete_instance(command.instance_id, command.reason)
         if isinstance(command, RefusePlacement):
@@ -202,7 +200,7 @@ class Master:
         events = [self._index(event)]
         if isinstance(event, RunnerStatusChanged) and event.status.phase == "failed":
             instance = self.state.instances.get(event.status.instance_id)
-            if instance is not None and instance.origin == "placed":
+            if instance is not None:
                 events += self._replace_failed(instance, event.status.node_id,
                                                event.status.message)
         return events
@@ -247,6 +245,8 @@ class Master:
                         message: str) -> list[IndexedEvent]:
         reason = f"its runner on node {node_id} failed: {message or 'no reason given'}"
         events = self._delete_instance(instance.instance_id, reason)
+        if instance.request.on_demand:
+            return events  # the next request for the model places it anew
         attempt = instance.attempt + 1
         if attempt > self.config.max_replacements:
             log.warning("instance %s of %s failed; not placing it again after %d attempts",
@@ -254,15 +254,6 @@ class Master:
             return events
         return events + self._place(instance.request, attempt=attempt,
                                     why=f"{instance.instance_id} failed (attempt {attempt})")
-
-    def _adopt(self, command: AdoptInstance) -> list[IndexedEvent]:
-        """List a model a node's own pool runs; idempotent, and only for admitted nodes (the
-        node repeats the command until its instance appears)."""
-        instance = command.instance
-        if (instance.origin != "local" or instance.instance_id in self.state.instances
-                or instance.ranks[0].node_id not in self.state.nodes):
-            return []
-        return [self._index(InstanceCreated(instance=instance, command_id=command.command_id))]
 
     def _delete_instance(self, instance_id: InstanceId, reason: str) -> list[IndexedEvent]:
         instance = self.state.instances.get(instance_id)
@@ -323,8 +314,8 @@ class Master:
     def _replace_lost(self, instance: Instance, gone: Sequence[NodeId]) -> list[IndexedEvent]:
         reason = f"node {', '.join(gone)} left the cluster"
         events = self._delete_instance(instance.instance_id, reason)
-        if instance.origin == "local":
-            return events  # it was that node's own model, not the cluster's to re-place
+        if instance.request.on_demand:
+            return events  # placed for requests: the next one places it anew
         return events + self._place(instance.request, attempt=instance.attempt,
                                     why=f"{instance.instance_id} lost {reason}")
 

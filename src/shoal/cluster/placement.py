@@ -155,11 +155,19 @@ def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], shardi
                 ) -> Placement | PlacementError:
     """One sharding at one width on the `width` nodes with the most usable memory.
 
-    Width 1 is always "single": one node holding everything, whatever split was asked for.
+    Width 1 is always "single": one node holding everything, whatever split was asked for;
+    the request's preferred node when it fits there.
     request.excluded_nodes are skipped; request.sharding and min_nodes are not consulted.
     """
     skip = set(request.excluded_nodes)
-    chosen = _by_memory([n for n in nodes if n.node_id not in skip])[:width]
+    allowed = [n for n in nodes if n.node_id not in skip]
+    preferred = [n for n in allowed if n.node_id == request.preferred_node]
+    if width == 1 and preferred:
+        here = place_exact(request.model_copy(update={"preferred_node": None}), preferred,
+                           "single", 1, policy)
+        if isinstance(here, Placement):
+            return here
+    chosen = _by_memory(allowed)[:width]
     if width < 1 or len(chosen) < width:
         return PlacementError(f"needs {width} node(s), {len(chosen)} available")
     if sharding == "single" and width != 1:

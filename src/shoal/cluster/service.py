@@ -2,8 +2,9 @@
 
 ClusterService runs the control plane (telemetry, replica, election, master role), the worker
 driver and the data plane on one transport, and offers:
-- to the router: which instance on another node serves a model, and submit_remote(), which
-  sends the request to the master as a task and yields its chunks as they stream back;
+- to the router: the replicated state, placing an instance, and submit_remote(), which
+  sends a request to the master as a task and yields its chunks as they stream back;
+- to the pool: deleting an instance whose keep-alive ran out;
 - to the API: the cluster's description, placing and deleting instances, previews.
 """
 
@@ -25,6 +26,7 @@ from shoal.cluster.events import (
     DeleteInstance,
     IndexedEvent,
     InstanceCreated,
+    InstanceDeleted,
     PlaceInstance,
     PlacementFailed,
     SubmitTask,
@@ -35,8 +37,9 @@ from shoal.cluster.events import (
 from shoal.cluster.instances import Instance, PlacementRequest
 from shoal.cluster.placement import Placement, PlacementPreview, place, previews
 from shoal.cluster.state import ClusterState
-from shoal.cluster.worker_driver import Pool, WorkerConfig, WorkerDriver
+from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
 from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
+from shoal.pool.pool import ModelPool
 from shoal.protocol import ErrorChunk, GenerationRequest
 
 log = logging.getLogger("shoal.cluster")
@@ -74,9 +77,9 @@ class ServiceConfig:
 
 
 class ClusterService:
-    def __init__(self, plane: ControlPlane, pool: Pool, usable_memory: Callable[[], int],
+    def __init__(self, plane: ControlPlane, pool: ModelPool, usable_memory: Callable[[], int],
                  config: ServiceConfig | None = None, **worker_options: Any) -> None:
-        """worker_options go to the WorkerDriver (rank runners; tests give a facts reader)."""
+        """worker_options go to the WorkerDriver (the group-connect deadline)."""
         self.plane = plane
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
@@ -86,6 +89,7 @@ class ClusterService:
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
+        pool.unloader = lambda instance_id, reason: self.delete(instance_id, reason)
 
     # --- life ----------------------------------------------------------------------------------
 
@@ -136,32 +140,20 @@ class ClusterService:
             self._answer_placement(event)
         self.worker.wake()
 
-    # --- serving for the router (RemoteServing) ------------------------------------------------
+    # --- serving for the router --------------------------------------------------------------
 
-    def remote_instance_for(self, model_id: str) -> str | None:
-        """A live instance of model_id that this node's pool does not serve (one on another
-        node, or a multi-rank one whose rank 0 is here): ready ones first, then the least
-        busy."""
-        state = self.state
-        peers = self.plane.transport.peers
-        candidates = []
-        for instance in state.instances_of(model_id):
-            server = instance.ranks[0].node_id
-            status = state.instance_status(instance.instance_id)
-            here = server == self.node_id
-            if (here and len(instance.ranks) == 1) or (not here and server not in peers) \
-                    or status == "failed":
-                continue
-            candidates.append((status != "ready", len(state.tasks_of(instance.instance_id)),
-                               instance.instance_id))
-        return min(candidates)[2] if candidates else None
-
-    def model_named(self, name: str) -> str | None:
-        wanted = name.lower()
-        for instance in self.state.instances.values():
-            if instance.model.lower() == wanted:
-                return instance.model
+    def deletion_reason(self, instance_id: str) -> str | None:
+        """Why a recently deleted instance was deleted, if this node saw it happen."""
+        for indexed in reversed(self.recent):
+            event = indexed.event
+            if isinstance(event, InstanceDeleted) and event.instance_id == instance_id:
+                return event.reason
         return None
+
+    @property
+    def peers(self) -> frozenset[NodeId]:
+        """The nodes this one hears from now (itself not included)."""
+        return frozenset(self.plane.transport.peers)
 
     async def submit_remote(self, request: GenerationRequest,
                             instance_id: str) -> AsyncIterator[Any]:
@@ -302,7 +294,8 @@ class ClusterService:
 
 def describe_instance(state: ClusterState, instance: Instance) -> dict[str, Any]:
     return {"instance_id": instance.instance_id, "model": instance.model,
-            "sharding": instance.sharding, "origin": instance.origin,
+            "sharding": instance.sharding, "on_demand": instance.request.on_demand,
+            "keep_alive_s": instance.request.keep_alive_s,
             "ranks": [{"node_id": r.node_id, "rank": r.rank, "layers": list(r.layers),
                        "phase": state.runners[r.runner_id].phase
                        if r.runner_id in state.runners else None}

@@ -15,15 +15,14 @@ from pathlib import Path
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
 from shoal.cluster.master import MasterConfig
-from shoal.cluster.ranks import RankRunners
 from shoal.cluster.service import ClusterService
 from shoal.cluster.telemetry import NodeReading, read_node
 from shoal.cluster.transport.base import Transport
 from shoal.cluster.transport.memory import MemoryHub
 from shoal.cluster.transport.topics import check_node_id
-from shoal.cluster.worker_driver import Pool
 from shoal.config import ClusterSettings
 from shoal.ids import NodeId, new_node_id
+from shoal.pool.pool import ModelPool
 
 log = logging.getLogger("shoal.cluster")
 
@@ -68,14 +67,15 @@ async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transpor
         multicast_scouting=settings.discovery, secret=settings.secret))
 
 
-async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: Pool,
+async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPool,
                        addresses: Callable[[], Sequence[str]],
-                       ranks: RankRunners | None = None) -> ClusterService:
+                       group_connect_s: float = 120.0) -> ClusterService:
     """Join (or form) the cluster and start this node's part in it.
 
-    addresses: this node's API endpoints (host:port), read at each telemetry reading so the
-    port can be known only once the HTTP server has bound it; ranks: how this node starts
-    ranks of multi-rank instances (None: it refuses them)."""
+    pool: this node's model pool (and, through it, its runner registry); addresses: this
+    node's API endpoints (host:port), read at each telemetry reading so the port can be known
+    only once the HTTP server has bound it; group_connect_s: how long a rank of a multi-rank
+    instance waits for its group to form."""
     node_id = load_node_id(data_dir)
     name = settings.name or socket.gethostname()
 
@@ -89,7 +89,7 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: Pool,
 
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir), read)
-    service = ClusterService(plane, pool, usable_memory, ranks=ranks)
+    service = ClusterService(plane, pool, usable_memory, group_connect_s=group_connect_s)
     try:
         await service.start()
     except BaseException:

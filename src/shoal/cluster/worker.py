@@ -130,8 +130,7 @@ def _fail_unservable(state: ClusterState, local: LocalView) -> FailTask | None:
 def _start_runner(state: ClusterState, local: LocalView) -> StartRunner | None:
     for instance in state.instances.values():
         rank = instance.rank_on(local.node_id)
-        # A local instance mirrors a runner this node's pool already has: nothing to start.
-        if rank is None or rank.runner_id in local.runners or instance.origin == "local":
+        if rank is None or rank.runner_id in local.runners:
             continue
         # A runner the state says failed is not restarted: the master decides what next.
         reported = state.runners.get(rank.runner_id)

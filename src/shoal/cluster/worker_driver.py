@@ -1,13 +1,12 @@
 """Carries out the worker's plan on this node.
 
-Each step (on every replicated event, every pool change, and every tick) the driver:
-1. refreshes its local view: the phase of every runner it keeps for an instance (a model
-   of the local pool for single-rank instances, a rank runner for multi-rank ones);
-2. performs plan() actions until plan() has nothing left (hosting a placed instance's model
-   or starting a rank, tearing one down, forwarding a task's chunks to its owner, aborting
-   or failing a task);
-3. mirrors the pool into the state (pool_mirror.py);
-4. reports runner phases the state does not show yet (after a failover the new master
+Each step (on every replicated event, every registry change, and every tick) the driver:
+1. refreshes its local view: the phase of every runner this node keeps for an instance,
+   read from the node's runner registry;
+2. performs plan() actions until plan() has nothing left (starting a rank's runner in the
+   registry, tearing one down, forwarding a task's chunks to its owner, aborting or failing
+   a task);
+3. reports runner phases the state does not show yet (after a failover the new master
    starts without any, so they are reported again).
 Anything sent that the state does not reflect after `resend_s` is sent again.
 """
@@ -31,11 +30,8 @@ from shoal.cluster.events import (
     TaskFinished,
     WorkerEvent,
 )
-from shoal.cluster.instances import Instance, InstanceOrigin, Rank
-from shoal.cluster.model_facts import ModelFacts, model_facts_from_source
+from shoal.cluster.instances import Instance, Rank
 from shoal.cluster.placement import load_refusal
-from shoal.cluster.pool_mirror import PoolMirror
-from shoal.cluster.ranks import RankRunners
 from shoal.cluster.state import ClusterState, RunnerPhase, RunnerStatus, Task
 from shoal.cluster.transport.base import Transport
 from shoal.cluster.worker import (
@@ -50,9 +46,10 @@ from shoal.cluster.worker import (
     TearDown,
     plan,
 )
+from shoal.engine.parallel.config import ParallelConfig
 from shoal.ids import InstanceId, NodeId, RequestId, RunnerId, new_command_id
-from shoal.pool.pool import Residency
-from shoal.protocol import ErrorChunk, GenerationRequest
+from shoal.pool.pool import ModelPool
+from shoal.protocol import ErrorChunk
 
 log = logging.getLogger("shoal.cluster.worker")
 
@@ -61,24 +58,21 @@ _PHASES: dict[str, RunnerPhase] = {"starting": "loading", "restarting": "loading
                                    "ready": "ready", "failed": "failed", "stopped": "stopped"}
 # plan() is called until it returns None; this bounds one step should it ever not converge.
 _MAX_ACTIONS_PER_STEP = 256
+# How long a rank waits for the other ranks of its group to connect, by default.
+DEFAULT_GROUP_CONNECT_S = 120.0
 
 
-class Pool(Protocol):
-    """The part of shoal.pool.pool.ModelPool the worker drives."""
-
-    def residencies(self) -> list[Residency]: ...
-
-    def on_change(self, listener: Callable[[str], None]) -> None: ...
-
-    async def host(self, name: str, instance_id: str) -> Any: ...
-
-    def unhost(self, model_id: str, instance_id: str) -> None: ...
-
-    def unload(self, model_id: str) -> None: ...
-
-    def submit(self, request: GenerationRequest) -> Any: ...
-
-    def source_of(self, model_id: str) -> Any: ...
+def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) -> ParallelConfig:
+    """A multi-rank instance's rank as its runner joins the group: the master's rendezvous,
+    the rank's layers, the group-formation deadline."""
+    if instance.rendezvous is None or instance.sharding not in ("pipeline", "tensor"):
+        raise ValueError(f"instance {instance.instance_id} is not a multi-rank instance")
+    return ParallelConfig(rank=rank.rank, world_size=rank.world_size,
+                          sharding=instance.sharding, layer_start=rank.layer_start,
+                          layer_end=rank.layer_end, master_addr=instance.rendezvous.host,
+                          master_port=instance.rendezvous.port,
+                          connect_timeout_s=connect_timeout_s,
+                          compress_hidden=instance.request.hidden_int8)
 
 
 class ClusterLink(Protocol):
@@ -109,9 +103,7 @@ class _Runner:
     runner_id: RunnerId
     instance_id: InstanceId
     model_id: str
-    origin: InstanceOrigin
-    generation: int | None
-    multi_rank: bool
+    rank: int
     phase: RunnerPhase
     message: str = ""
     loading: asyncio.Task | None = None
@@ -137,39 +129,32 @@ class _Resends:
 
 
 class WorkerDriver:
-    def __init__(self, node_id: NodeId, link: ClusterLink, transport: Transport, pool: Pool,
+    def __init__(self, node_id: NodeId, link: ClusterLink, transport: Transport, pool: ModelPool,
                  usable_memory: Callable[[], int], config: WorkerConfig | None = None,
-                 read_facts: Callable[[Any], ModelFacts] = model_facts_from_source,
-                 ranks: RankRunners | None = None) -> None:
-        """usable_memory: bytes this node can give a model now (checked before hosting);
-        read_facts: a model source's ModelFacts; ranks: starts rank runners of multi-rank
-        instances (without it, this node refuses such ranks)."""
+                 group_connect_s: float = DEFAULT_GROUP_CONNECT_S) -> None:
+        """pool: this node's model pool (its registry runs the runners); usable_memory: bytes
+        this node can give a model now (checked before starting a rank)."""
         self.node_id = node_id
         self._link = link
         self._transport = transport
         self._pool = pool
+        self._registry = pool.registry
         self._usable_memory = usable_memory
         self.config = config or WorkerConfig()
-        self._ranks = ranks
+        self._group_connect_s = group_connect_s
         self._runners: dict[RunnerId, _Runner] = {}
         self._progress: dict[RequestId, TaskProgress] = {}
         self._forwarders: dict[RequestId, asyncio.Task] = {}
         self._resends = _Resends(self.config.resend_s)
-        self._mirror = PoolMirror(node_id, link.send_command, pool.source_of, read_facts,
-                                  self.wake)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._pool.on_change(lambda _model: self.wake())
         self._loop_task = asyncio.create_task(self._run(), name="worker")
 
     async def stop(self) -> None:
         await cancel_and_wait([self._loop_task, *self._forwarders.values(),
                                *(r.loading for r in self._runners.values())])
-        await self._mirror.close()
-        if self._ranks is not None:
-            await self._ranks.close()
         self._loop_task = None
 
     def wake(self) -> None:
@@ -200,7 +185,6 @@ class WorkerDriver:
             self._perform(action)
         else:
             log.error("worker plan did not settle within %d actions", _MAX_ACTIONS_PER_STEP)
-        self._mirror.reconcile(state, self._pool.residencies(), self._resends.due)
         self._report(state)
         self._prune(state)
 
@@ -210,37 +194,18 @@ class WorkerDriver:
         return LocalView(node_id=self.node_id, runners=runners, task_progress=self._progress)
 
     def _refresh(self, state: ClusterState) -> None:
-        """Runner phases from their supervisors; local instances get a runner record."""
-        residencies = {r.model_id: r for r in self._pool.residencies()}
-        for instance in state.instances.values():
-            rank = instance.rank_on(self.node_id)
-            if (instance.origin == "local" and rank is not None
-                    and rank.runner_id not in self._runners):
-                self._runners[rank.runner_id] = _Runner(
-                    rank.runner_id, instance.instance_id, instance.model, "local",
-                    instance.generation, False, "stopped")
+        """Runner phases from the registry's supervisors."""
         for runner in self._runners.values():
             if runner.loading is not None and not runner.loading.done():
                 continue  # starting is under way; its outcome sets the phase
-            if runner.multi_rank:
-                supervisor_state = self._ranks.state(runner.runner_id) if self._ranks else None
-                error = self._ranks.error(runner.runner_id) if self._ranks else None
-            else:
-                residency = residencies.get(runner.model_id)
-                mirrored = residency is not None and (
-                    runner.origin == "placed" or residency.generation == runner.generation)
-                supervisor_state = residency.state if mirrored else None
-                error = residency.error if mirrored else None
-            self._set_phase(runner, supervisor_state, error)
-
-    @staticmethod
-    def _set_phase(runner: _Runner, supervisor_state: str | None, error: str | None) -> None:
-        if supervisor_state is not None:
-            runner.phase = _PHASES.get(supervisor_state, "failed")
-            runner.message = (error or "failed") if runner.phase == "failed" else ""
-        elif runner.phase not in ("failed", "stopped"):
-            runner.phase = "stopped" if runner.origin == "local" else "failed"
-            runner.message = runner.message or "the model's runner stopped"
+            supervisor = self._registry.get((runner.instance_id, runner.rank))
+            if supervisor is not None:
+                runner.phase = _PHASES.get(supervisor.state, "failed")
+                runner.message = ((supervisor.last_error or "failed")
+                                  if runner.phase == "failed" else "")
+            elif runner.phase not in ("failed", "stopped"):
+                runner.phase = "failed"
+                runner.message = runner.message or "the model's runner stopped"
 
     # --- actions -----------------------------------------------------------------------------
 
@@ -264,12 +229,10 @@ class WorkerDriver:
                                                     message=action.message))
 
     def _start_runner(self, instance: Instance, rank: Rank) -> None:
-        runner = _Runner(rank.runner_id, instance.instance_id, instance.model, instance.origin,
-                         instance.generation, rank.world_size > 1, "loading")
+        runner = _Runner(rank.runner_id, instance.instance_id, instance.model, rank.rank,
+                         "loading")
         self._runners[rank.runner_id] = runner
         refusal = load_refusal(instance, self.node_id, self._usable_memory())
-        if refusal is None and runner.multi_rank and self._ranks is None:
-            refusal = "this node cannot run ranks of multi-rank instances"
         if refusal is not None:
             log.warning("refusing rank %d of %s: %s", rank.rank, instance.instance_id, refusal)
             # Not reported as failed: the refusal alone makes the master place it anew.
@@ -278,15 +241,24 @@ class WorkerDriver:
                 command_id=new_command_id(), instance_id=instance.instance_id,
                 node_id=self.node_id, reason=refusal))
             return
-        start = (self._ranks.start(instance, rank) if runner.multi_rank  # type: ignore[union-attr]
-                 else self._pool.host(runner.model_id, runner.instance_id))
-        runner.loading = asyncio.create_task(self._starting(runner, start),
+        runner.loading = asyncio.create_task(self._starting(runner, instance, rank),
                                              name=f"start-{rank.runner_id}")
 
-    async def _starting(self, runner: _Runner, start: Any) -> None:
+    async def _starting(self, runner: _Runner, instance: Instance, rank: Rank) -> None:
         try:
-            await start
+            source = await self._pool.source_of(instance.model)
+            parallel = (parallel_config(instance, rank, self._group_connect_s)
+                        if rank.world_size > 1 else None)
+            if parallel is not None:
+                log.info("starting rank %d of %d of %s (%s, layers %d-%d)", rank.rank,
+                         rank.world_size, instance.model, instance.sharding, rank.layer_start,
+                         rank.layer_end)
+            else:
+                log.info("starting model %s for %s", instance.model, instance.instance_id)
+            await self._registry.start((instance.instance_id, rank.rank), source, parallel)
             runner.phase, runner.message = "ready", ""
+            if rank.rank == 0:
+                self._pool.track(instance.instance_id, instance.request.keep_alive_s)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - reported as the runner's failure
@@ -301,26 +273,13 @@ class WorkerDriver:
         log.info("tearing down %s of %s: %s", runner.model_id, runner.instance_id, reason)
         if runner.loading is not None and not runner.loading.done():
             runner.loading.cancel()
-        if runner.multi_rank:
-            if self._ranks is not None:
-                self._ranks.stop(runner_id)
-        elif runner.origin == "placed":
-            self._pool.unhost(runner.model_id, runner.instance_id)
-        else:
-            current = next((r for r in self._pool.residencies()
-                            if r.model_id == runner.model_id), None)
-            if current is not None and current.generation == runner.generation:
-                self._pool.unload(runner.model_id)  # the instance was deleted, not unloaded
+        self._registry.stop((runner.instance_id, runner.rank))
+        if runner.rank == 0:
+            self._pool.forget(runner.instance_id)
 
     def _dispatch(self, task: Task, runner_id: RunnerId) -> None:
         self._progress[task.task_id] = "dispatched"
-        runner = self._runners.get(runner_id)
-        if runner is not None and runner.multi_rank and self._ranks is not None:
-            supervisor = self._ranks.supervisor(runner_id)
-            stream = (supervisor.submit(task.request) if supervisor is not None
-                      else _refused(task.task_id, "rank 0 of the instance is gone"))
-        else:
-            stream = self._pool.submit(task.request)
+        stream = self._pool.submit(task.instance_id, task.request)
         self._forwarders[task.task_id] = asyncio.create_task(
             self._forward(task.task_id, task.owner_node, stream), name=f"forward-{task.task_id}")
 
@@ -371,6 +330,3 @@ class WorkerDriver:
         live = set(self._runners)
         self._resends.forget(lambda key: key[0] != "status" or key[1] in live)
 
-
-async def _refused(task_id: str, message: str) -> AsyncIterator[Any]:
-    yield ErrorChunk(request_id=task_id, code="unavailable", message=message)

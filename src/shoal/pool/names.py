@@ -31,6 +31,7 @@ class ModelNames:
         self._resolve = resolve or default_resolver
         self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
         self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
+        self._sources: dict[str, ModelSource] = {}  # model id -> where its weights are
 
     async def identify(self, name: str, task: ModelTask | None = None
                        ) -> tuple[str, ModelSource | None]:
@@ -44,6 +45,7 @@ class ModelNames:
             self._ids[name.lower()] = model_id
             self._ids[model_id.lower()] = model_id
             self._tasks[model_id] = source.task
+            self._sources[model_id] = source
         actual = self._tasks.get(model_id, "generate")
         if task is not None and actual != task:
             if actual == "embed":
@@ -57,6 +59,15 @@ class ModelNames:
     async def resolve(self, name: str) -> ModelSource:
         """Where name's weights are, looked up afresh (ModelNotFound if unknown)."""
         return await asyncio.to_thread(self._resolve, name)
+
+    async def source_of(self, model_id: str) -> ModelSource:
+        """Where a model id's weights are: as resolved when a client named it here, else
+        resolved from the id (an instance placed by another node)."""
+        source = self._sources.get(model_id)
+        if source is None:
+            source = await self.resolve(model_id)
+            self._sources[model_id] = source
+        return source
 
     def canonical_id(self, name: str) -> str:
         """The id name was identified as; name itself if it has not been."""

@@ -1,0 +1,134 @@
+"""Every runner process of one node, keyed by (instance id, rank).
+
+The registry alone starts, supervises (through each RunnerSupervisor) and stops runners:
+single-rank instances, and ranks of instances split across nodes alike. The cluster's worker
+decides what runs; the pool decides how long it stays; both go through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shoal.engine.config import ModelSource
+from shoal.engine.parallel.config import ParallelConfig
+from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
+
+log = logging.getLogger("shoal.runner.registry")
+
+RunnerKey = tuple[str, int]  # (instance id, rank)
+# (where the weights are, the rank's place in its group or None alone) -> a supervisor
+SupervisorFactory = Callable[[ModelSource, ParallelConfig | None], RunnerSupervisor]
+
+# How long stop() gives a runner to shut down before close() stops waiting for it.
+_CLOSE_WAIT_S = 15.0
+# How often wait_ready asks whether a runner not yet registered is still wanted.
+_RECHECK_S = 0.25
+
+
+class RunnerRegistry:
+    def __init__(self, make_supervisor: SupervisorFactory) -> None:
+        self._make_supervisor = make_supervisor
+        self._runners: dict[RunnerKey, RunnerSupervisor] = {}
+        self._starts: dict[RunnerKey, asyncio.Task] = {}
+        self._stopping: set[asyncio.Task] = set()
+        self._changed = asyncio.Condition()
+
+    # ---- starting and stopping ----------------------------------------------------------------
+
+    async def start(self, key: RunnerKey, source: ModelSource,
+                    parallel: ParallelConfig | None = None) -> RunnerSupervisor:
+        """Spawn the runner for key and wait until it has loaded (RunnerUnavailable if it
+        cannot). A key already running is an error: one runner per (instance, rank)."""
+        if key in self._runners:
+            raise ValueError(f"runner {key} is already registered")
+        supervisor = self._make_supervisor(source, parallel)
+        self._runners[key] = supervisor
+        start = asyncio.ensure_future(supervisor.start())
+        self._starts[key] = start
+        await self._notify()
+        try:
+            await asyncio.shield(start)
+        finally:
+            await self._notify()
+        return supervisor
+
+    def stop(self, key: RunnerKey) -> None:
+        """Shut key's runner down in the background (bounded by its supervisor)."""
+        supervisor = self._runners.pop(key, None)
+        start = self._starts.pop(key, None)
+        if start is not None and not start.done():
+            start.cancel()
+        if supervisor is None:
+            return
+        task = asyncio.get_running_loop().create_task(supervisor.shutdown())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def close(self) -> None:
+        for key in list(self._runners):
+            self.stop(key)
+        if self._stopping:
+            await asyncio.wait(set(self._stopping), timeout=_CLOSE_WAIT_S)
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def get(self, key: RunnerKey) -> RunnerSupervisor | None:
+        return self._runners.get(key)
+
+    def items(self) -> list[tuple[RunnerKey, RunnerSupervisor]]:
+        return list(self._runners.items())
+
+    @property
+    def supervisors(self) -> list[RunnerSupervisor]:
+        return list(self._runners.values())
+
+    async def wait_ready(self, key: RunnerKey, timeout_s: float,
+                         wanted: Callable[[], str | None] | None = None) -> RunnerSupervisor:
+        """key's runner once it serves: waits for it to be registered (the worker starts it
+        when the state lists its instance) and loaded. RunnerUnavailable when it fails, is
+        stopped, or is not ready within timeout_s; or, while it is not registered yet, when
+        wanted() gives a reason it never will be (its instance was deleted, say)."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while key not in self._runners:
+                gone = wanted() if wanted is not None else None
+                if gone is not None:
+                    raise RunnerUnavailable(gone)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RunnerUnavailable(f"no runner started for {key[0]} within "
+                                            f"{timeout_s:.0f} s")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, _RECHECK_S)):
+                        await self._changed.wait()
+        supervisor = self._runners[key]
+        start = self._starts.get(key)
+        left = max(0.0, deadline - time.monotonic())
+        if start is not None and not start.done():
+            try:
+                async with asyncio.timeout(left):
+                    await asyncio.shield(start)
+            except TimeoutError:
+                raise RunnerUnavailable(f"model {supervisor.model_id!r} did not load within "
+                                        f"{timeout_s:.0f} s") from None
+            except asyncio.CancelledError:
+                if start.cancelled():
+                    raise RunnerUnavailable(f"model {supervisor.model_id!r} was unloaded "
+                                            "while loading") from None
+                raise
+        elif start is not None and not start.cancelled() and start.exception() is not None:
+            raise RunnerUnavailable(str(start.exception()))
+        if self._runners.get(key) is not supervisor:
+            raise RunnerUnavailable(f"model {supervisor.model_id!r} was unloaded")
+        await supervisor.wait_ready(max(0.0, deadline - time.monotonic()))
+        return supervisor
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
