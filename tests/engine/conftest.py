@@ -11,3 +11,17 @@ def tiny_checkpoints(tmp_path_factory):
     """family -> TinyCheckpoint (safetensors dir + GGUF + transformers references)."""
     directory = tmp_path_factory.mktemp("tiny-models")
     return {family: tiny_models.build(family, directory) for family in tiny_models.FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The compiled kernels with their packed-weight paths (test modules that need only
+    the kernels define their own; skips on a CPU without
+    AVX512-BF16, where weights load dequantized and decode runs in Python)."""
+    from shoal.engine.kernels import build
+
+    module = build.KERNEL.load()
+    assert module is not None, "the kernels did not build (see the warning logged)"
+    if not module.quant_fast_kernels():
+        pytest.skip("this CPU has no AVX512-BF16: weights load dequantized, not packed")
+    return module

@@ -22,15 +22,6 @@ PROMPTS = [PROMPT, PROMPT[:5], PROMPT[3:] + PROMPT, PROMPT[7:], PROMPT * 2, PROM
 BLOCKS_PER_ROW = 8
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    module = build.KERNEL.load()
-    assert module is not None, "the kernels did not build (see the warning logged)"
-    if not module.quant_fast_kernels():
-        pytest.skip("this CPU has no AVX512-BF16: models load dequantized, decode in Python")
-    return module
-
-
 def runners(checkpoint, fused: bool, num_blocks: int = BLOCKS_PER_ROW * len(PROMPTS),
             kv_cache_dtype: str = "auto"):
     loaded = load(checkpoint, "gguf", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)

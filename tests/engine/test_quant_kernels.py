@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.engine.kernels import build
 from shoal.engine.models.layers.linear import QTYPES
 
 TYPES = list(QTYPES)
@@ -23,15 +22,6 @@ FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
                "Q6_K": [208], "IQ4_XS": [0]}
 ROWS = (1, 4, 16, 128)
 AUTO, AVX512, AMX = 0, 1, 2
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = build.KERNEL.load()
-    assert module is not None, "the kernels did not build (see the warning logged)"
-    if not module.quant_fast_kernels():
-        pytest.skip("this CPU has no AVX512-BF16: weights load dequantized, not packed")
-    return module
 
 
 def paths(kernel) -> list[tuple[int, bool]]:

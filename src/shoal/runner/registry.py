@@ -65,10 +65,13 @@ class RunnerRegistry:
             start.cancel()
         if supervisor is None:
             return
-        task = asyncio.get_running_loop().create_task(supervisor.shutdown())
+        task = asyncio.get_running_loop().create_task(self._shut_down(supervisor))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
-        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _shut_down(self, supervisor: RunnerSupervisor) -> None:
+        await self._notify()  # waiters on this key learn it is gone
+        await supervisor.shutdown()
 
     async def close(self) -> None:
         for key in list(self._runners):
