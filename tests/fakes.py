@@ -78,11 +78,13 @@ class FakeEngine:
         self._requests: dict[str, _FakeRequest] = {}
         self._aborted: list[str] = []
         self.raised = False
+        self.priorities: dict[str, int] = {}  # request id -> the priority it was added with
 
     def render_chat(self, messages, tools=None) -> str:
         return " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
 
-    def add_request(self, request_id, prompt_token_ids, params, grammar=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, grammar=None,
+                    priority=0) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -92,6 +94,7 @@ class FakeEngine:
         markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW", "TOOLCALL")
                    if self.tokenizer.encode(name)[0] in prompt_token_ids}
         self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers)
+        self.priorities[request_id] = priority
 
     def abort_request(self, request_id) -> None:
         if request_id in self._requests:

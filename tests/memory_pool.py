@@ -28,10 +28,13 @@ from shoal.cluster.setup import open_cluster
 from shoal.config import ClusterSettings
 from shoal.pool.pool import ModelPool
 from shoal.router import Router
+from shoal.runner.messages import MemoryUsage
 from shoal.runner.registry import RunnerRegistry
 from shoal.runner.supervisor import RunnerUnavailable
 
 LOAD_S = 0.05
+# What each fake runner reports it holds once loaded (counted against a node's budget).
+HELD_BYTES = 100 * 2**20
 
 
 class MemorySupervisor:
@@ -46,6 +49,11 @@ class MemorySupervisor:
         self.expires_at = None
         self.last_error = None
         self.events = events
+        self.memory: MemoryUsage | None = None
+        self.memory_limit: int | None = None
+
+    def limit_memory(self, limit_bytes: int | None) -> None:
+        self.memory_limit = limit_bytes
 
     async def start(self) -> None:
         self.events.append(("start", self.model_id))
@@ -54,6 +62,7 @@ class MemorySupervisor:
         if self.model_id == "broken":
             self.state = "failed"
             raise RunnerUnavailable("loading 'broken' failed: bad weights")
+        self.memory = MemoryUsage(weights_bytes=HELD_BYTES, rss_bytes=HELD_BYTES)
         self.state = "ready"
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -62,6 +71,7 @@ class MemorySupervisor:
 
     async def shutdown(self) -> None:
         self.events.append(("stop", self.model_id))
+        self.memory = None
         self.state = "stopped"
 
     async def submit(self, request: GenerationRequest):
@@ -92,6 +102,7 @@ def sources(tmp_path) -> dict[str, ModelSource]:
     (directory / "config.json").write_text(
         '{"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}')
     return {"chat": ModelSource("chat", "gguf", weights),
+            "other": ModelSource("other", "gguf", weights),
             "broken": ModelSource("broken", "gguf", weights),
             "embedder": ModelSource("embedder", "safetensors", Path(directory), task="embed")}
 
@@ -107,12 +118,17 @@ def make_pool(sources, events, **options) -> ModelPool:
     return ModelPool(registry, resolve=resolve, **options)
 
 
-async def make_router(sources, events, **options) -> Router:
-    """A router over make_pool's pool, its node a standalone cluster of one."""
+async def make_router(sources, events, memory_budget: int | None = None,
+                      max_loaded_models: int | None = None,
+                      memory_wait_s: float = 5.0, ladders=None, **options) -> Router:
+    """A router over make_pool's pool, its node a standalone cluster of one with the given
+    budget; options go to ModelPool."""
     pool = make_pool(sources, events, **options)
     data_dir = Path(sources["chat"].path).parent / "node"
-    cluster = await open_cluster(ClusterSettings(standalone=True), data_dir, pool, lambda: ())
-    return Router(pool, cluster)
+    cluster = await open_cluster(ClusterSettings(standalone=True), data_dir, pool, lambda: (),
+                                 memory_budget=memory_budget,
+                                 max_loaded_models=max_loaded_models)
+    return Router(pool, cluster, memory_wait_s=memory_wait_s, ladders=ladders)
 
 
 async def shutdown(router: Router) -> None:

@@ -6,13 +6,13 @@ validated in __post_init__ with a ValueError that names it.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.durations import parse_duration_s
 from shoal.engine.config import EngineConfig, ModelSource
 
 DEFAULT_HOST = "127.0.0.1"
@@ -30,36 +30,6 @@ def parse_size(text: str) -> int:
         raise ValueError(f"invalid size {text!r}: use a number with an optional unit "
                          f"such as 512MiB, 2GiB or 4GB")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
-                   "h": 3600.0}
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
-
-
-def parse_duration(value: object) -> float:
-    """Seconds in a number (seconds) or a duration such as "300", "5m", "1h30m", "-1";
-    ValueError otherwise. A negative result means "indefinitely" to keep-alive callers."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid duration {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and value.strip():
-        text = value.strip()
-        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
-        try:
-            seconds = sign * float(body)
-        except ValueError:
-            parts = _DURATION_PART.findall(body)
-            if not parts or "".join(n + u for n, u in parts) != body:
-                raise ValueError(f"invalid duration {value!r}: use seconds or a duration "
-                                 f"such as 30s, 5m, 1h30m (negative: forever)") from None
-            seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
-    else:
-        raise ValueError(f"invalid duration {value!r}")
-    if not math.isfinite(seconds):
-        raise ValueError(f"invalid duration {value!r}")
-    return seconds
 
 
 def default_data_dir() -> Path:
@@ -125,6 +95,34 @@ class RunnerLimits:
 
 
 @dataclass(frozen=True)
+class PoolSettings:
+    """How this node shares its memory among models and its turns among requests."""
+
+    memory_budget: int | None = None  # None: what placement reckons the node can use
+    max_loaded_models: int | None = None  # None: no limit
+    pinned: tuple[str, ...] = ()  # models loaded at start and never evicted
+    max_queue: int | None = 512  # requests waiting for a turn; beyond: overloaded
+    queue_timeout_s: float = 300.0
+    parallel: int = 32  # requests one model serves at once on this node
+    clients_file: Path | None = None  # --clients: per-client tiers (pool/clients.py)
+    tasks_file: Path | None = None  # --tasks: fallback ladders (pool/ladders.py)
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError("memory budget must be positive")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max loaded models must be >= 1, not {self.max_loaded_models}")
+        if any(not m.strip() for m in self.pinned):
+            raise ValueError("pinned model names must not be empty")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max queue must be >= 0, not {self.max_queue}")
+        if not self.queue_timeout_s > 0:
+            raise ValueError("queue timeout must be positive")
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be >= 1, not {self.parallel}")
+
+
+@dataclass(frozen=True)
 class ClusterSettings:
     """How this node joins a cluster.
 
@@ -161,6 +159,7 @@ class NodeConfig:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     # False: load nothing at start (not even the default model); models load on first use.
     preload: bool = True
+    pool: PoolSettings = field(default_factory=PoolSettings)
 
     def __post_init__(self) -> None:
         if any(not m.strip() for m in self.models):
@@ -252,6 +251,7 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       keep_alive: str | None = None, preload: bool | None = None,
                       kv_cache_dtype: str | None = None,
                       cluster: ClusterSettings | None = None,
+                      pool: PoolSettings | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment."""
     env = os.environ if env is None else env
@@ -276,11 +276,36 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         group_connect_deadline_s=_as_float(env.get("SHOAL_GROUP_CONNECT_DEADLINE") or None,
                                            "SHOAL_GROUP_CONNECT_DEADLINE") or 120.0)
     keep_alive_value = _pick(keep_alive, env, "SHOAL_KEEP_ALIVE")
-    keep_alive_s = 300.0 if keep_alive_value is None else parse_duration(keep_alive_value)
+    keep_alive_s = 300.0 if keep_alive_value is None else parse_duration_s(keep_alive_value)
     preload_value = _as_bool(_pick(preload, env, "SHOAL_PRELOAD"), "SHOAL_PRELOAD")
     return NodeConfig(server=server, models=tuple(models) or tuple(env_models),
                       data_dir=Path(directory).expanduser() if directory else default_data_dir(),
                       engine=engine, runner=runner,
                       keep_alive_s=None if keep_alive_s < 0 else keep_alive_s,
                       cluster=cluster or build_cluster_settings(env=env),
-                      preload=True if preload_value is None else preload_value)
+                      preload=True if preload_value is None else preload_value,
+                      pool=pool or build_pool_settings(env=env))
+
+
+def build_pool_settings(*, memory_budget: str | None = None, max_loaded_models=None,
+                        pin: Sequence[str] = (), max_queue=None, queue_timeout=None,
+                        parallel=None, clients: str | None = None, tasks: str | None = None,
+                        env: Mapping[str, str] | None = None) -> PoolSettings:
+    """Pool settings from flags (None = not given) and SHOAL_* variables."""
+    env = os.environ if env is None else env
+    budget = _pick(memory_budget, env, "SHOAL_MEMORY_BUDGET")
+    timeout = _pick(queue_timeout, env, "SHOAL_QUEUE_TIMEOUT")
+    queue = _as_int(_pick(max_queue, env, "SHOAL_MAX_QUEUE"), "max queue")
+    width = _as_int(_pick(parallel, env, "SHOAL_PARALLEL"), "parallel")
+    clients_file = _pick(clients, env, "SHOAL_CLIENTS")
+    tasks_file = _pick(tasks, env, "SHOAL_TASKS")
+    return PoolSettings(
+        memory_budget=None if budget is None else parse_size(budget),
+        max_loaded_models=_as_int(_pick(max_loaded_models, env, "SHOAL_MAX_LOADED_MODELS"),
+                                  "max loaded models"),
+        pinned=tuple(pin) or _as_list(env.get("SHOAL_PIN") or None),
+        max_queue=512 if queue is None else queue,
+        queue_timeout_s=300.0 if timeout is None else parse_duration_s(timeout),
+        parallel=32 if width is None else width,
+        clients_file=Path(clients_file).expanduser() if clients_file else None,
+        tasks_file=Path(tasks_file).expanduser() if tasks_file else None)

@@ -24,6 +24,7 @@ import uvicorn
 from shoal.api.app import create_app
 from shoal.config import NodeConfig
 from shoal.pool.pool import ModelPool
+from shoal.pool.queue import AdmissionQueue, QueueLimits
 from shoal.router import ModelUnavailable, Router
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.registry import RunnerRegistry, SupervisorFactory
@@ -69,10 +70,29 @@ def runner_factory(config: NodeConfig,
 
 def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = None,
               resolve: Callable[[str], Any] | None = None) -> ModelPool:
-    """This node's runner registry and the pool over it."""
+    """This node's runner registry, the pool over it and its admission queue; a malformed
+    --clients file is a NodeStartError naming file, line and reason."""
+    from shoal.pool.clients import load_clients
+
+    settings = config.pool
+    tiers = _read_file(load_clients, settings.clients_file)
+    queue = AdmissionQueue(QueueLimits(max_queue=settings.max_queue,
+                                       timeout_s=settings.queue_timeout_s,
+                                       parallel=settings.parallel), tiers)
     registry = RunnerRegistry(make_supervisor or runner_factory(config))
     return ModelPool(registry, resolve=resolve or node_resolver(config),
-                     keep_alive_s=config.keep_alive_s)
+                     keep_alive_s=config.keep_alive_s, queue=queue)
+
+
+def _read_file(load: Callable[[Any], Any], path: Any) -> Any:
+    from shoal.config_file import ConfigFileError
+
+    if path is None:
+        return None
+    try:
+        return load(path)
+    except ConfigFileError as error:
+        raise NodeStartError(str(error)) from error
 
 
 def node_resolver(config: NodeConfig) -> Callable[[str], Any]:
@@ -83,11 +103,24 @@ def node_resolver(config: NodeConfig) -> Callable[[str], Any]:
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:
-    if config.models:
+    """Models loaded at start (not pinned): those named, else the catalogue default unless
+    pinned models were named instead; none without preloading."""
+    if config.models or not config.preload:
         return config.models
+    if config.pool.pinned:
+        return ()
     from shoal.catalog.resolve import DEFAULT_MODEL_ID
 
     return (DEFAULT_MODEL_ID,)
+
+
+def make_router(config: NodeConfig, pool: ModelPool, cluster: Any) -> Router:
+    """The node's router with its task ladders (a malformed --tasks file is a
+    NodeStartError naming file, line and reason)."""
+    from shoal.pool.ladders import load_ladders
+
+    ladders = _read_file(load_ladders, config.pool.tasks_file) or {}
+    return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue_timeout_s)
 
 
 class _Server(uvicorn.Server):
@@ -112,10 +145,15 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     addresses: list[str] = []
     pool = make_pool(config, make_supervisor, resolve)
     cluster = await _join_cluster(config, pool, addresses)
-    router = Router(pool, cluster)
     try:
-        if config.preload:
-            await _preload(router, default_models(config), stop)
+        router = make_router(config, pool, cluster)
+    except NodeStartError:
+        await cluster.stop()
+        await pool.shutdown()
+        raise
+    try:
+        await _preload(router, default_models(config), stop)
+        await _preload(router, config.pool.pinned, stop, pinned=True)
         if stop.is_set():
             return
         app = create_app(router, keepalive_s=config.server.keepalive_s,
@@ -145,16 +183,21 @@ async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str
     try:
         return await open_cluster(config.cluster, config.data_dir, pool,
                                   lambda: tuple(addresses),
-                                  config.runner.group_connect_deadline_s)
+                                  config.runner.group_connect_deadline_s,
+                                  memory_budget=config.pool.memory_budget,
+                                  max_loaded_models=config.pool.max_loaded_models)
     except (TransportError, ValueError, OSError) as error:
         await pool.shutdown()
         raise NodeStartError(f"cannot join the cluster: {error}") from error
 
 
-async def _preload(router: Router, models: tuple[str, ...], stop: asyncio.Event) -> None:
+async def _preload(router: Router, models: tuple[str, ...], stop: asyncio.Event,
+                   pinned: bool = False) -> None:
     from shoal.catalog.resolve import ModelNotFound
 
-    preload = asyncio.ensure_future(router.preload(models))
+    if not models or stop.is_set():
+        return
+    preload = asyncio.ensure_future(router.preload(models, pinned=pinned))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({preload, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()

@@ -68,7 +68,8 @@ class GenerationRequest(WireModel):
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
-    priority: int = 0
+    priority: int = 5  # 0 most urgent .. 9 least
+    client_id: str | None = None  # who asked: per-client caps; never reaches the model
     add_special_tokens: bool = True
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = "auto"
@@ -110,6 +111,7 @@ class AcceptedChunk(WireModel):
     kind: Literal["accepted"] = "accepted"
     request_id: str
     prompt_tokens: int
+    model: str | None = None  # the model that serves it (a task ladder's choice), if known
 
 
 class TokenChunk(WireModel):
@@ -155,6 +157,7 @@ class ErrorChunk(WireModel):
     code: ErrorCode
     message: str
     param: str | None = None
+    retry_after_s: int | None = None  # overloaded: when a retry may find room
 
 
 class EmbeddingRequest(WireModel):
@@ -167,7 +170,8 @@ class EmbeddingRequest(WireModel):
     token_ids: tuple[tuple[int, ...], ...] | None = None  # used as given, no special tokens
     # Cut inputs longer than the model's context instead of failing the request.
     truncate: bool = False
-    priority: int = 0
+    priority: int = 5  # 0 most urgent .. 9 least
+    client_id: str | None = None  # as in GenerationRequest
     keep_alive_s: float | None = None  # as in GenerationRequest
 
     @model_validator(mode="after")

@@ -113,7 +113,8 @@ def test_run_one_shot_and_interactive_against_a_running_node(tmp_path, capsys, m
 CLUSTER = {"node_id": "n1", "master_id": "n1", "nodes": [], "instances": [
     {"instance_id": "i-local", "model": "smollm2", "sharding": "single",
      "ranks": [{"node_id": "n1", "rank": 0, "layers": [0, 30], "phase": "ready"}],
-     "status": "ready"},
+     "status": "ready", "memory_bytes": 600 * 2**20, "pinned": True, "expires_at": None,
+     "queue_depth": 3},
     {"instance_id": "i-remote", "model": "qwen", "sharding": "single",
      "ranks": [{"node_id": "n2", "rank": 0, "layers": [0, 24], "phase": "ready"}],
      "status": "ready"},
@@ -140,8 +141,11 @@ def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):
     assert main(["ps", "--url", "http://node"]) == 0
     header, local, remote = capsys.readouterr().out.splitlines()
     assert "WEIGHTS" in header and "KV HELD / ALL" in header and "RSS" in header
+    assert "NODE" in header and "PINNED" in header and "EXPIRES" in header
+    # per node: served by n1, holds 600 MiB, pinned, no expiry, 3 requests queued
+    assert local.split()[4:10] == ["n1", "600", "MiB", "yes", "-", "3"]
     assert "100 MiB" in local and "3 MiB / 224 MiB" in local and "2.0 GiB" in local
-    assert remote.split()[4:7] == ["-", "-", "-"]  # another node's runner
+    assert remote.split()[4:12] == ["n2", "-", "no", "-", "0", "-", "-", "-"]
     assert main(["ps", "--url", "http://node", "--json"]) == 0
     instances = json.loads(capsys.readouterr().out)
     assert instances[0]["memory"] == HELD and instances[1]["memory"] is None
@@ -151,4 +155,4 @@ def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):
     answer_with(monkeypatch, ps_status=500)
     assert main(["ps", "--url", "http://node"]) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert len(rows) == 3 and rows[1].split()[4:7] == ["-", "-", "-"]
+    assert len(rows) == 3 and rows[1].split()[10:13] == ["-", "-", "-"]

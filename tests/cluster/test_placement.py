@@ -239,3 +239,31 @@ def test_load_refusal_uses_the_same_memory_model_with_a_tolerance():
     assert reason is not None and "rank 1" in reason and "'tiny'" in reason
     with pytest.raises(ValueError):
         load_refusal(instance, "zz", GIB, POLICY)
+
+
+def test_a_node_s_capacity_is_its_budget_less_what_its_instances_hold():
+    from shoal.cluster.node_budget import node_capacity
+    from shoal.cluster.state import ClusterState, RunnerStatus
+    from shoal.cluster.telemetry import NodeReading
+
+    from shoal.ids import InstanceId, NodeId
+
+    model = facts(weight_bytes=100 * 2**20, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                  intermediate_size=64)
+    placed = place(request(model=model), nodes(a=8)).to_instance(InstanceId("i1"))
+    state = ClusterState(instances={placed.instance_id: placed})
+    reading = NodeReading(node_id=NodeId("a"), taken_at=0, memory_budget=4 * 2**30,
+                          max_loaded_models=1)
+    estimated = node_capacity(reading, state)
+    assert estimated.usable_bytes == 4 * 2**30 - shard_bytes(model, 4)  # placement's estimate
+    assert estimated.free_slots == 0 and not estimated.has_slot
+    measured = state.model_copy(update={"runners": {placed.ranks[0].runner_id: RunnerStatus(
+        runner_id=placed.ranks[0].runner_id, instance_id=placed.instance_id,
+        node_id=NodeId("a"), phase="ready", memory_bytes=300 * 2**20)}})
+    assert node_capacity(reading, measured).usable_bytes == 4 * 2**30 - 300 * 2**20
+    # A node at --max-loaded-models takes no further model, whatever its memory.
+    refused = place(request(model=model), [estimated])
+    assert not isinstance(refused, Placement) and "max-loaded-models" in refused.reason
+    # With no budget reported, placement uses live memory as before.
+    assert node_capacity(NodeReading(node_id=NodeId("a"), taken_at=0, memory_total=2**30,
+                                     memory_available=2**29), state).free_slots is None

@@ -46,7 +46,7 @@ def test_silent_nodes_time_out():
     table.apply(_reading("b", 1.0), now=3)
     assert table.live_nodes(now=5) == {"a", "b"}
     assert table.live_nodes(now=6) == {"b"} and table.silent_nodes(now=6) == {"a"}
-    assert [c.node_id for c in table.capacities([NodeId("a"), NodeId("b")], now=6)] == ["b"]
+    assert [r.node_id for r in table.live_readings([NodeId("a"), NodeId("b")], now=6)] == ["b"]
     table.forget(NodeId("a"))
     assert table.silent_nodes(now=6) == frozenset() and table.reading(NodeId("a")) is None
 

@@ -50,3 +50,13 @@ def test_the_heap_is_trimmed_once_when_a_burst_of_steps_ends(tmp_path, monkeypat
     loop.rest(keepalive=False)
     loop.rest(keepalive=False)
     assert trims == [1]
+
+
+def test_a_request_s_priority_reaches_the_engine(tmp_path):
+    engine = FakeEngine(fake_engine_config(tmp_path))
+    loop = RunnerLoop(engine, RecordingChannel())
+    for request_id, priority in (("urgent", 0), ("batch", 9)):
+        loop.submit(GenerationRequest(request_id=request_id, model="fake-model",
+                                      prompt="hello there", sampling=SamplingParams(),
+                                      priority=priority))
+    assert engine.priorities == {"urgent": 0, "batch": 9}

@@ -35,6 +35,8 @@ class PlaceBody(BaseModel):
     excluded_nodes: list[str] = Field(default_factory=list)
     # int8 hidden states between pipeline ranks (fewer bytes on slow links; not exact)
     hidden_int8: bool = False
+    # Never evicted to make room, never unloaded for idleness (DELETE removes it).
+    pin: bool = False
 
 
 def _cluster(request: Request) -> ClusterService:
@@ -57,7 +59,7 @@ async def _placement_request(body: PlaceBody) -> PlacementRequest:
     try:
         return PlacementRequest(facts=facts, sharding=body.sharding, min_nodes=body.min_nodes,
                                 excluded_nodes=tuple(body.excluded_nodes),
-                                hidden_int8=body.hidden_int8)
+                                hidden_int8=body.hidden_int8, pinned=body.pin)
     except ValidationError as error:
         raise invalid_parameter("sharding", error.errors()[0]["msg"]) from None
 
@@ -78,7 +80,8 @@ async def place_instance(body: PlaceBody, request: Request) -> JSONResponse:
                        error_type="service_unavailable") from None
     except PlacementRefused as error:
         raise APIError(400, str(error), param="model", code="placement_impossible") from None
-    return JSONResponse(describe_instance(service.state, instance), status_code=201)
+    return JSONResponse(describe_instance(service.state, instance, service.readings()),
+                        status_code=201)
 
 
 @router.delete("/instances/{instance_id}")
@@ -108,8 +111,7 @@ async def instance_previews(request: Request,
 @router.get("/instances")
 async def instances(request: Request) -> dict[str, Any]:
     service = _cluster(request)
-    return {"instances": [describe_instance(service.state, i)
-                          for i in service.state.instances.values()]}
+    return {"instances": service.describe_instances()}
 
 
 @router.get("/state")

@@ -62,7 +62,10 @@ def create_app(router: Any, keepalive_s: float = 15.0,
         ready = all(s.state == "ready" for s in supervisors)
         failed = any(s.state in ("failed", "stopped") for s in supervisors)
         status = "ok" if ready else ("degraded" if failed else "loading")
-        return JSONResponse({"status": status, "models": states},
-                            status_code=200 if ready else 503)
+        body: dict[str, Any] = {"status": status, "models": states}
+        queue = getattr(request.app.state.router, "queue", None)
+        if queue is not None:  # this node's admission queue
+            body["queue"] = {"waiting": queue.depth(), "running": queue.running()}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     return app

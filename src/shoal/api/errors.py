@@ -35,19 +35,28 @@ class APIError(Exception):
     """Raised by routes and adapters; rendered as an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, error_type: str = "invalid_request_error") -> None:
+                 code: str | None = None, error_type: str = "invalid_request_error",
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.error_type = error_type
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def from_chunk(cls, chunk: ErrorChunk) -> APIError:
         status, error_type = STATUS_BY_CODE.get(chunk.code, (500, "internal_error"))
         return cls(status, chunk.message, param=chunk.param, code=chunk.code,
-                   error_type=error_type)
+                   error_type=error_type, retry_after_s=chunk.retry_after_s)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """Retry-After on an overload answer, in every dialect."""
+        if self.retry_after_s is None:
+            return None
+        return {"Retry-After": str(self.retry_after_s)}
 
     def described(self) -> str:
         """The message, led by the parameter it blames when it does not name it already
@@ -61,7 +70,7 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_parameter(param: str, message: str) -> APIError:

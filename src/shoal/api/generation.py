@@ -151,7 +151,7 @@ async def respond(http_request: Request, router: Any, internal: GenerationReques
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     # Only now is the name resolved: answer with the canonical id, not the alias asked for.
-    responder.model = router.canonical_id(internal.model)
+    responder.model = accepted.model or router.canonical_id(internal.model)
     responder.prompt_tokens = accepted.prompt_tokens
     to_json, to_stream = responder.to_json, responder.to_stream
     if internal.stream:

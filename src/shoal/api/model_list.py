@@ -70,3 +70,20 @@ def find_listed(state: Any, name: str) -> ListedModel | None:
         if key == model.id.lower() or key in (alias.lower() for alias in aliases):
             return model
     return None
+
+
+def placements(state: Any) -> dict[str, list[dict[str, Any]]]:
+    """Model id -> where it is loaded, one entry per instance: the serving node, memory held,
+    pinned, keep-alive expiry (unix seconds) and that node's queue for it."""
+    cluster = getattr(state, "cluster", None)
+    if cluster is None:
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for described in cluster.describe_instances():
+        out.setdefault(described["model"], []).append({
+            "node_id": described["ranks"][0]["node_id"],
+            "nodes": [r["node_id"] for r in described["ranks"]],
+            "instance_id": described["instance_id"], "status": described["status"],
+            "memory_bytes": described["memory_bytes"], "pinned": described["pinned"],
+            "expires_at": described["expires_at"], "queue_depth": described["queue_depth"]})
+    return out

@@ -102,15 +102,26 @@ def _figures(known: dict[str, Any]) -> tuple[str, ...]:
 
 def print_instances(cluster: dict[str, Any],
                     memory: dict[str, dict[str, Any]] | None = None) -> None:
-    """The instances; with memory (instance id -> figures) also what this node holds."""
-    header = ("INSTANCE", "MODEL", "SHARDING", "STATUS")
+    """The instances, each with its serving node, what it holds, pinned, keep-alive expiry
+    and that node's queue for the model; with memory (instance id -> figures) also what this
+    node's runners hold."""
+    header = ("INSTANCE", "MODEL", "SHARDING", "STATUS", "NODE", "HELD", "PINNED", "EXPIRES",
+              "QUEUE")
     held = ("WEIGHTS", "KV HELD / ALL", "RSS") if memory is not None else ()
     rows = [(*header, *held, "RANKS (node[layers])")]
     for instance in cluster["instances"]:
         figures = _figures(memory.get(instance["instance_id"], {})) if memory is not None else ()
         rows.append((instance["instance_id"], instance["model"], instance["sharding"],
-                     instance["status"], *figures, _ranks(instance)))
+                     instance["status"], instance["ranks"][0]["node_id"],
+                     _size(instance.get("memory_bytes")),
+                     "yes" if instance.get("pinned") else "no",
+                     _expiry(instance.get("expires_at")), str(instance.get("queue_depth", 0)),
+                     *figures, _ranks(instance)))
     print_table(rows)
+
+
+def _expiry(when: float | None) -> str:
+    return "-" if when is None else f"in {max(0.0, when - time.time()):.0f}s"
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -121,11 +132,14 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(json.dumps(cluster, indent=2))
         return 0
     print(f"this node: {cluster['node_id']}    master: {cluster['master_id'] or '(electing)'}")
-    rows = [("NODE", "NAME", "ROLE", "API", "MEM FREE/TOTAL GiB", "BACKENDS", "SEEN")]
+    rows = [("NODE", "NAME", "ROLE", "API", "MEM FREE/TOTAL GiB", "HELD/BUDGET GiB", "QUEUE",
+             "BACKENDS", "SEEN")]
     for node in cluster["nodes"]:
         role = "master" if node["node_id"] == cluster["master_id"] else "follower"
         rows.append((node["node_id"], node["name"], role, ",".join(node["addresses"]) or "-",
                      f"{_gib(node['memory_available'])}/{_gib(node['memory_total'])}",
+                     f"{_gib(node.get('memory_held'))}/{_gib(node.get('memory_budget'))}",
+                     str(node.get("queue_depth", 0)),
                      ",".join(node["backends"]) or "-", _ago(node["last_seen"])))
     print_table(rows)
     print()

@@ -7,7 +7,12 @@ import asyncio
 import logging
 import sys
 
-from shoal.config import DEFAULT_PORT, build_cluster_settings, build_node_config
+from shoal.config import (
+    DEFAULT_PORT,
+    build_cluster_settings,
+    build_node_config,
+    build_pool_settings,
+)
 from shoal.node import NodeStartError, serve
 
 
@@ -38,8 +43,38 @@ def add_parser(commands) -> None:
                         help="how long a model loaded on demand stays loaded after its last "
                              "request, e.g. 300, 5m, -1 for ever (SHOAL_KEEP_ALIVE; 5m)")
     add_engine_flags(parser)
+    add_pool_flags(parser)
     add_cluster_flags(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def add_pool_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models and requests")
+    group.add_argument("--memory-budget", default=None, metavar="SIZE",
+                       help="what this node's models may hold in all, e.g. 8GiB; idle models "
+                            "are evicted to make room (SHOAL_MEMORY_BUDGET; default: the "
+                            "memory the node can use)")
+    group.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                       help="models this node holds at most (SHOAL_MAX_LOADED_MODELS; no "
+                            "limit)")
+    group.add_argument("--pin", action="append", default=[], metavar="MODEL",
+                       help="load MODEL at start and never evict it; repeat for several "
+                            "(SHOAL_PIN)")
+    group.add_argument("--max-queue", type=int, default=None, metavar="N",
+                       help="requests waiting for a turn on this node; more are refused "
+                            "(SHOAL_MAX_QUEUE; 512)")
+    group.add_argument("--queue-timeout", default=None, metavar="DURATION",
+                       help="the longest a request waits for its turn, e.g. 30s "
+                            "(SHOAL_QUEUE_TIMEOUT; 5m)")
+    group.add_argument("--parallel", type=int, default=None, metavar="N",
+                       help="requests one model serves at once on this node; more wait in "
+                            "the queue (SHOAL_PARALLEL; 32)")
+    group.add_argument("--clients", default=None, metavar="FILE",
+                       help="TOML file of client tiers: concurrency, queue and priority caps "
+                            "(SHOAL_CLIENTS)")
+    group.add_argument("--tasks", default=None, metavar="FILE",
+                       help="TOML file of fallback ladders, asked for as model task:NAME "
+                            "(SHOAL_TASKS)")
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +111,12 @@ def run_serve(args: argparse.Namespace) -> int:
                                kv_cache_dtype=args.kv_cache_dtype,
                                kv_cache_memory=args.kv_cache_memory,
                                keep_alive=args.keep_alive, preload=args.preload,
-                               cluster=cluster)
+                               cluster=cluster, pool=build_pool_settings(
+                                   memory_budget=args.memory_budget,
+                                   max_loaded_models=args.max_loaded_models, pin=args.pin,
+                                   max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+                                   parallel=args.parallel, clients=args.clients,
+                                   tasks=args.tasks))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

@@ -84,6 +84,8 @@ class PlacementRequest(Frozen):
     # Placed for a request (on first use, or named at start): if its runner fails or its
     # node leaves it is deleted, not placed again; the next request places it anew.
     on_demand: bool = False
+    # Never evicted to make room and never expires (--pin, "pin" on POST /instances).
+    pinned: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> PlacementRequest:

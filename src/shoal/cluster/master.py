@@ -50,6 +50,7 @@ from shoal.cluster.events import (
     parse_worker_event,
 )
 from shoal.cluster.instances import Instance, PlacementRequest, Rendezvous
+from shoal.cluster.node_budget import node_capacities
 from shoal.cluster.placement import (
     DEFAULT_POLICY,
     NodeCapacity,
@@ -320,7 +321,8 @@ class Master:
                                     why=f"{instance.instance_id} lost {reason}")
 
     def _capacities(self) -> list[NodeCapacity]:
-        return self._telemetry.capacities(list(self.state.nodes), time.monotonic())
+        readings = self._telemetry.live_readings(list(self.state.nodes), time.monotonic())
+        return node_capacities(readings, self.state, self.config.policy)
 
     async def _reconcile_loop(self) -> None:
         while True:

@@ -65,6 +65,12 @@ class NodeCapacity:
 
     node_id: NodeId
     usable_bytes: int
+    # Models it may still load (--max-loaded-models less those it holds); None: no limit.
+    free_slots: int | None = None
+
+    @property
+    def has_slot(self) -> bool:
+        return self.free_slots is None or self.free_slots > 0
 
     @classmethod
     def from_memory(cls, node_id: NodeId, memory_total: int, memory_available: int,
@@ -160,7 +166,7 @@ def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], shardi
     request.excluded_nodes are skipped; request.sharding and min_nodes are not consulted.
     """
     skip = set(request.excluded_nodes)
-    allowed = [n for n in nodes if n.node_id not in skip]
+    allowed = [n for n in nodes if n.node_id not in skip and n.has_slot]
     preferred = [n for n in allowed if n.node_id == request.preferred_node]
     if width == 1 and preferred:
         here = place_exact(request.model_copy(update={"preferred_node": None}), preferred,
@@ -169,7 +175,9 @@ def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], shardi
             return here
     chosen = _by_memory(allowed)[:width]
     if width < 1 or len(chosen) < width:
-        return PlacementError(f"needs {width} node(s), {len(chosen)} available")
+        full = [n.node_id for n in nodes if not n.has_slot and n.node_id not in skip]
+        note = f" ({', '.join(full)} at --max-loaded-models)" if full else ""
+        return PlacementError(f"needs {width} node(s), {len(chosen)} available{note}")
     if sharding == "single" and width != 1:
         return PlacementError("single-node placement has width 1")
     if width == 1:
@@ -191,8 +199,8 @@ def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], shardi
         needed = shard_bytes(facts, end - start, tp_size, policy)
         if needed > node.usable_bytes:
             return PlacementError(
-                f"over {width} node(s) node {node.node_id} needs {_gib(needed)} for layers "
-                f"[{start}, {end}) but has {_gib(node.usable_bytes)} usable")
+                f"over {width} node(s) node {node.node_id} needs {gib(needed)} for layers "
+                f"[{start}, {end}) but has {gib(node.usable_bytes)} usable")
         shards.append(ShardPlan(node.node_id, start, end, tp_rank, tp_size, needed,
                                 node.usable_bytes))
     return Placement(request=request, sharding=sharding, shards=tuple(shards))
@@ -248,8 +256,8 @@ def load_refusal(instance: Instance, node_id: NodeId, usable_bytes: int,
     needed = shard_bytes(instance.facts, rank.layer_end - rank.layer_start, rank.tp_size, policy)
     if needed <= usable_bytes * (1 + tolerance):
         return None
-    return (f"node {node_id} needs {_gib(needed)} for rank {rank.rank} of model "
-            f"{instance.model!r} but has {_gib(usable_bytes)} usable now")
+    return (f"node {node_id} needs {gib(needed)} for rank {rank.rank} of model "
+            f"{instance.model!r} but has {gib(usable_bytes)} usable now")
 
 
 # -- memory model -------------------------------------------------------------------------
@@ -353,5 +361,5 @@ def _excluded_note(request: PlacementRequest) -> str:
     return f" (excluding {', '.join(request.excluded_nodes)})"
 
 
-def _gib(size: int) -> str:
+def gib(size: int) -> str:
     return f"{size / GIB:.2f} GiB"

@@ -11,10 +11,11 @@ driver and the data plane on one transport, and offers:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,17 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.cluster.instances import Instance, PlacementRequest
-from shoal.cluster.placement import Placement, PlacementPreview, place, previews
+from shoal.cluster.node_budget import held_bytes, node_capacities, rank_bytes
+from shoal.cluster.placement import (
+    NodeCapacity,
+    Placement,
+    PlacementPolicy,
+    PlacementPreview,
+    place,
+    previews,
+)
 from shoal.cluster.state import ClusterState
+from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
 from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
 from shoal.pool.pool import ModelPool
@@ -84,18 +94,21 @@ class ClusterService:
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
         self.streams = RemoteStreams(plane.transport)
+        self._pool = pool
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
-                                   self.config.worker, **worker_options)
+                                   self.config.worker, memory_budget=lambda: self.budget()[0],
+                                   **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
+        self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
         pool.unloader = lambda instance_id, reason: self.delete(instance_id, reason)
 
     # --- life ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.plane.replica.on_event(self._on_event)
-        self.plane.replica.on_reset(lambda _state: self.worker.wake())
+        self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
         self.streams.start()
         await self.plane.start()
         await self.worker.start()
@@ -138,7 +151,28 @@ class ClusterService:
                 stream.fail(event.code, event.message)
         elif isinstance(event, (InstanceCreated, PlacementFailed)):
             self._answer_placement(event)
+        self._wake_waiters()
         self.worker.wake()
+
+    async def wait_for(self, holds: Callable[[ClusterState], bool], timeout_s: float) -> bool:
+        """Until holds(state) is true after some event (True), or timeout_s passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not holds(self.state):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(changed)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await changed
+        return True
+
+    def _wake_waiters(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # --- serving for the router --------------------------------------------------------------
 
@@ -228,8 +262,21 @@ class ClusterService:
 
     # --- administration for the API ------------------------------------------------------------
 
-    def capacities(self) -> list:
-        return self.plane.telemetry.table.capacities(list(self.state.nodes), time.monotonic())
+    def capacities(self) -> list[NodeCapacity]:
+        readings = self.plane.telemetry.table.live_readings(list(self.state.nodes),
+                                                            time.monotonic())
+        return node_capacities(readings, self.state, self.policy)
+
+    @property
+    def policy(self) -> PlacementPolicy:
+        return self.plane.config.master.policy
+
+    def budget(self) -> tuple[int | None, int | None]:
+        """This node's (memory budget, max loaded models) as it last reported them."""
+        reading = self.plane.telemetry.table.reading(self.node_id)
+        if reading is None:
+            return None, None
+        return reading.memory_budget, reading.max_loaded_models
 
     async def place(self, request: PlacementRequest) -> Instance:
         """Place an instance and return it once the master has created it.
@@ -276,28 +323,57 @@ class ClusterService:
     def previews(self, request: PlacementRequest) -> tuple[PlacementPreview, ...]:
         return previews(request, self.capacities(), self.plane.config.master.policy)
 
+    def readings(self) -> dict[NodeId, NodeReading]:
+        """Every node's latest reading, this node's keep-alive expiries and queue live."""
+        readings = self.plane.telemetry.table.readings()
+        own = readings.get(self.node_id)
+        if own is not None:
+            readings[self.node_id] = own.model_copy(update={
+                "expiries": self._pool.expiries(), "queue_depths": self._pool.queue.depths()})
+        return readings
+
     def describe(self) -> dict[str, Any]:
         """GET /cluster: this node, the master, the nodes with their readings, the instances."""
-        state, table = self.state, self.plane.telemetry.table
+        state, readings = self.state, self.readings()
         nodes = []
         for node_id, info in sorted(state.nodes.items()):
-            reading = table.reading(node_id)
+            reading = readings.get(node_id)
             nodes.append({
                 "node_id": node_id, "name": info.name, "addresses": list(info.addresses),
                 "memory_total": reading.memory_total if reading else None,
                 "memory_available": reading.memory_available if reading else None,
+                "memory_budget": reading.memory_budget if reading else None,
+                "memory_held": held_bytes(state, node_id, self.policy),
+                "max_loaded_models": reading.max_loaded_models if reading else None,
+                "queue_depth": sum(reading.queue_depths.values()) if reading else 0,
                 "backends": list(reading.backends) if reading else [],
                 "last_seen": reading.taken_at if reading else None})
         return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
-                "instances": [describe_instance(state, i) for i in state.instances.values()]}
+                "instances": self.describe_instances()}
+
+    def describe_instances(self) -> list[dict[str, Any]]:
+        readings = self.readings()
+        return [describe_instance(self.state, i, readings)
+                for i in self.state.instances.values()]
 
 
-def describe_instance(state: ClusterState, instance: Instance) -> dict[str, Any]:
+def describe_instance(state: ClusterState, instance: Instance,
+                      readings: Mapping[NodeId, NodeReading] | None = None) -> dict[str, Any]:
+    """An instance as GET /cluster, /instances and shoal ps show it: its ranks with what each
+    holds, and from its serving node's latest reading its keep-alive expiry and queue."""
+    server = (readings or {}).get(instance.ranks[0].node_id)
+    ranks = []
+    for rank in instance.ranks:
+        held = rank_bytes(state, instance, rank.node_id)
+        status = state.runners.get(rank.runner_id)
+        ranks.append({"node_id": rank.node_id, "rank": rank.rank, "layers": list(rank.layers),
+                      "phase": status.phase if status else None,
+                      "memory_bytes": held.bytes if held else None,
+                      "measured": held.measured if held else False})
     return {"instance_id": instance.instance_id, "model": instance.model,
             "sharding": instance.sharding, "on_demand": instance.request.on_demand,
-            "keep_alive_s": instance.request.keep_alive_s,
-            "ranks": [{"node_id": r.node_id, "rank": r.rank, "layers": list(r.layers),
-                       "phase": state.runners[r.runner_id].phase
-                       if r.runner_id in state.runners else None}
-                      for r in instance.ranks],
-            "status": state.instance_status(instance.instance_id)}
+            "keep_alive_s": instance.request.keep_alive_s, "pinned": instance.request.pinned,
+            "memory_bytes": sum(r["memory_bytes"] or 0 for r in ranks),
+            "expires_at": server.expiries.get(instance.instance_id) if server else None,
+            "queue_depth": server.queue_depths.get(instance.model, 0) if server else 0,
+            "ranks": ranks, "status": state.instance_status(instance.instance_id)}

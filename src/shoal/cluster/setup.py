@@ -69,20 +69,29 @@ async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transpor
 
 async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPool,
                        addresses: Callable[[], Sequence[str]],
-                       group_connect_s: float = 120.0) -> ClusterService:
+                       group_connect_s: float = 120.0, memory_budget: int | None = None,
+                       max_loaded_models: int | None = None) -> ClusterService:
     """Join (or form) the cluster and start this node's part in it.
 
     pool: this node's model pool (and, through it, its runner registry); addresses: this
     node's API endpoints (host:port), read at each telemetry reading so the port can be known
     only once the HTTP server has bound it; group_connect_s: how long a rank of a multi-rank
-    instance waits for its group to form."""
+    instance waits for its group to form; memory_budget: what this node's models may hold
+    in all (None: what placement reckons the node can use, its own runners' memory counted as
+    usable); max_loaded_models: how many models it may hold (None: no limit)."""
     node_id = load_node_id(data_dir)
     name = settings.name or socket.gethostname()
 
     def read() -> NodeReading:
         reading = read_node(node_id, data_dir, name, tuple(addresses()))
         backends = ("cpu", "cuda") if reading.gpus else ("cpu",)
-        return reading.model_copy(update={"backends": backends})
+        budget = memory_budget
+        if budget is None:
+            budget = reading.capacity().usable_bytes + pool.resident_bytes()
+        return reading.model_copy(update={
+            "backends": backends, "memory_budget": budget,
+            "max_loaded_models": max_loaded_models, "queue_depths": pool.queue.depths(),
+            "expiries": pool.expiries()})
 
     def usable_memory() -> int:
         return read().capacity().usable_bytes

@@ -38,6 +38,9 @@ class RunnerStatus(Frozen):
     node_id: NodeId
     phase: RunnerPhase
     message: str = ""  # why it failed, or a loading stage
+    # What the rank holds, measured once loaded (resident memory plus KV blocks reserved
+    # but not yet touched): what it counts against its node's memory budget.
+    memory_bytes: int | None = None
 
 
 class Task(Frozen):

@@ -58,6 +58,14 @@ class NodeReading(Frozen):
     disk_free: int = 0
     gpus: tuple[GpuReading, ...] = ()
     backends: tuple[str, ...] = ()
+    # What this node's models may hold in all (node_budget.py); None: place on live memory.
+    memory_budget: int | None = None
+    max_loaded_models: int | None = None  # None: no limit
+    # Requests waiting in this node's queue, per model.
+    queue_depths: dict[str, int] = pydantic.Field(default_factory=dict)
+    # Instances this node serves -> when their keep-alive unloads them (unix seconds; None:
+    # in use, pinned or kept loaded).
+    expiries: dict[str, float | None] = pydantic.Field(default_factory=dict)
 
     def capacity(self) -> NodeCapacity:
         """What placement may use here: the first GPU's memory when there is one, else RAM."""
@@ -125,9 +133,9 @@ class TelemetryTable:
         self._readings.pop(node, None)
         self._heard.pop(node, None)
 
-    def capacities(self, nodes: Sequence[NodeId], now: float) -> list[NodeCapacity]:
-        """Placement capacities of the live nodes among `nodes` that have reported."""
-        return [self._readings[n].capacity() for n in nodes
+    def live_readings(self, nodes: Sequence[NodeId], now: float) -> list[NodeReading]:
+        """The latest readings of the live nodes among `nodes` that have reported."""
+        return [self._readings[n] for n in nodes
                 if n in self._readings and self.is_alive(n, now)]
 
 

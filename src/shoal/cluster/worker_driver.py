@@ -31,6 +31,7 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.cluster.instances import Instance, Rank
+from shoal.cluster.node_budget import holdings
 from shoal.cluster.placement import load_refusal
 from shoal.cluster.state import ClusterState, RunnerPhase, RunnerStatus, Task
 from shoal.cluster.transport.base import Transport
@@ -58,6 +59,8 @@ _PHASES: dict[str, RunnerPhase] = {"starting": "loading", "restarting": "loading
                                    "ready": "ready", "failed": "failed", "stopped": "stopped"}
 # plan() is called until it returns None; this bounds one step should it ever not converge.
 _MAX_ACTIONS_PER_STEP = 256
+# A rank's measured memory is reported again once it moves by this much (not on every page).
+MEMORY_REPORT_STEP = 32 * 2**20
 # How long a rank waits for the other ranks of its group to connect, by default.
 DEFAULT_GROUP_CONNECT_S = 120.0
 
@@ -107,6 +110,7 @@ class _Runner:
     phase: RunnerPhase
     message: str = ""
     loading: asyncio.Task | None = None
+    memory_bytes: int | None = None  # measured once loaded (MemoryUsage.footprint_bytes)
 
 
 @dataclass
@@ -131,7 +135,8 @@ class _Resends:
 class WorkerDriver:
     def __init__(self, node_id: NodeId, link: ClusterLink, transport: Transport, pool: ModelPool,
                  usable_memory: Callable[[], int], config: WorkerConfig | None = None,
-                 group_connect_s: float = DEFAULT_GROUP_CONNECT_S) -> None:
+                 group_connect_s: float = DEFAULT_GROUP_CONNECT_S,
+                 memory_budget: Callable[[], int | None] = lambda: None) -> None:
         """pool: this node's model pool (its registry runs the runners); usable_memory: bytes
         this node can give a model now (checked before starting a rank)."""
         self.node_id = node_id
@@ -140,6 +145,7 @@ class WorkerDriver:
         self._pool = pool
         self._registry = pool.registry
         self._usable_memory = usable_memory
+        self._memory_budget = memory_budget
         self.config = config or WorkerConfig()
         self._group_connect_s = group_connect_s
         self._runners: dict[RunnerId, _Runner] = {}
@@ -203,6 +209,9 @@ class WorkerDriver:
                 runner.phase = _PHASES.get(supervisor.state, "failed")
                 runner.message = ((supervisor.last_error or "failed")
                                   if runner.phase == "failed" else "")
+                memory = supervisor.memory
+                runner.memory_bytes = (memory.footprint_bytes if memory is not None
+                                       and runner.phase == "ready" else None)
             elif runner.phase not in ("failed", "stopped"):
                 runner.phase = "failed"
                 runner.message = runner.message or "the model's runner stopped"
@@ -255,10 +264,12 @@ class WorkerDriver:
                          rank.layer_end)
             else:
                 log.info("starting model %s for %s", instance.model, instance.instance_id)
-            await self._registry.start((instance.instance_id, rank.rank), source, parallel)
+            await self._registry.start((instance.instance_id, rank.rank), source, parallel,
+                                       self._memory_share(instance))
             runner.phase, runner.message = "ready", ""
             if rank.rank == 0:
-                self._pool.track(instance.instance_id, instance.request.keep_alive_s)
+                self._pool.track(instance.instance_id, instance.request.keep_alive_s,
+                                 instance.request.pinned)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - reported as the runner's failure
@@ -267,6 +278,17 @@ class WorkerDriver:
             runner.phase, runner.message = "failed", str(error)
         finally:
             self.wake()
+
+    def _memory_share(self, instance: Instance) -> int | None:
+        """What the instance's rank here may hold: the node's budget less what every other
+        instance here holds (None when the node has no budget)."""
+        budget = self._memory_budget()
+        if budget is None:
+            return None
+        state = self._link.state
+        others = sum(h.bytes for h in holdings(state, self.node_id)
+                     if h.instance.instance_id != instance.instance_id)
+        return max(0, budget - others)
 
     def _tear_down(self, runner_id: RunnerId, reason: str) -> None:
         runner = self._runners.pop(runner_id)
@@ -310,12 +332,15 @@ class WorkerDriver:
             if runner.phase == "stopped" and reported is None:
                 continue
             if (reported is not None and reported.phase == runner.phase
-                    and reported.message == runner.message):
+                    and reported.message == runner.message
+                    and _same_memory(reported.memory_bytes, runner.memory_bytes)):
                 continue
-            if self._resends.due(("status", runner.runner_id, runner.phase, runner.message)):
+            if self._resends.due(("status", runner.runner_id, runner.phase, runner.message,
+                                  runner.memory_bytes)):
                 self._link.send_worker_event(RunnerStatusChanged(status=RunnerStatus(
                     runner_id=runner.runner_id, instance_id=runner.instance_id,
-                    node_id=self.node_id, phase=runner.phase, message=runner.message)))
+                    node_id=self.node_id, phase=runner.phase, message=runner.message,
+                    memory_bytes=runner.memory_bytes)))
 
     def _prune(self, state: ClusterState) -> None:
         for task_id in [t for t in self._progress if t not in state.tasks]:
@@ -330,3 +355,8 @@ class WorkerDriver:
         live = set(self._runners)
         self._resends.forget(lambda key: key[0] != "status" or key[1] in live)
 
+
+def _same_memory(reported: int | None, measured: int | None) -> bool:
+    if reported is None or measured is None:
+        return reported == measured
+    return abs(reported - measured) < MEMORY_REPORT_STEP

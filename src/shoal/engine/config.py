@@ -58,8 +58,13 @@ class EngineConfig:
     cache_dir: Path | None = None
     # This runner's rank in a multi-rank instance; None for a model served whole.
     parallel: ParallelConfig | None = None
+    # The most this runner may hold in all (its share of the node's memory budget): the KV
+    # cache is sized within what is left of it once the weights are loaded. None: no share.
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:
+            raise ValueError("memory_limit_bytes must not be negative")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):

@@ -114,8 +114,10 @@ class Engine:
                                                   tools=tools)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, grammar: GrammarSpec | None = None) -> None:
+                    params: SamplingParams, grammar: GrammarSpec | None = None,
+                    priority: int = 0) -> None:
         """Queue a request; raises InvalidParameter, ContextLengthExceeded or InvalidGrammar.
+        priority: lower is admitted first and preempted last (the request's x_priority).
 
         With a grammar, every sampled token is one the grammar accepts, and the request ends
         ("stop") as soon as the grammar is complete."""
@@ -127,7 +129,7 @@ class Engine:
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         constraint = self.grammars.compile(grammar) if grammar is not None else None
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                          params=params)
+                          params=params, priority=priority)
         self.scheduler.add(request)
         if self._mirrors:
             self._added.append(NewRequest(request_id, tuple(prompt_token_ids), params))

@@ -44,8 +44,9 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
                   available_bytes: int | None = None) -> KVPlan:
     """Blocks for the KV cache and the context they allow.
 
-    The budget is --kv-cache-memory when given, else DEFAULT_KV_SHARE of available memory,
-    never more than max_num_seqs full contexts need. STAGE_SHARE of it (at most
+    The budget is --kv-cache-memory when given, else DEFAULT_KV_SHARE of available memory
+    (within the runner's memory limit, less what it holds already: its share of the node's
+    memory budget), never more than max_num_seqs full contexts need. STAGE_SHARE of it (at most
     STAGE_MAX_TOKENS tokens) is the decode stage; the paged blocks get the rest.
     """
     from shoal.engine.models.loader import kv_bytes_per_token
@@ -63,6 +64,9 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
     else:
         available = (psutil.virtual_memory().available if available_bytes is None
                      else available_bytes)
+        if config.memory_limit_bytes is not None:
+            held = psutil.Process().memory_info().rss
+            available = min(available, max(0, config.memory_limit_bytes - held))
         budget = min(int(available * DEFAULT_KV_SHARE),
                      config.max_num_seqs * context * per_token)
     stage_tokens = min(STAGE_MAX_TOKENS, int(budget * STAGE_SHARE) // per_token)

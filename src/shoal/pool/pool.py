@@ -9,7 +9,12 @@ owns the runner processes. The pool decides how long an instance served by this 
   default for a model loaded on first use, None - no expiry - for one named at start or
   placed through the API);
 - when the timer runs out the pool marks the instance retiring (no new request goes there)
-  and asks the cluster to delete it (`unloader`); the worker then stops its runners.
+  and asks the cluster to delete it (`unloader`); the worker then stops its runners;
+- a pinned instance never expires and is never evicted;
+- to make room for another model, idle instances are evicted (eviction.py chooses which:
+  least urgent latest request first, then least recently used) the same way.
+
+Waiters for memory wake on every request's end and every unload (wait_for_change).
 
 It also names models (names.py): a client's name -> the canonical model id.
 """
@@ -17,6 +22,7 @@ It also names models (names.py): a client's name -> the canonical model id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.engine.config import ModelSource, ModelTask
+from shoal.pool.eviction import Resident
 from shoal.pool.names import ModelNames, Resolver, WrongModelTask
+from shoal.pool.queue import AdmissionQueue
 from shoal.protocol import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -62,10 +70,15 @@ class _Keep:
     requested: bool = False
     active: int = 0  # requests holding the instance
     timer: asyncio.Task | None = None
-    retiring: bool = False  # expired: being deleted, takes no new request
+    retiring: bool = False  # expired or evicted: being deleted, takes no new request
+    pinned: bool = False
+    priority: int = 5  # the latest request's
+    last_used: float = 0.0  # monotonic: when a request last began or ended
 
     def idle_for(self) -> float | None:
         """Seconds to stay loaded once idle; None means indefinitely."""
+        if self.pinned:
+            return None
         value = self.requested_s if self.requested else self.default_s
         return None if value is None or value < 0 else value
 
@@ -74,15 +87,18 @@ class ModelPool:
     def __init__(self, registry: RunnerRegistry, resolve: Resolver | None = None,
                  keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
                  load_wait_s: float = DEFAULT_LOAD_WAIT_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 queue: AdmissionQueue | None = None) -> None:
         if keep_alive_s is not None and keep_alive_s < 0:
             raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
         self.registry = registry
+        self.queue = queue or AdmissionQueue()  # every request's turn on this node
         self.names = ModelNames(resolve)
         self.keep_alive_s = keep_alive_s  # the node default for models loaded on first use
         self.load_wait_s = load_wait_s
         self._clock = clock
         self._keeps: dict[str, _Keep] = {}
+        self._change: asyncio.Future[None] | None = None  # woken by _notify
         self.unloader: Unloader | None = None  # set by the cluster: deletes an instance
 
     # ---- names ----------------------------------------------------------------------------
@@ -105,11 +121,12 @@ class ModelPool:
 
     # ---- instances served here ------------------------------------------------------------
 
-    def track(self, instance_id: str, keep_alive_s: float | None) -> None:
+    def track(self, instance_id: str, keep_alive_s: float | None, pinned: bool = False) -> None:
         """The instance's serving runner has started here; keep_alive_s is its own
         keep-alive. An idle instance's timer starts now."""
-        keep = self._keeps.setdefault(instance_id, _Keep())
+        keep = self._keeps.setdefault(instance_id, _Keep(last_used=time.monotonic()))
         keep.default_s = keep_alive_s
+        keep.pinned = pinned
         if not keep.active:
             self._arm(instance_id, keep)
 
@@ -118,6 +135,7 @@ class ModelPool:
         keep = self._keeps.pop(instance_id, None)
         if keep is not None and keep.timer is not None:
             keep.timer.cancel()
+        self._notify()
 
     def is_retiring(self, instance_id: str) -> bool:
         keep = self._keeps.get(instance_id)
@@ -130,11 +148,13 @@ class ModelPool:
         if not keep.active:
             self._arm(instance_id, keep)
 
-    def hold(self, instance_id: str, keep_alive_s: float | None) -> None:
+    def hold(self, instance_id: str, keep_alive_s: float | None, priority: int = 5) -> None:
         """A request holds the instance (no unload while held); release() lets go.
         keep_alive_s: the request's own keep-alive, if it named one."""
         keep = self._keeps.setdefault(instance_id, _Keep())
         keep.active += 1
+        keep.priority = priority
+        keep.last_used = time.monotonic()
         if keep.timer is not None:
             keep.timer.cancel()
             keep.timer = None
@@ -147,8 +167,55 @@ class ModelPool:
         if keep is None:
             return
         keep.active -= 1
+        keep.last_used = time.monotonic()
         if not keep.active:
             self._arm(instance_id, keep)
+        self._notify()
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def expiries(self) -> dict[str, float | None]:
+        """Instance id -> when its keep-alive unloads it (unix seconds; None: not while in
+        use, pinned or kept loaded), for every instance served here."""
+        return {key[0]: s.expires_at for key, s in self.registry.items() if key[1] == 0}
+
+    def resident_bytes(self) -> int:
+        """Resident memory of every runner on this node, as they last reported it."""
+        return sum(s.memory.rss_bytes or 0 for s in self.registry.supervisors
+                   if s.memory is not None)
+
+    def resident(self, instance_id: str, model: str, size: int,
+                 busy_models: set[str]) -> Resident:
+        """The instance as eviction sees it (busy: held by a request, or its model has
+        requests admitted or waiting)."""
+        keep = self._keeps.get(instance_id) or _Keep()
+        return Resident(instance_id=instance_id, model=model, bytes=size, pinned=keep.pinned,
+                        busy=keep.active > 0 or keep.retiring or model in busy_models,
+                        priority=keep.priority, last_used=keep.last_used)
+
+    def evict(self, instance_id: str, reason: str) -> None:
+        """Unload an idle instance now to make room: it takes no new request."""
+        keep = self._keeps.setdefault(instance_id, _Keep())
+        if keep.timer is not None:
+            keep.timer.cancel()
+            keep.timer = None
+        keep.retiring = True
+        log.info("evicting instance %s: %s", instance_id, reason)
+        if self.unloader is not None:
+            self.unloader(instance_id, reason)
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Until a request ends or an instance is unloaded here (or timeout_s passes)."""
+        if self._change is None or self._change.done():
+            self._change = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await asyncio.shield(self._change)
+
+    def _notify(self) -> None:
+        if self._change is not None and not self._change.done():
+            self._change.set_result(None)
+        self._change = None
 
     def _arm(self, instance_id: str, keep: _Keep) -> None:
         if keep.timer is not None:
@@ -181,7 +248,7 @@ class ModelPool:
                      wanted: Wanted | None = None) -> AsyncIterator[Any]:
         """request's chunks from the instance's serving runner here (rank 0), waiting for it
         to load; one ErrorChunk if it cannot serve."""
-        self.hold(instance_id, request.keep_alive_s)
+        self.hold(instance_id, request.keep_alive_s, request.priority)
         try:
             try:
                 supervisor = await self.serving_runner(instance_id, wanted)
@@ -199,7 +266,7 @@ class ModelPool:
 
     async def embed(self, instance_id: str, request: EmbeddingRequest,
                     wanted: Wanted | None = None) -> EmbeddingResult | ErrorChunk:
-        self.hold(instance_id, request.keep_alive_s)
+        self.hold(instance_id, request.keep_alive_s, request.priority)
         try:
             try:
                 supervisor = await self.serving_runner(instance_id, wanted)

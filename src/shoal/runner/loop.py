@@ -179,7 +179,8 @@ class RunnerLoop:
             ids = self.prompt_token_ids(request)
             if not request.count_only:
                 grammar = output_grammar(request, self.tool_support.call_format)
-                self.engine.add_request(request_id, ids, request.sampling, grammar=grammar)
+                self.engine.add_request(request_id, ids, request.sampling, grammar=grammar,
+                                        priority=request.priority)
         except InvalidGrammar as error:
             param = grammar_param(request)
             self._error(request_id, "invalid_request",

@@ -99,6 +99,15 @@ class MemoryUsage(RunnerMessage):
             return None
         return self.weights_bytes + (self.kv_bytes_in_use or 0) + (self.kv_bytes_cached or 0)
 
+    @property
+    def footprint_bytes(self) -> int | None:
+        """What the runner holds with its KV pool full: its resident memory plus the KV
+        blocks it reserved but has not touched yet. Counted against the node's budget."""
+        if self.rss_bytes is None:
+            return None
+        touched = (self.kv_bytes_in_use or 0) + (self.kv_bytes_cached or 0)
+        return self.rss_bytes + max(0, (self.kv_bytes_capacity or 0) - touched)
+
 
 class Failed(RunnerMessage):
     """The runner cannot go on (load failed, engine broken); it exits after sending this."""

@@ -41,12 +41,16 @@ class RunnerRegistry:
     # ---- starting and stopping ----------------------------------------------------------------
 
     async def start(self, key: RunnerKey, source: ModelSource,
-                    parallel: ParallelConfig | None = None) -> RunnerSupervisor:
+                    parallel: ParallelConfig | None = None,
+                    memory_limit: int | None = None) -> RunnerSupervisor:
         """Spawn the runner for key and wait until it has loaded (RunnerUnavailable if it
-        cannot). A key already running is an error: one runner per (instance, rank)."""
+        cannot). A key already running is an error: one runner per (instance, rank).
+        memory_limit: the most it may hold (its KV cache is sized within it)."""
         if key in self._runners:
             raise ValueError(f"runner {key} is already registered")
         supervisor = self._make_supervisor(source, parallel)
+        if memory_limit is not None:
+            supervisor.limit_memory(memory_limit)
         self._runners[key] = supervisor
         start = asyncio.ensure_future(supervisor.start())
         self._starts[key] = start
@@ -72,6 +76,11 @@ class RunnerRegistry:
     async def _shut_down(self, supervisor: RunnerSupervisor) -> None:
         await self._notify()  # waiters on this key learn it is gone
         await supervisor.shutdown()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Until every runner being stopped has exited (its memory is free), or timeout_s."""
+        if self._stopping:
+            await asyncio.wait(set(self._stopping), timeout=timeout_s)
 
     async def close(self) -> None:
         for key in list(self._runners):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -95,6 +96,10 @@ class RunnerSupervisor:
         self._stopping = False
 
     # ---- public -----------------------------------------------------------------------
+
+    def limit_memory(self, limit_bytes: int | None) -> None:
+        """The most the runner may hold (its share of the node's budget); set before start."""
+        self.config = dataclasses.replace(self.config, memory_limit_bytes=limit_bytes)
 
     @property
     def pid(self) -> int | None:

@@ -20,6 +20,7 @@ from shoal.api.anthropic.schemas import (
     ToolChoiceIn,
 )
 from shoal.api.errors import invalid_parameter
+from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.sampling import build_sampling_params
 from shoal.api.tools import check_tool_named, tool_spec
 from shoal.engine.sampling import SamplingParams
@@ -173,5 +174,6 @@ def to_internal(body: PromptFields, request_id: str) -> GenerationRequest:
               "tools": tools, "tool_choice": _tool_choice(body.tool_choice, tools),
               "response_format": _response_format(body)}
     if isinstance(body, MessagesRequest):
-        return GenerationRequest(sampling=_sampling(body), stream=body.stream, **common)
+        return GenerationRequest(sampling=_sampling(body), stream=body.stream,
+                                 keep_alive_s=keep_alive_seconds(body.keep_alive), **common)
     return GenerationRequest(count_only=True, **common)

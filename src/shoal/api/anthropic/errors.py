@@ -27,4 +27,4 @@ def error_body(error: APIError) -> dict[str, Any]:
 
 
 def render(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=status_of(error))
+    return JSONResponse(error_body(error), status_code=status_of(error), headers=error.headers)

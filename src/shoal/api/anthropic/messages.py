@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from shoal.api.admission import admitted
 from shoal.api.anthropic.adapter import (
     allows_parallel_tool_use,
     new_message_id,
@@ -25,7 +26,7 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request) -> Response:
     state = request.app.state
-    internal = to_internal(body, new_message_id())
+    internal = admitted(to_internal(body, new_message_id()), request, body)
     responder = AnthropicResponder(message_id=internal.request_id, model=body.model,
                                    parallel_tool_use=allows_parallel_tool_use(body))
     return await respond(request, state.router, internal, responder, state.keepalive_s)
@@ -33,7 +34,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
-    internal = to_internal(body, new_message_id())
+    internal = admitted(to_internal(body, new_message_id()), request, body)
     try:
         tokens = await count_prompt_tokens(request, request.app.state.router, internal)
     except ClientGone:

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal.api.admission import AdmissionFields
+
 
 class AnthropicModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -53,7 +55,7 @@ class OutputConfigIn(AnthropicModel):
     effort: str | None = None
 
 
-class PromptFields(AnthropicModel):
+class PromptFields(AnthropicModel, AdmissionFields):
     """What count_tokens and messages share: everything that shapes the prompt."""
 
     model: str = Field(min_length=1)
@@ -73,6 +75,7 @@ class MessagesRequest(PromptFields):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # user_id: for the caller's records; no effect
+    keep_alive: float | str | None = None  # extension, as Ollama's: seconds or "5m"
 
 
 class CountTokensRequest(PromptFields):

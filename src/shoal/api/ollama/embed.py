@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from shoal.api.admission import AdmissionFields, admitted
 from shoal.api.embedding import check_dimensions, check_input_count, run_embedding
 from shoal.api.errors import invalid_parameter
 from shoal.api.generation import CLIENT_CLOSED_REQUEST, ClientGone
@@ -30,7 +31,7 @@ from shoal.protocol import EmbeddingRequest
 router = APIRouter()
 
 
-class EmbedBody(OllamaModel):
+class EmbedBody(OllamaModel, AdmissionFields):
     model: str = Field(min_length=1)
     input: str | list[str] | None = None
     truncate: bool = True
@@ -39,7 +40,7 @@ class EmbedBody(OllamaModel):
     dimensions: int | None = None
 
 
-class EmbeddingsBody(OllamaModel):
+class EmbeddingsBody(OllamaModel, AdmissionFields):
     model: str = Field(min_length=1)
     prompt: str = ""
     keep_alive: float | str | None = None
@@ -61,9 +62,9 @@ async def embed(body: EmbedBody, request: Request) -> Response:
     started = time.monotonic_ns()
     if body.dimensions is not None and body.dimensions < 1:
         raise invalid_parameter("dimensions", "dimensions must be at least 1")
-    internal = EmbeddingRequest(request_id=new_request_id(), model=model_name(body.model),
-                                texts=_texts(body.input), truncate=body.truncate,
-                                keep_alive_s=keep_alive_seconds(body.keep_alive))
+    internal = admitted(EmbeddingRequest(
+        request_id=new_request_id(), model=model_name(body.model), texts=_texts(body.input),
+        truncate=body.truncate, keep_alive_s=keep_alive_seconds(body.keep_alive)), request, body)
     router = request.app.state.router
     try:
         result = await run_embedding(request, router, internal)
@@ -80,9 +81,9 @@ async def embed(body: EmbedBody, request: Request) -> Response:
 
 @router.post("/api/embeddings")
 async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
-    internal = EmbeddingRequest(request_id=new_request_id(), model=model_name(body.model),
-                                texts=_texts(body.prompt), truncate=True,
-                                keep_alive_s=keep_alive_seconds(body.keep_alive))
+    internal = admitted(EmbeddingRequest(
+        request_id=new_request_id(), model=model_name(body.model), texts=_texts(body.prompt),
+        truncate=True, keep_alive_s=keep_alive_seconds(body.keep_alive)), request, body)
     try:
         result = await run_embedding(request, request.app.state.router, internal)
     except ClientGone:

@@ -16,4 +16,5 @@ def error_body(error: APIError) -> dict[str, str]:
 
 def render(error: APIError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=_STATUS_BY_CODE.get(error.code or "",
-                                                                           error.status))
+                                                                           error.status),
+                        headers=error.headers)

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from shoal.api.admission import admitted
 from shoal.api.errors import APIError
 from shoal.api.generation import (
     CLIENT_CLOSED_REQUEST,
@@ -36,7 +37,7 @@ router = APIRouter()
 
 @router.post("/api/chat")
 async def chat(body: ChatRequest, request: Request) -> Response:
-    internal = chat_to_internal(body, new_request_id())
+    internal = admitted(chat_to_internal(body, new_request_id()), request, body)
     if not internal.messages:
         return await _load(request, internal, "chat")
     return await _respond(request, internal, "chat", body.logprobs)
@@ -44,7 +45,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 
 @router.post("/api/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    internal = generate_to_internal(body, new_request_id())
+    internal = admitted(generate_to_internal(body, new_request_id()), request, body)
     if not body.prompt and not body.system:
         return await _load(request, internal, "generate")
     return await _respond(request, internal, "generate", body.logprobs)

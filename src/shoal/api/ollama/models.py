@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from shoal.api.errors import APIError
-from shoal.api.model_list import ListedModel, find_listed, listed_models
+from shoal.api.model_list import ListedModel, find_listed, listed_models, placements
 from shoal.api.ollama.adapter import model_name
 from shoal.api.ollama.schemas import ModelNameRequest
 
@@ -134,9 +134,38 @@ def running_json(model: ListedModel) -> dict[str, Any]:
 
 @router.get("/api/ps")
 async def running(request: Request) -> dict[str, Any]:
-    return {"models": [running_json(model) for model in listed_models(request.app.state)
-                       if model.supervisor is not None
-                       and model.state not in ("stopped", "failed")]}
+    """Every loaded model: this node's runners with what each holds, then instances other
+    nodes serve as the cluster state counts them. In a cluster, "shoal" also says which
+    node, which instance, pinned and the serving node's queue for the model."""
+    state = request.app.state
+    listed = listed_models(state)
+    models = [running_json(model) for model in listed
+              if model.supervisor is not None and model.state not in ("stopped", "failed")]
+    cluster = getattr(state, "cluster", None)
+    if cluster is None:
+        return {"models": models}
+    by_id = {model.id: model for model in listed}
+    here = {entry["model"]: entry for entry in models}
+    for model_id, placed in placements(state).items():
+        for place in placed:
+            entry = here.pop(model_id, None) if place["node_id"] == cluster.node_id else None
+            if entry is None:
+                model = by_id.get(model_id) or ListedModel(id=model_id, state=place["status"],
+                                                           max_model_len=None, entry=None,
+                                                           supervisor=None)
+                entry = _remote_json(model, place)
+                models.append(entry)
+            entry["shoal"] = {**entry.get("shoal", {}), **place}
+    return {"models": models}
+
+
+def _remote_json(model: ListedModel, place: dict[str, Any]) -> dict[str, Any]:
+    """An instance served by another node, as the cluster state counts it."""
+    expires = place["expires_at"]
+    return {**model_json(model), "size": place["memory_bytes"], "size_vram": 0,
+            "expires_at": (None if expires is None
+                           else datetime.fromtimestamp(expires, UTC).isoformat()),
+            "context_length": model.max_model_len}
 
 
 @router.post("/api/show")

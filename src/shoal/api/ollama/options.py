@@ -16,14 +16,13 @@ Unknown option names are logged and ignored, as Ollama does.
 from __future__ import annotations
 
 import logging
-import math
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.sampling import stop_strings
+from shoal.durations import parse_duration_s
 from shoal.protocol import ResponseFormat
 
 log = logging.getLogger("shoal.api.ollama")
@@ -121,41 +120,17 @@ def _max_tokens(num_predict: int | None) -> int | None:
 
 # ---- keep_alive -----------------------------------------------------------------------------
 
-_SECONDS_PER_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
-                     "m": 60.0, "h": 3600.0}
-_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
-_DURATION = re.compile(rf"([-+]?)((?:{_NUMBER}(?:ns|us|µs|μs|ms|s|m|h))+)")
-_PART = re.compile(rf"({_NUMBER})(ns|us|µs|μs|ms|s|m|h)")
-
-
 def keep_alive_seconds(raw: float | str | None) -> float | None:
     """Seconds to keep the model loaded: None (server default), 0 (unload when idle) or
     -1 (forever, for any negative value). Accepts seconds as a number, or a duration string
     like "5m", "1h30m", "-1s" (Go's time.ParseDuration syntax), or "300"."""
     if raw is None:
         return None
-    if isinstance(raw, bool):
-        raise _bad_keep_alive(raw)
-    if isinstance(raw, (int, float)):
-        seconds = float(raw)
-    else:
-        seconds = _parse_duration(raw.strip())
-    if not math.isfinite(seconds):
-        raise _bad_keep_alive(raw)
-    return -1.0 if seconds < 0 else seconds
-
-
-def _parse_duration(text: str) -> float:
     try:
-        return float(text)
+        seconds = parse_duration_s(raw)
     except ValueError:
-        pass
-    match = _DURATION.fullmatch(text)
-    if match is None:
-        raise _bad_keep_alive(text)
-    total = sum(float(number) * _SECONDS_PER_UNIT[unit]
-                for number, unit in _PART.findall(match.group(2)))
-    return -total if match.group(1) == "-" else total
+        raise _bad_keep_alive(raw.strip() if isinstance(raw, str) else raw) from None
+    return -1.0 if seconds < 0 else seconds
 
 
 def _bad_keep_alive(raw: Any) -> APIError:

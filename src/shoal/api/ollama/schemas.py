@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal.api.admission import AdmissionFields
+
 
 class OllamaModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -42,7 +44,7 @@ class ToolIn(OllamaModel):
     function: FunctionIn
 
 
-class GenerationFields(OllamaModel):
+class GenerationFields(OllamaModel, AdmissionFields):
     """Fields /api/chat and /api/generate share."""
 
     model: str = Field(min_length=1)

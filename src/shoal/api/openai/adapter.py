@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.generation import SSEResponder, collect_reply
+from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.openai.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -95,7 +96,8 @@ def chat_to_internal(body: ChatCompletionRequest, request_id: str) -> Generation
     return GenerationRequest(request_id=request_id, model=body.model, messages=messages,
                              sampling=params, stream=body.stream, tools=tools,
                              tool_choice=internal_tool_choice(body, tools),
-                             response_format=internal_response_format(body.response_format))
+                             response_format=internal_response_format(body.response_format),
+                             keep_alive_s=keep_alive_seconds(body.keep_alive))
 
 
 def _chat_message(message: ChatMessageIn, index: int) -> ChatMessage:
@@ -117,7 +119,8 @@ def completion_to_internal(body: CompletionRequest, request_id: str) -> Generati
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of one
-    common = dict(request_id=request_id, model=body.model, sampling=params, stream=body.stream)
+    common = dict(request_id=request_id, model=body.model, sampling=params, stream=body.stream,
+                  keep_alive_s=keep_alive_seconds(body.keep_alive))
     if isinstance(prompt, str):
         return GenerationRequest(prompt=prompt, **common)
     if prompt and all(isinstance(t, int) for t in prompt):

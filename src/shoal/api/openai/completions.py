@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from shoal.api.admission import admitted
 from shoal.api.generation import respond
 from shoal.api.openai.adapter import (
     OpenAIResponder,
@@ -19,7 +20,8 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = request.app.state
-    internal = completion_to_internal(body, new_request_id("completion"))
+    internal = admitted(completion_to_internal(body, new_request_id("completion")), request,
+                        body)
     responder = OpenAIResponder(
         dialect="completion", request_id=internal.request_id,
         model=body.model, want_logprobs=body.logprobs is not None,

@@ -17,21 +17,24 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from shoal.api.admission import AdmissionFields, admitted
 from shoal.api.embedding import check_dimensions, check_input_count, run_embedding
 from shoal.api.errors import invalid_parameter
 from shoal.api.generation import CLIENT_CLOSED_REQUEST, ClientGone
+from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.openai.schemas import OpenAIModel
 from shoal.protocol import EmbeddingRequest
 
 router = APIRouter()
 
 
-class EmbeddingsBody(OpenAIModel):
+class EmbeddingsBody(OpenAIModel, AdmissionFields):
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    keep_alive: float | str | None = None  # extension, as Ollama's: seconds or "5m"
 
 
 def to_internal(body: EmbeddingsBody, request_id: str) -> EmbeddingRequest:
@@ -42,17 +45,17 @@ def to_internal(body: EmbeddingsBody, request_id: str) -> EmbeddingRequest:
     check_input_count(len(raw))
     if body.dimensions is not None and body.dimensions < 1:
         raise invalid_parameter("dimensions", "dimensions must be at least 1")
+    common = {"request_id": request_id, "model": body.model,
+              "keep_alive_s": keep_alive_seconds(body.keep_alive)}
     if isinstance(raw[0], str):
         if any(text == "" for text in raw):
             raise invalid_parameter("input", "input must not contain empty strings")
-        return EmbeddingRequest(request_id=request_id, model=body.model, texts=tuple(raw))
+        return EmbeddingRequest(texts=tuple(raw), **common)
     if isinstance(raw[0], int):  # one token-id list
-        return EmbeddingRequest(request_id=request_id, model=body.model,
-                                token_ids=(tuple(raw),))
+        return EmbeddingRequest(token_ids=(tuple(raw),), **common)
     if any(not ids for ids in raw):
         raise invalid_parameter("input", "input must not contain empty token lists")
-    return EmbeddingRequest(request_id=request_id, model=body.model,
-                            token_ids=tuple(tuple(ids) for ids in raw))
+    return EmbeddingRequest(token_ids=tuple(tuple(ids) for ids in raw), **common)
 
 
 def _encode(vector: tuple[float, ...], encoding_format: str) -> list[float] | str:
@@ -64,7 +67,7 @@ def _encode(vector: tuple[float, ...], encoding_format: str) -> list[float] | st
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
     state = request.app.state
-    internal = to_internal(body, f"embd-{uuid.uuid4().hex}")
+    internal = admitted(to_internal(body, f"embd-{uuid.uuid4().hex}"), request, body)
     try:
         result = await run_embedding(request, state.router, internal)
     except ClientGone:

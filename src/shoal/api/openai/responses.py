@@ -15,8 +15,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from shoal.api.admission import admitted
 from shoal.api.errors import invalid_parameter
 from shoal.api.generation import respond
+from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.openai.responses_events import ResponsesResponder
 from shoal.api.openai.responses_schemas import InputItem, ResponsesRequest, TextFormat
 from shoal.api.sampling import build_sampling_params
@@ -156,7 +158,8 @@ def to_internal(body: ResponsesRequest, request_id: str) -> GenerationRequest:
         request_id=request_id, model=body.model, messages=chat_messages(body),
         sampling=sampling, stream=body.stream, tools=tools,
         tool_choice=_tool_choice(body, tools),
-        response_format=response_format(body.text.format if body.text else None))
+        response_format=response_format(body.text.format if body.text else None),
+        keep_alive_s=keep_alive_seconds(body.keep_alive))
 
 
 def request_echo(body: ResponsesRequest) -> dict[str, Any]:
@@ -182,7 +185,7 @@ def request_echo(body: ResponsesRequest) -> dict[str, Any]:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = request.app.state
-    internal = to_internal(body, new_response_id())
+    internal = admitted(to_internal(body, new_response_id()), request, body)
     responder = ResponsesResponder(response_id=internal.request_id, model=body.model,
                                    echo=request_echo(body))
     return await respond(request, state.router, internal, responder, state.keepalive_s)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from shoal.api.admission import AdmissionFields
 from shoal.api.openai.schemas import OpenAIModel
 
 
@@ -54,7 +55,7 @@ class ToolChoiceIn(OpenAIModel):
     name: str | None = None
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(OpenAIModel, AdmissionFields):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None
@@ -75,3 +76,4 @@ class ResponsesRequest(OpenAIModel):
     include: list[str] | None = None  # extra output data shoal does not produce
     metadata: dict[str, str] | None = None
     user: str | None = None
+    keep_alive: float | str | None = None  # extension, as Ollama's: seconds or "5m"

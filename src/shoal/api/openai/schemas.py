@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from shoal.api.admission import AdmissionFields
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -75,7 +77,7 @@ class ResponseFormatIn(OpenAIModel):
     json_schema: JSONSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(OpenAIModel, AdmissionFields):
     """Fields shared by chat and text completions."""
 
     model: str = Field(min_length=1)
@@ -96,6 +98,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    keep_alive: float | str | None = None  # extension, as Ollama's: seconds or "5m"
 
 
 class ChatCompletionRequest(SamplingFields):

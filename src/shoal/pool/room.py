@@ -1,0 +1,84 @@
+"""Room on this node for a model about to be placed: evict idle instances, or say why not.
+
+The node's budget and slots are counted from the cluster state (cluster/node_budget.py),
+the same way the master counts them when it places; which idle instances go is the pool's
+eviction choice (eviction.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from shoal.cluster.model_facts import ModelFacts
+from shoal.cluster.node_budget import describe_holdings, holdings, loaded_count
+from shoal.cluster.placement import gib, shard_bytes
+from shoal.cluster.service import ClusterService
+from shoal.pool.eviction import choose_victims
+from shoal.pool.pool import ModelPool
+
+log = logging.getLogger("shoal.pool")
+
+# How long an eviction waits for the evicted runners to exit and free their memory.
+EVICT_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Room:
+    """What this node can do for a model: fits now, fits after evictions, or why not."""
+
+    needed: int
+    budget: int | None
+    victims: tuple[str, ...] = ()  # instance ids to evict first
+    blocked: str | None = None  # why it cannot fit here yet (busy or pinned models)
+    never: str | None = None  # why it can never fit here (larger than the budget)
+
+
+def room_for(cluster: ClusterService, pool: ModelPool, facts: ModelFacts,
+             busy_models: set[str]) -> Room:
+    """Whether facts' model fits on this node whole, and what to evict for it."""
+    policy = cluster.policy
+    needed = shard_bytes(facts, facts.n_layers, 1, policy)
+    budget, max_loaded = cluster.budget()
+    if budget is None:
+        return Room(needed=needed, budget=None)
+    state, here = cluster.state, cluster.node_id
+    if needed > budget:
+        return Room(needed=needed, budget=budget, never=(
+            f"model {facts.model!r} needs about {gib(needed)} but this node's memory budget "
+            f"is {gib(budget)}"))
+    held = holdings(state, here, policy)
+    free = budget - sum(h.bytes for h in held)
+    slots = 0
+    if max_loaded is not None:
+        slots = max(0, loaded_count(state, here) + 1 - max_loaded)
+    served_here = [h for h in held if h.instance.ranks[0].node_id == here]
+    residents = [pool.resident(h.instance.instance_id, h.instance.model, h.bytes, busy_models)
+                 for h in served_here]
+    victims = choose_victims(residents, needed, free, slots)
+    if victims is not None:
+        return Room(needed=needed, budget=budget,
+                    victims=tuple(v.instance_id for v in victims))
+    limit = f", at most {max_loaded} model(s)" if max_loaded is not None else ""
+    why = (f"model {facts.model!r} needs about {gib(needed)}; this node's memory budget is "
+           f"{gib(budget)}{limit}, and {describe_holdings(held)} hold {gib(budget - free)}")
+    idle_later = [dataclasses.replace(r, busy=False) for r in residents]
+    if choose_victims(idle_later, needed, free, slots) is None:
+        # Even with every request finished it would not fit: pinned models (or ranks served
+        # from other nodes) hold the rest. Waiting cannot help.
+        return Room(needed=needed, budget=budget,
+                    never=f"{why}; pinned models and ranks of instances served from other "
+                          f"nodes are never evicted")
+    return Room(needed=needed, budget=budget,
+                blocked=f"{why}, and the ones that could make room are in use")
+
+
+async def evict(cluster: ClusterService, pool: ModelPool, room: Room, model: str) -> None:
+    """Unload room's victims and wait until they are out of the state and their runners
+    have exited (bounded)."""
+    for instance_id in room.victims:
+        pool.evict(instance_id, f"evicted to make room for {model!r}")
+    await cluster.wait_for(lambda state: all(i not in state.instances for i in room.victims),
+                           EVICT_WAIT_S)
+    await pool.registry.drain(EVICT_WAIT_S)
