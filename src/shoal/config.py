@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shoal.durations import parse_duration_s
 from shoal.engine.config import EngineConfig, ModelSource
+from shoal.pool.queue import QueueLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
@@ -101,9 +102,7 @@ class PoolSettings:
     memory_budget: int | None = None  # None: what placement reckons the node can use
     max_loaded_models: int | None = None  # None: no limit
     pinned: tuple[str, ...] = ()  # models loaded at start and never evicted
-    max_queue: int | None = 512  # requests waiting for a turn; beyond: overloaded
-    queue_timeout_s: float = 300.0
-    parallel: int = 32  # requests one model serves at once on this node
+    queue: QueueLimits = field(default_factory=QueueLimits)  # --max-queue, --parallel, ...
     clients_file: Path | None = None  # --clients: per-client tiers (pool/clients.py)
     tasks_file: Path | None = None  # --tasks: fallback ladders (pool/ladders.py)
 
@@ -114,12 +113,6 @@ class PoolSettings:
             raise ValueError(f"max loaded models must be >= 1, not {self.max_loaded_models}")
         if any(not m.strip() for m in self.pinned):
             raise ValueError("pinned model names must not be empty")
-        if self.max_queue is not None and self.max_queue < 0:
-            raise ValueError(f"max queue must be >= 0, not {self.max_queue}")
-        if not self.queue_timeout_s > 0:
-            raise ValueError("queue timeout must be positive")
-        if self.parallel < 1:
-            raise ValueError(f"parallel must be >= 1, not {self.parallel}")
 
 
 @dataclass(frozen=True)
@@ -297,6 +290,7 @@ def build_pool_settings(*, memory_budget: str | None = None, max_loaded_models=N
     timeout = _pick(queue_timeout, env, "SHOAL_QUEUE_TIMEOUT")
     queue = _as_int(_pick(max_queue, env, "SHOAL_MAX_QUEUE"), "max queue")
     width = _as_int(_pick(parallel, env, "SHOAL_PARALLEL"), "parallel")
+    limits = QueueLimits()
     clients_file = _pick(clients, env, "SHOAL_CLIENTS")
     tasks_file = _pick(tasks, env, "SHOAL_TASKS")
     return PoolSettings(
@@ -304,8 +298,9 @@ def build_pool_settings(*, memory_budget: str | None = None, max_loaded_models=N
         max_loaded_models=_as_int(_pick(max_loaded_models, env, "SHOAL_MAX_LOADED_MODELS"),
                                   "max loaded models"),
         pinned=tuple(pin) or _as_list(env.get("SHOAL_PIN") or None),
-        max_queue=512 if queue is None else queue,
-        queue_timeout_s=300.0 if timeout is None else parse_duration_s(timeout),
-        parallel=32 if width is None else width,
+        queue=QueueLimits(
+            max_queue=limits.max_queue if queue is None else queue,
+            timeout_s=limits.timeout_s if timeout is None else parse_duration_s(timeout),
+            parallel=limits.parallel if width is None else width),
         clients_file=Path(clients_file).expanduser() if clients_file else None,
         tasks_file=Path(tasks_file).expanduser() if tasks_file else None)

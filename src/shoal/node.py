@@ -24,7 +24,7 @@ import uvicorn
 from shoal.api.app import create_app
 from shoal.config import NodeConfig
 from shoal.pool.pool import ModelPool
-from shoal.pool.queue import AdmissionQueue, QueueLimits
+from shoal.pool.queue import AdmissionQueue
 from shoal.router import ModelUnavailable, Router
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.registry import RunnerRegistry, SupervisorFactory
@@ -76,9 +76,7 @@ def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = No
 
     settings = config.pool
     tiers = _read_file(load_clients, settings.clients_file)
-    queue = AdmissionQueue(QueueLimits(max_queue=settings.max_queue,
-                                       timeout_s=settings.queue_timeout_s,
-                                       parallel=settings.parallel), tiers)
+    queue = AdmissionQueue(settings.queue, tiers)
     registry = RunnerRegistry(make_supervisor or runner_factory(config))
     return ModelPool(registry, resolve=resolve or node_resolver(config),
                      keep_alive_s=config.keep_alive_s, queue=queue)
@@ -120,7 +118,7 @@ def make_router(config: NodeConfig, pool: ModelPool, cluster: Any) -> Router:
     from shoal.pool.ladders import load_ladders
 
     ladders = _read_file(load_ladders, config.pool.tasks_file) or {}
-    return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue_timeout_s)
+    return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue.timeout_s)
 
 
 class _Server(uvicorn.Server):

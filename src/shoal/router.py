@@ -10,8 +10,7 @@ Embeddings are served on this node: an embedding model is placed here.
 
 Every request first waits its turn in the node's admission queue (pool/queue.py). A model
 placed for a request goes where it fits without unloading anything (this node first), else
-here after evicting idle models (pool/eviction.py), else split across nodes; when nothing
-can be evicted yet the request waits (bounded) for a request to end or a model to unload.
+here after evicting idle models, else split across nodes (pool/placer.py).
 A model named `task:NAME` is served by the first model of that fallback ladder that is
 loaded, or loads within the ladder's budget (pool/ladders.py).
 """
@@ -24,14 +23,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from shoal.cluster.instances import Instance, PlacementRequest
-from shoal.cluster.model_facts import ModelFacts, model_facts_from_source
-from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
+from shoal.cluster.instances import Instance
+from shoal.cluster.service import ClusterService
 from shoal.engine.config import ModelSource, ModelTask
-from shoal.pool.ladders import Ladder, task_name
+from shoal.pool.clock import RequestClock
+from shoal.pool.ladders import Ladder, UnknownTask, task_name
+from shoal.pool.placer import Placer
 from shoal.pool.pool import ModelPool, ModelUnavailable, WrongModelTask, refusal
-from shoal.pool.queue import Overloaded, Ticket
-from shoal.pool.room import Room, evict, room_for
+from shoal.pool.queue import Ticket
 from shoal.protocol import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -44,35 +43,16 @@ __all__ = ["ModelUnavailable", "Router", "WrongModelTask"]
 
 log = logging.getLogger("shoal.router")
 
-# How long a placement waits for the cluster to be able to place (a master, memory readings).
-DEFAULT_PLACE_WAIT_S = 30.0
-# How long a request for a model that does not fit yet waits for memory to free.
-DEFAULT_MEMORY_WAIT_S = 300.0
-_RETRY_S = 0.1
-# Errors that say where the request's time went (not validation errors: those are instant).
-_TIMED_CODES = ("unavailable", "timeout", "runner_crashed", "overloaded", "internal")
-
-
-class UnknownTask(LookupError):
-    """A request named task:NAME and no ladder is called NAME (answered like an unknown
-    model: 404)."""
-
 
 class Router:
     def __init__(self, pool: ModelPool, cluster: ClusterService,
-                 place_wait_s: float = DEFAULT_PLACE_WAIT_S,
-                 read_facts: Callable[[ModelSource], ModelFacts] = model_facts_from_source,
-                 ladders: Mapping[str, Ladder] | None = None,
-                 memory_wait_s: float = DEFAULT_MEMORY_WAIT_S) -> None:
+                 ladders: Mapping[str, Ladder] | None = None, **placing: Any) -> None:
+        """placing: Placer's options (place_wait_s, memory_wait_s, read_facts)."""
         self.pool = pool
         self.cluster = cluster
-        self.place_wait_s = place_wait_s
         self.queue = pool.queue
         self.ladders = dict(ladders or {})
-        self.memory_wait_s = memory_wait_s
-        self._read_facts = read_facts
-        self._facts: dict[str, ModelFacts] = {}
-        self._placing: dict[tuple[str, bool], asyncio.Task[Instance]] = {}
+        self.placer = Placer(pool, cluster, **placing)
 
     @property
     def supervisors(self) -> list[RunnerSupervisor]:
@@ -83,12 +63,10 @@ class Router:
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The request's chunks; an unknown or broken model yields one ErrorChunk."""
-        clock = _Clock()
-        try:
-            ticket = await self._admit(request.model, "generate", request.priority,
-                                       request.client_id)
-        except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-            yield clock.explain(_refusal(request.request_id, error))
+        clock = RequestClock()
+        ticket = await self._turn(request, "generate", clock)
+        if isinstance(ticket, ErrorChunk):
+            yield ticket
             return
         try:
             clock.queued()
@@ -98,7 +76,7 @@ class Router:
                 if self._here(instance):
                     await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-                yield clock.explain(_refusal(request.request_id, error))
+                yield clock.explain(refusal(request.request_id, error))
                 return
             clock.loaded()
             keep_alive_s = request.keep_alive_s
@@ -130,19 +108,17 @@ class Router:
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
         """The request's vectors, or one ErrorChunk. An empty batch just loads the model."""
-        clock = _Clock()
-        try:
-            ticket = await self._admit(request.model, "embed", request.priority,
-                                       request.client_id)
-        except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-            return clock.explain(_refusal(request.request_id, error))
+        clock = RequestClock()
+        ticket = await self._turn(request, "embed", clock)
+        if isinstance(ticket, ErrorChunk):
+            return ticket
         try:
             clock.queued()
             try:
                 instance = await self.instance_for(request.model, "embed", here_only=True)
                 await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-                return clock.explain(_refusal(request.request_id, error))
+                return clock.explain(refusal(request.request_id, error))
             load_s = clock.loaded()
             request = request.model_copy(update={"priority": ticket.priority})
             result = await self.pool.embed(instance.instance_id, request,
@@ -152,6 +128,15 @@ class Router:
             return clock.explain(result)
         finally:
             self.queue.release(ticket)
+
+    async def _turn(self, request: GenerationRequest | EmbeddingRequest, task: ModelTask,
+                    clock: RequestClock) -> Ticket | ErrorChunk:
+        """The request's slot once its turn comes, or the ErrorChunk that refuses it."""
+        try:
+            return await self._admit(request.model, task, request.priority,
+                                     request.client_id)
+        except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
+            return clock.explain(refusal(request.request_id, error))
 
     async def _admit(self, name: str, task: ModelTask, priority: int,
                      client: str | None) -> Ticket:
@@ -202,7 +187,8 @@ class Router:
         serves; raises ModelNotFound / ModelUnavailable on the first failure."""
         for name in names:
             model_id, source = await self.pool.identify(name)
-            instance = await self._place(model_id, source or await self.pool.resolve(name),
+            instance = await self.placer.place(model_id,
+                                               source or await self.pool.resolve(name),
                                          keep_alive_s=None, here_only=False, pinned=pinned)
             if self._here(instance):
                 await self._local_runner(instance)
@@ -219,8 +205,7 @@ class Router:
         return self.pool.task_of(name)
 
     async def shutdown(self) -> None:
-        for task in list(self._placing.values()):
-            task.cancel()
+        self.placer.cancel()
         await self.pool.shutdown()
 
     # ---- ladders ----------------------------------------------------------------------------
@@ -303,8 +288,8 @@ class Router:
         if source is None:
             source = await self.pool.resolve(name)
         keep = self.pool.keep_alive_s if keep_alive_s is None else keep_alive_s
-        return await self._place(model_id, source, keep_alive_s=keep, here_only=here_only,
-                                 pinned=pinned)
+        return await self.placer.place(model_id, source, keep_alive_s=keep,
+                                       here_only=here_only, pinned=pinned)
 
     def _ready_instance(self, name: str) -> Instance | None:
         """A live instance of the model that serves now (a runner here that has loaded counts
@@ -346,77 +331,6 @@ class Router:
             out.append(instance)
         return out
 
-    async def _place(self, model_id: str, source: ModelSource, keep_alive_s: float | None,
-                     here_only: bool, pinned: bool = False) -> Instance:
-        """Have the master place the model (one placement for concurrent callers)."""
-        key = (model_id, here_only)
-        task = self._placing.get(key)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(
-                self._place_once(model_id, source, keep_alive_s, here_only, pinned))
-            self._placing[key] = task
-            task.add_done_callback(lambda _t: self._placing.pop(key, None))
-        return await asyncio.shield(task)
-
-    async def _place_once(self, model_id: str, source: ModelSource, keep_alive_s: float | None,
-                          here_only: bool, pinned: bool) -> Instance:
-        """Whole where it fits as things stand (here first); else here after evicting idle
-        models; else split across nodes; else wait for memory to free (bounded)."""
-        facts = await self._facts_of(model_id, source)
-        others = tuple(n for n in self.cluster.state.nodes if n != self.cluster.node_id)
-        whole = PlacementRequest(
-            facts=facts, preferred_node=self.cluster.node_id, keep_alive_s=keep_alive_s,
-            on_demand=True, pinned=pinned, sharding="single",
-            excluded_nodes=others if here_only else ())
-        deadline = time.monotonic() + self.memory_wait_s
-        while True:
-            placed = await self._try_place(whole)
-            if isinstance(placed, Instance):
-                return placed
-            room = room_for(self.cluster, self.pool, facts, self.queue.busy_models())
-            if room.victims:
-                await evict(self.cluster, self.pool, room, model_id)
-                continue
-            if not here_only and len(self.cluster.state.nodes) > 1:
-                split = await self._try_place(whole.model_copy(update={"sharding": "auto"}))
-                if isinstance(split, Instance):
-                    return split
-                placed = split
-            left = deadline - time.monotonic()
-            if room.budget is None or room.never is not None or left <= 0:
-                raise ModelUnavailable(_no_room(room, placed, self.memory_wait_s, left <= 0))
-            # Busy or pinned models hold the memory: wait for a request to end or a model to
-            # unload. When this node's count says it fits but the master refused, its view
-            # is a moment ahead or behind: look again shortly.
-            await self.pool.wait_for_change(left if room.blocked else min(left, 1.0))
-
-    async def _try_place(self, request: PlacementRequest) -> Instance | str:
-        """The placed instance, or why the master refused it."""
-        deadline = time.monotonic() + self.place_wait_s
-        while True:
-            try:
-                instance = await self.cluster.place(request)
-                log.info("placed %s as %s on %s", request.model, instance.instance_id,
-                         ", ".join(instance.node_ids))
-                return instance
-            except PlacementRefused as error:
-                return str(error)
-            except ClusterNotReady as error:
-                if time.monotonic() >= deadline:
-                    raise ModelUnavailable(f"cannot place model {request.model!r}: "
-                                           f"{error}") from error
-            await asyncio.sleep(_RETRY_S)
-
-    async def _facts_of(self, model_id: str, source: ModelSource) -> ModelFacts:
-        facts = self._facts.get(model_id)
-        if facts is None:
-            try:
-                facts = await asyncio.to_thread(self._read_facts, source)
-            except (OSError, ValueError) as error:
-                raise ModelUnavailable(f"cannot read model {model_id!r}: {error}") from error
-            self._facts[model_id] = facts
-        return facts
-
     async def _local_runner(self, instance: Instance) -> RunnerSupervisor:
         """The instance's serving runner here, once loaded (ModelUnavailable if not)."""
         return await self.pool.serving_runner(instance.instance_id, self._wanted(instance))
@@ -439,53 +353,3 @@ class Router:
                 return instance.model
         return None
 
-
-def _no_room(room: Room, refused: str, waited_s: float, timed_out: bool) -> str:
-    """Why a model could not be placed: the sizes, the budget and what holds it."""
-    if room.never is not None:
-        return f"{room.never}; {refused}" if room.never not in refused else room.never
-    if room.blocked is not None:
-        after = f"; waited {waited_s:.0f} s for memory to free" if timed_out else ""
-        return f"{room.blocked}{after}"
-    return refused
-
-
-def _refusal(request_id: str, error: BaseException) -> ErrorChunk:
-    if isinstance(error, Overloaded):
-        return ErrorChunk(request_id=request_id, code="overloaded", message=str(error),
-                          retry_after_s=error.retry_after_s)
-    if isinstance(error, UnknownTask):
-        return ErrorChunk(request_id=request_id, code="model_not_found", message=str(error),
-                          param="model")
-    return refusal(request_id, error)
-
-
-class _Clock:
-    """Where a request's time went: waiting in the queue, loading its model, generating."""
-
-    def __init__(self) -> None:
-        self._start = time.monotonic()
-        self._queued: float | None = None
-        self._loaded: float | None = None
-
-    def queued(self) -> float:
-        self._queued = time.monotonic()
-        return self._queued - self._start
-
-    def loaded(self) -> float:
-        self._loaded = time.monotonic()
-        return self._loaded - (self._queued or self._start)
-
-    def explain(self, chunk: ErrorChunk) -> ErrorChunk:
-        """chunk, its message ending with the time spent in each stage so far."""
-        if chunk.code not in _TIMED_CODES:
-            return chunk
-        now = time.monotonic()
-        queued = (self._queued or now) - self._start
-        parts = [f"queue {queued:.1f} s"]
-        if self._queued is not None:
-            parts.append(f"load {(self._loaded or now) - self._queued:.1f} s")
-        if self._loaded is not None:
-            parts.append(f"generation {now - self._loaded:.1f} s")
-        return chunk.model_copy(update={"message": f"{chunk.message} (time: "
-                                                   f"{', '.join(parts)})"})

@@ -6,26 +6,20 @@ failed request went."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-from memory_pool import (  # noqa: F401
+from memory_pool import (
     HELD_BYTES,
     generate,
     loaded,
     make_router,
     run,
     shutdown,
-    sources,
 )
 
 from shoal.cluster.model_facts import model_facts_from_source
 from shoal.cluster.placement import shard_bytes
 from shoal.pool.ladders import Ladder
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "cluster"))
-from cluster_waits import wait_until  # noqa: E402
 
 MIB = 2**20
 

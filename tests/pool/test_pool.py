@@ -9,7 +9,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from memory_pool import (  # noqa: F401
+from memory_pool import (
     LOAD_S,
     embed,
     generate,
@@ -17,7 +17,6 @@ from memory_pool import (  # noqa: F401
     make_router,
     run,
     shutdown,
-    sources,
 )
 
 from shoal.cluster.instances import PlacementRequest

@@ -27,6 +27,11 @@ from shoal.config_file import FieldError, TomlFile, is_number
 from shoal.durations import parse_duration_s
 
 TASK_PREFIX = "task:"
+
+
+class UnknownTask(LookupError):
+    """A request named task:NAME and no ladder is called NAME (answered like an unknown
+    model: 404)."""
 DEFAULT_BUDGET_S = 30.0
 
 _TASK_KEYS = ("models", "pin_primary", "keep_alive", "budget_s")

@@ -32,7 +32,8 @@ from typing import Any
 from shoal.engine.config import ModelSource, ModelTask
 from shoal.pool.eviction import Resident
 from shoal.pool.names import ModelNames, Resolver, WrongModelTask
-from shoal.pool.queue import AdmissionQueue
+from shoal.pool.ladders import UnknownTask
+from shoal.pool.queue import AdmissionQueue, Overloaded
 from shoal.protocol import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -297,14 +298,18 @@ class ModelPool:
 def _not_found_types() -> tuple[type[BaseException], ...]:
     from shoal.catalog.resolve import ModelNotFound
 
-    return (ModelNotFound,)
+    return (ModelNotFound, UnknownTask)
 
 
 def refusal(request_id: str, error: BaseException) -> ErrorChunk:
-    """The ErrorChunk for a request whose model could not be found, started or used."""
+    """The ErrorChunk for a request whose model could not be found, started or used, or
+    that could not wait its turn."""
     if isinstance(error, _not_found_types()):
         return ErrorChunk(request_id=request_id, code="model_not_found", message=str(error),
                           param="model")
+    if isinstance(error, Overloaded):
+        return ErrorChunk(request_id=request_id, code="overloaded", message=str(error),
+                          retry_after_s=error.retry_after_s)
     if isinstance(error, ModelUnavailable):
         return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
     if isinstance(error, ValueError):  # WrongModelTask, an empty or malformed name

@@ -125,11 +125,6 @@ class AdmissionQueue:
 
     # ---- admission ------------------------------------------------------------------------
 
-    def priority_for(self, client: str | None, priority: int) -> int:
-        """The priority the request gets: its own, held inside its client tier's range."""
-        tier = self.tiers.tier_of(client) if self.tiers is not None else None
-        return tier.clamp(priority) if tier is not None else priority
-
     async def admit(self, model: str, priority: int, client: str | None,
                     warm: bool) -> Ticket:
         """Wait for the request's turn and take a slot (release() gives it back).

@@ -8,7 +8,6 @@ eviction choice (eviction.py).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 from shoal.cluster.model_facts import ModelFacts
@@ -17,8 +16,6 @@ from shoal.cluster.placement import gib, shard_bytes
 from shoal.cluster.service import ClusterService
 from shoal.pool.eviction import choose_victims
 from shoal.pool.pool import ModelPool
-
-log = logging.getLogger("shoal.pool")
 
 # How long an eviction waits for the evicted runners to exit and free their memory.
 EVICT_WAIT_S = 30.0

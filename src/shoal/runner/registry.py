@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from shoal.engine.config import ModelSource
 from shoal.engine.parallel.config import ParallelConfig
