@@ -24,6 +24,7 @@ from shoal.cluster.telemetry import NodeReading, TelemetryConfig
 from shoal.cluster.transport import MemoryHub
 from shoal.cluster.worker_driver import WorkerConfig
 from shoal.ids import NodeId
+from shoal.pool.queue import AdmissionQueue, QueueLimits
 from shoal.router import Router
 
 CONFIG = dict(election=ElectionConfig(campaign_s=0.1, heartbeat_s=0.03, master_timeout_s=0.3),
@@ -39,7 +40,8 @@ class Node:
     """memory: what telemetry reports; usable: what the worker finds free at load time."""
 
     def __init__(self, hub: MemoryHub, name: str, tmp: Path, model_sources,
-                 memory: int = 64 * GIB, usable: int = 64 * GIB) -> None:
+                 memory: int = 64 * GIB, usable: int = 64 * GIB,
+                 queue: QueueLimits | None = None) -> None:
         self.name = NodeId(name)
         self.events: list = []
         transport = hub.connect(name)
@@ -47,7 +49,7 @@ class Node:
                              lambda: NodeReading(node_id=self.name, taken_at=time.time(),
                                                  name=name, memory_total=memory,
                                                  memory_available=memory))
-        pool = make_pool(model_sources, self.events)
+        pool = make_pool(model_sources, self.events, queue=AdmissionQueue(queue))
         self.service = ClusterService(plane, pool, lambda: usable, SERVICE)
         self.router = Router(pool, self.service,
                              read_facts=lambda source: facts(model=source.model_id,
@@ -64,7 +66,7 @@ class Node:
 
 async def start_cluster(tmp: Path, model_sources, names=("a", "b", "c"),
                         **node_options: dict) -> dict[str, Node]:
-    """node_options: per node name, keyword arguments of Node (memory, usable)."""
+    """node_options: per node name, keyword arguments of Node (memory, usable, queue)."""
     hub = MemoryHub()
     nodes = {name: Node(hub, name, tmp, model_sources, **node_options.get(name, {}))
              for name in names}
@@ -136,6 +138,47 @@ def test_a_request_for_a_model_no_node_serves_places_it_on_the_asking_node(
     assert placed == [(True, "b", "ready")]  # one placement for four concurrent requests
     assert events_b.count(("start", "chat")) == 1
     assert unknown[0].code == "model_not_found"
+
+
+def test_requests_from_other_nodes_wait_their_turn_in_the_serving_node_s_queue(
+        tmp_path, sources):  # noqa: F811
+    async def main():
+        # c serves one request at a time with one waiting; b's own queue would let all in.
+        nodes = await start_cluster(tmp_path, sources,
+                                    c=dict(queue=QueueLimits(parallel=1, max_queue=1)))
+        b, c = nodes["b"], nodes["c"]
+        try:
+            await c.router.preload(["chat"])
+            await wait_until(lambda: statuses(b, "chat") == [(True, "c", "ready")])
+            seen: list[tuple[int, int]] = []
+
+            async def watch() -> None:
+                while True:
+                    seen.append((c.router.queue.running("chat"), c.router.queue.depth("chat")))
+                    await asyncio.sleep(0.005)
+
+            watcher = asyncio.create_task(watch())
+            answers = []
+            queue = c.router.queue
+            arrived = [lambda: queue.running("chat") == 1, lambda: queue.depth("chat") == 1,
+                       lambda: True]
+            for i in range(3):  # one after another: the first runs, the second waits
+                answers.append(asyncio.create_task(
+                    collect(b.router.submit(generate("chat", f"tokens:20:0.05{i}")))))
+                await wait_until(arrived[i], what=f"request {i} at c")
+            answers = await asyncio.gather(*answers)
+            watcher.cancel()
+            return answers, seen
+        finally:
+            await stop_cluster(nodes)
+
+    answers, seen = asyncio.run(main())
+    ends = [chunks[-1] for chunks in answers]
+    assert [e.kind for e in ends] == ["finish", "finish", "error"]
+    assert ends[2].code == "overloaded" and "--max-queue 1" in ends[2].message
+    assert ends[2].retry_after_s is not None and ends[2].retry_after_s >= 1
+    assert max(running for running, _ in seen) == 1  # never two at once on c
+    assert max(waiting for _, waiting in seen) == 1
 
 
 def test_a_placed_instance_is_hosted_then_torn_down_on_delete(tmp_path, sources):  # noqa: F811

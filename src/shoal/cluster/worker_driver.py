@@ -301,7 +301,7 @@ class WorkerDriver:
 
     def _dispatch(self, task: Task, runner_id: RunnerId) -> None:
         self._progress[task.task_id] = "dispatched"
-        stream = self._pool.submit(task.instance_id, task.request)
+        stream = self._pool.submit_for_peer(task.instance_id, task.request)
         self._forwarders[task.task_id] = asyncio.create_task(
             self._forward(task.task_id, task.owner_node, stream), name=f"forward-{task.task_id}")
 

@@ -265,6 +265,28 @@ class ModelPool:
         finally:
             self.release(instance_id)
 
+    async def submit_for_peer(self, instance_id: str, request: GenerationRequest
+                              ) -> AsyncIterator[Any]:
+        """A request another node accepted for an instance served here: it also waits its
+        turn in this node's queue (warm: the instance is placed here), so this node's
+        priority order, --parallel and client tiers cover every request its instances
+        serve, wherever it arrived. An overload is the stream's one ErrorChunk."""
+        try:
+            ticket = await self.queue.admit(request.model, request.priority,
+                                            request.client_id, warm=True)
+        except Overloaded as error:
+            yield refusal(request.request_id, error)
+            return
+        try:
+            stream = self.submit(instance_id, request)
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                await stream.aclose()
+        finally:
+            self.queue.release(ticket)
+
     async def embed(self, instance_id: str, request: EmbeddingRequest,
                     wanted: Wanted | None = None) -> EmbeddingResult | ErrorChunk:
         self.hold(instance_id, request.keep_alive_s, request.priority)
