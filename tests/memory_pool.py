@@ -51,6 +51,7 @@ class MemorySupervisor:
         self.events = events
         self.memory: MemoryUsage | None = None
         self.memory_limit: int | None = None
+        self.aborted: list[str] = []  # requests whose stream was closed before the end
 
     def limit_memory(self, limit_bytes: int | None) -> None:
         self.memory_limit = limit_bytes
@@ -75,17 +76,24 @@ class MemorySupervisor:
         self.state = "stopped"
 
     async def submit(self, request: GenerationRequest):
-        yield AcceptedChunk(request_id=request.request_id, prompt_tokens=1)
-        count = 0
-        if request.prompt.startswith("hold:"):
-            await asyncio.sleep(float(request.prompt[5:]))
-        elif request.prompt.startswith("tokens:"):
-            _, count, gap = request.prompt.split(":")
-            for i in range(int(count)):
-                await asyncio.sleep(float(gap))
-                yield TokenChunk(request_id=request.request_id, text=f"t{i} ", token_ids=(i,))
-        yield FinishChunk(request_id=request.request_id, finish_reason="stop",
-                          usage=Usage(prompt_tokens=1, completion_tokens=int(count)))
+        finished = False
+        try:
+            yield AcceptedChunk(request_id=request.request_id, prompt_tokens=1)
+            count = 0
+            if request.prompt.startswith("hold:"):
+                await asyncio.sleep(float(request.prompt[5:]))
+            elif request.prompt.startswith("tokens:"):
+                _, count, gap = request.prompt.split(":")
+                for i in range(int(count)):
+                    await asyncio.sleep(float(gap))
+                    yield TokenChunk(request_id=request.request_id, text=f"t{i} ",
+                                     token_ids=(i,))
+            yield FinishChunk(request_id=request.request_id, finish_reason="stop",
+                              usage=Usage(prompt_tokens=1, completion_tokens=int(count)))
+            finished = True
+        finally:
+            if not finished:  # closed early: a real runner aborts the request here
+                self.aborted.append(request.request_id)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         return EmbeddingResult(request_id=request.request_id,

@@ -44,10 +44,15 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     # Seconds between SSE keep-alive comments on a silent stream.
     keepalive_s: float = 15.0
+    # Keys every API and admin route wants (--api-key, --api-keys-file); none: open. Never
+    # shown in a repr or a log.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
+        if any(not key.strip() for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
         if self.keepalive_s <= 0:
@@ -245,15 +250,18 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       kv_cache_dtype: str | None = None,
                       cluster: ClusterSettings | None = None,
                       pool: PoolSettings | None = None,
+                      api_keys: Sequence[str] = (), api_keys_file: str | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
-    """The node's configuration from flags (None = not given) and the environment."""
+    """The node's configuration from flags (None = not given) and the environment.
+    ValueError when a value is invalid or the API keys file cannot be read."""
     env = os.environ if env is None else env
     env_models = [m.strip() for m in env.get("SHOAL_MODELS", "").split(",") if m.strip()]
     size = _pick(kv_cache_memory, env, "SHOAL_KV_CACHE_MEMORY")
     directory = _pick(data_dir, env, "SHOAL_DATA_DIR")
     port_value = _as_int(_pick(port, env, "SHOAL_PORT"), "port")
     server = ServerConfig(host=_pick(host, env, "SHOAL_HOST") or DEFAULT_HOST,
-                          port=DEFAULT_PORT if port_value is None else port_value)
+                          port=DEFAULT_PORT if port_value is None else port_value,
+                          api_keys=_api_keys(api_keys, api_keys_file, env))
     engine = EngineDefaults(
         dtype=_pick(dtype, env, "SHOAL_DTYPE") or "auto",
         threads=_as_int(_pick(threads, env, "SHOAL_THREADS"), "threads"),
@@ -278,6 +286,19 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       cluster=cluster or build_cluster_settings(env=env),
                       preload=True if preload_value is None else preload_value,
                       pool=pool or build_pool_settings(env=env))
+
+
+def _api_keys(flags: Sequence[str], keys_file: str | None,
+              env: Mapping[str, str]) -> tuple[str, ...]:
+    """--api-key values (else SHOAL_API_KEY) plus the keys of --api-keys-file (else
+    SHOAL_API_KEYS_FILE)."""
+    from shoal.api.auth import read_keys_file
+
+    keys = tuple(flags) or tuple(k for k in (env.get("SHOAL_API_KEY"),) if k)
+    path = _pick(keys_file, env, "SHOAL_API_KEYS_FILE")
+    if path is not None:
+        keys += read_keys_file(Path(path))
+    return keys
 
 
 def build_pool_settings(*, memory_budget: str | None = None, max_loaded_models=None,

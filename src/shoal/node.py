@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import logging
 import signal
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from shoal.api.app import create_app
+from shoal.api.auth import ApiKeys
 from shoal.config import NodeConfig
 from shoal.pool.pool import ModelPool
 from shoal.pool.queue import AdmissionQueue
@@ -154,8 +156,13 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         await _preload(router, config.pool.pinned, stop, pinned=True)
         if stop.is_set():
             return
+        api_keys = ApiKeys(config.server.api_keys)
+        if not api_keys and not is_loopback(config.server.host):
+            log.warning("serving on %s with no API key: anyone who can reach this address "
+                        "can use every route (set --api-key or --api-keys-file)",
+                        config.server.host)
         app = create_app(router, keepalive_s=config.server.keepalive_s,
-                         list_available=list_available, cluster=cluster)
+                         list_available=list_available, cluster=cluster, api_keys=api_keys)
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                         log_level="warning", lifespan="off"))
         server_task = asyncio.ensure_future(server.serve())
@@ -172,6 +179,16 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     finally:
         await cluster.stop()
         await router.shutdown()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host (a name or an address) only ever means this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str]) -> Any:

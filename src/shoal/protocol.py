@@ -147,6 +147,7 @@ ErrorCode = Literal[
     "unavailable",  # model not loaded / loading failed -> 503
     "runner_crashed",  # the runner died mid-request -> 500-class, reported as 503
     "timeout",  # a bounded wait ran out -> 504
+    "cancelled",  # ended by POST /v1/requests/{id}/cancel before it started -> 499
     "internal",  # a bug -> 500
 ]
 

@@ -26,6 +26,7 @@ from typing import Any
 from shoal.cluster.instances import Instance
 from shoal.cluster.service import ClusterService
 from shoal.engine.config import ModelSource, ModelTask
+from shoal.pool.cancellable import CancellableStream
 from shoal.pool.clock import RequestClock
 from shoal.pool.ladders import Ladder, UnknownTask, task_name
 from shoal.pool.placer import Placer
@@ -53,6 +54,7 @@ class Router:
         self.queue = pool.queue
         self.ladders = dict(ladders or {})
         self.placer = Placer(pool, cluster, **placing)
+        self._in_flight: dict[str, CancellableStream] = {}  # request id -> its stream
 
     @property
     def supervisors(self) -> list[RunnerSupervisor]:
@@ -62,7 +64,24 @@ class Router:
     # ---- requests -------------------------------------------------------------------------
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
-        """The request's chunks; an unknown or broken model yields one ErrorChunk."""
+        """The request's chunks; an unknown or broken model yields one ErrorChunk. cancel()
+        ends it, wherever it is (queued, loading, generating here or on another node)."""
+        stream = CancellableStream(self._submit(request), request.request_id)
+        self._in_flight[request.request_id] = stream
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            if self._in_flight.get(request.request_id) is stream:
+                del self._in_flight[request.request_id]
+            await stream.close()
+
+    def cancel(self, request_id: str) -> bool:
+        """End a generation request accepted by this node; False if there is none such."""
+        stream = self._in_flight.get(request_id)
+        return stream is not None and stream.cancel()
+
+    async def _submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
         clock = RequestClock()
         ticket = await self._turn(request, "generate", clock)
         if isinstance(ticket, ErrorChunk):
@@ -73,6 +92,8 @@ class Router:
             ladder = self._ladder(request.model)
             try:
                 instance = await self._instance_for_request(request.model, ladder)
+                if instance.model != ticket.model:  # a ladder fell back to another rung
+                    ticket = await self._requeue(ticket, instance.model)
                 if self._here(instance):
                     await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
@@ -150,6 +171,12 @@ class Router:
             model_id = await self._model_id(name, task)
         warm = self._ready_instance(model_id) is not None
         return await self.queue.admit(model_id, priority, client, warm)
+
+    async def _requeue(self, ticket: Ticket, model_id: str) -> Ticket:
+        """A turn keyed by the model that will really serve (its --parallel applies), in
+        place of ticket's; warm, since that model is already chosen."""
+        self.queue.release(ticket)
+        return await self.queue.admit(model_id, ticket.priority, ticket.client, warm=True)
 
     async def _model_id(self, name: str, task: ModelTask | None) -> str:
         from shoal.catalog.resolve import ModelNotFound

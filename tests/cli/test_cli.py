@@ -123,10 +123,12 @@ HELD = {"weights_bytes": 100 * 2**20, "kv_bytes_in_use": 3 * 2**20,
         "kv_bytes_capacity": 224 * 2**20, "rss_bytes": 2 * 2**30}
 
 
-def answer_with(monkeypatch, ps_status=200, cluster=CLUSTER):
+def answer_with(monkeypatch, ps_status=200, cluster=CLUSTER, sent_headers=None):
     import httpx
 
-    def get(url, timeout=None):
+    def get(url, headers=None, timeout=None):
+        if sent_headers is not None:
+            sent_headers.append(headers)
         if url.endswith("/cluster"):
             return httpx.Response(200, json=cluster)
         models = [{"model": "smollm2", "size": 103 * 2**20, "shoal": HELD},
@@ -134,6 +136,18 @@ def answer_with(monkeypatch, ps_status=200, cluster=CLUSTER):
         return httpx.Response(ps_status, json={"models": models})
 
     monkeypatch.setattr("shoal.cli.cluster.httpx.get", get)
+
+
+def test_cli_commands_send_the_api_key_from_the_environment(monkeypatch, capsys):
+    sent = []
+    answer_with(monkeypatch, sent_headers=sent)
+    monkeypatch.setenv("SHOAL_API_KEY", "sk-cli")
+    assert main(["ps", "--url", "http://node"]) == 0
+    assert sent and all(h == {"Authorization": "Bearer sk-cli"} for h in sent)
+    monkeypatch.delenv("SHOAL_API_KEY")
+    sent.clear()
+    assert main(["cluster", "--url", "http://node"]) == 0
+    assert sent == [{}]
 
 
 def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):

@@ -170,13 +170,18 @@ def test_a_ladder_falls_back_past_a_rung_that_cannot_load(sources):
 
     async def main():
         router = await make_router(sources, [], ladders=ladders)
-        fell_back = await run(router, generate("task:code"))
+        stream = router.submit(generate("task:code", prompt="hold:0.3"))
+        fell_back = [await anext(stream)]
+        # The turn is now counted against the rung that serves, not the first one.
+        running = router.queue.running("chat"), router.queue.running("broken")
+        fell_back += [chunk async for chunk in stream]
         strict = await run(router, generate("task:strict", prompt="again"))
         await shutdown(router)
-        return fell_back, strict
+        return fell_back, running, strict
 
-    fell_back, strict = asyncio.run(main())
+    fell_back, running, strict = asyncio.run(main())
     assert fell_back[0].model == "chat" and kinds(fell_back) == ["accepted", "finish"]
+    assert running == (1, 0)
     # pin_primary serves the first rung only, though another is loaded: its failure is the
     # answer, no fallback.
     assert strict[0].kind == "error" and "broken" in strict[0].message

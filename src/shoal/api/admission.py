@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from shoal.api.errors import APIError, invalid_parameter
+from shoal.api.requests import record_request_id
 from shoal.protocol import EmbeddingRequest, GenerationRequest
 
 PRIORITY_HEADER = "X-Shoal-Priority"
@@ -47,7 +48,9 @@ def admission_fields(http_request: Request, x_priority: Any, x_client_id: Any
 
 def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFields
              ) -> InternalRequest:
-    """internal, carrying the priority and client id the body (or the headers) asked for."""
+    """internal, carrying the priority and client id the body (or the headers) asked for;
+    its id becomes the response's x-request-id."""
+    record_request_id(http_request, internal.request_id)
     return internal.model_copy(
         update=admission_fields(http_request, body.x_priority, body.x_client_id))
 

@@ -12,8 +12,11 @@ from fastapi.responses import JSONResponse
 
 from shoal.api import admin
 from shoal.api.anthropic import errors as anthropic_errors
+from shoal.api.auth import ApiKeys, RequireApiKey
 from shoal.api.anthropic import messages as anthropic_messages
+from shoal.api import requests as request_routes
 from shoal.api.errors import install_error_handlers, register_error_dialect
+from shoal.api.requests import RequestIds
 from shoal.api.ollama import embed as ollama_embed
 from shoal.api.ollama import errors as ollama_errors
 from shoal.api.ollama import generate as ollama_generate
@@ -30,10 +33,16 @@ def _catalog_entries() -> Sequence[Any]:
 
 def create_app(router: Any, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
-               lifespan: Any = None, cluster: Any = None) -> FastAPI:
+               lifespan: Any = None, cluster: Any = None,
+               api_keys: ApiKeys | None = None) -> FastAPI:
     """The HTTP app over router (shoal.router.Router or anything with its interface), with
-    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given."""
+    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given; every
+    route but /health and / wants one of api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
+    if api_keys:
+        app.add_middleware(RequireApiKey, keys=api_keys)
+    app.add_middleware(RequestIds)  # outermost: a 401 carries an id too
+    app.include_router(request_routes.router)
     app.state.router = router
     app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s

@@ -27,6 +27,8 @@ STATUS_BY_CODE: dict[str, tuple[int, str]] = {
     "unavailable": (503, "service_unavailable"),
     "runner_crashed": (503, "service_unavailable"),
     "timeout": (504, "timeout"),
+    # nginx's "client closed request": nobody but the canceller reads it.
+    "cancelled": (499, "cancelled"),
     "internal": (500, "internal_error"),
 }
 
@@ -98,7 +100,8 @@ def register_error_dialect(app: FastAPI, path_prefix: str, render: ErrorRenderer
     app.state.error_dialects.append((path_prefix, render))
 
 
-def _render(request: Request, error: APIError) -> JSONResponse:
+def render_error(request: Request, error: APIError) -> JSONResponse:
+    """error in the dialect of request's route."""
     for prefix, render in request.app.state.error_dialects:
         if request.url.path.startswith(prefix):
             return render(error)
@@ -110,14 +113,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return _render(request, error)
+        return render_error(request, error)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request,
                                   error: RequestValidationError) -> JSONResponse:
-        return _render(request, _validation_error(list(error.errors())))
+        return render_error(request, _validation_error(list(error.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return _render(request, APIError(error.status_code, str(error.detail), code=code))
+        return render_error(request, APIError(error.status_code, str(error.detail), code=code))

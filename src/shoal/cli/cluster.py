@@ -27,11 +27,11 @@ def add_parsers(commands) -> None:
 
 def fetch_cluster(url: str | None) -> dict[str, Any] | None:
     """GET /cluster of the node at url; None (after saying why on stderr) if it fails."""
-    from shoal.cli.run import server_url
+    from shoal.cli.run import api_headers, server_url
 
     base = server_url(url)
     try:
-        response = httpx.get(base + "/cluster", timeout=10.0)
+        response = httpx.get(base + "/cluster", headers=api_headers(), timeout=10.0)
     except httpx.HTTPError as error:
         print(f"shoal: no shoal node answers at {base} ({error})", file=sys.stderr)
         return None
@@ -45,10 +45,10 @@ def fetch_cluster(url: str | None) -> dict[str, Any] | None:
 def fetch_memory(url: str | None) -> dict[str, dict[str, Any]]:
     """Model id -> the memory figures ("shoal" of GET /api/ps) of the node's runners; empty
     if the node does not say (the table then shows "-")."""
-    from shoal.cli.run import server_url
+    from shoal.cli.run import api_headers, server_url
 
     try:
-        response = httpx.get(server_url(url) + "/api/ps", timeout=10.0)
+        response = httpx.get(server_url(url) + "/api/ps", headers=api_headers(), timeout=10.0)
         models = response.json()["models"] if response.status_code == 200 else []
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return {}

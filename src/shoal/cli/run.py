@@ -51,9 +51,17 @@ def server_url(explicit: str | None) -> str:
     return f"http://{host}:{os.environ.get('SHOAL_PORT') or DEFAULT_PORT}"
 
 
+def api_headers() -> dict[str, str]:
+    """The node's API key from SHOAL_API_KEY, for nodes started with --api-key."""
+    key = os.environ.get("SHOAL_API_KEY", "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def server_answers(url: str) -> bool:
+    """Whether a shoal node listens at url (one that wants a key answers too: 401)."""
     try:
-        return httpx.get(url + "/v1/models", timeout=2.0).status_code == 200
+        status = httpx.get(url + "/v1/models", headers=api_headers(), timeout=2.0).status_code
+        return status in (200, 401)
     except httpx.HTTPError:
         return False
 
@@ -61,7 +69,7 @@ def server_answers(url: str) -> bool:
 def stream_chat(url: str, body: dict) -> Iterator[str]:
     """Text deltas of one streamed chat completion; RunError on an error body or event."""
     with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
-                      timeout=_TIMEOUT) as response:
+                      headers=api_headers(), timeout=_TIMEOUT) as response:
         if response.status_code != 200:
             response.read()
             raise RunError(_error_message(response.text, response.status_code))

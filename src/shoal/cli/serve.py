@@ -42,6 +42,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--keep-alive", default=None, metavar="DURATION",
                         help="how long a model loaded on demand stays loaded after its last "
                              "request, e.g. 300, 5m, -1 for ever (SHOAL_KEEP_ALIVE; 5m)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="a key every API and admin route wants (Authorization: Bearer "
+                             "KEY, or x-api-key); repeat for several (SHOAL_API_KEY)")
+    parser.add_argument("--api-keys-file", default=None, metavar="FILE",
+                        help="file of API keys, one per line (SHOAL_API_KEYS_FILE)")
     add_engine_flags(parser)
     add_pool_flags(parser)
     add_cluster_flags(parser)
@@ -111,6 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                kv_cache_dtype=args.kv_cache_dtype,
                                kv_cache_memory=args.kv_cache_memory,
                                keep_alive=args.keep_alive, preload=args.preload,
+                               api_keys=args.api_key, api_keys_file=args.api_keys_file,
                                cluster=cluster, pool=build_pool_settings(
                                    memory_budget=args.memory_budget,
                                    max_loaded_models=args.max_loaded_models, pin=args.pin,
