@@ -52,6 +52,7 @@ class MemorySupervisor:
         self.memory: MemoryUsage | None = None
         self.memory_limit: int | None = None
         self.aborted: list[str] = []  # requests whose stream was closed before the end
+        self.restarts = 0
 
     def limit_memory(self, limit_bytes: int | None) -> None:
         self.memory_limit = limit_bytes

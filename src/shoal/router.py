@@ -26,6 +26,7 @@ from typing import Any
 from shoal.cluster.instances import Instance
 from shoal.cluster.service import ClusterService
 from shoal.engine.config import ModelSource, ModelTask
+from shoal.metrics import NodeMetrics
 from shoal.pool.cancellable import CancellableStream
 from shoal.pool.clock import RequestClock
 from shoal.pool.ladders import Ladder, UnknownTask, task_name
@@ -55,6 +56,8 @@ class Router:
         self.ladders = dict(ladders or {})
         self.placer = Placer(pool, cluster, **placing)
         self._in_flight: dict[str, CancellableStream] = {}  # request id -> its stream
+        self.metrics = NodeMetrics()  # GET /metrics
+        self.metrics.watch(self)
 
     @property
     def supervisors(self) -> list[RunnerSupervisor]:
@@ -68,8 +71,10 @@ class Router:
         ends it, wherever it is (queued, loading, generating here or on another node)."""
         stream = CancellableStream(self._submit(request), request.request_id)
         self._in_flight[request.request_id] = stream
+        observer = self.metrics.observe(request.model)
         try:
             async for chunk in stream:
+                observer.chunk(chunk)
                 yield chunk
         finally:
             if self._in_flight.get(request.request_id) is stream:

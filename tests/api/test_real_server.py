@@ -60,7 +60,9 @@ def test_ps_reports_what_the_model_holds(server, capsys):
     assert 0 < held["weights_bytes"] <= 1.2 * file_size  # packed GGUF weights
     assert held["rss_bytes"] > held["weights_bytes"]
     assert 0 <= held["kv_bytes_in_use"] <= held["kv_bytes_capacity"]
-    assert model["size"] == held["weights_bytes"] + held["kv_bytes_in_use"]
+    # The prefix cache's blocks count as held too (they stay resident).
+    assert model["size"] == (held["weights_bytes"] + held["kv_bytes_in_use"]
+                             + (held["kv_bytes_cached"] or 0))
     assert main(["ps", "--url", server]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines()
                if "smollm2-135m-instruct" in line)
@@ -127,3 +129,58 @@ def test_runner_killed_mid_request(server):
     after = httpx.post(server + "/v1/chat/completions", json=CHAT, timeout=60)
     assert after.status_code == 200
     assert _health(server)["models"][0]["pid"] != pid
+
+
+def test_cancel_by_id_ends_a_stream_with_abort(server):
+    body = {**CHAT, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 2:
+                cancelled = httpx.post(f"{server}/v1/requests/{request_id}/cancel",
+                                       timeout=10)
+    assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2][6:])
+    assert final["id"] == request_id
+    assert final["choices"][0]["finish_reason"] == "abort"
+    assert len(events) < 100  # ended long before its 1000 tokens
+    again = httpx.post(f"{server}/v1/requests/{request_id}/cancel", timeout=10)
+    assert again.status_code == 404
+    deadline = time.monotonic() + 10
+    while _health(server)["models"][0]["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _health(server)["models"][0]["in_flight"] == 0  # the runner let it go
+
+
+def test_metrics_move_with_traffic(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(server + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    model = (("model", "smollm2-135m-instruct"),)
+    before = scrape()
+    answer = httpx.post(server + "/v1/chat/completions", json=CHAT, timeout=60).json()
+    after = scrape()
+    generated = ("shoal_generated_tokens_total", model)
+    assert after[generated] - before.get(generated, 0) == answer["usage"]["completion_tokens"]
+    first_token = ("shoal_time_to_first_token_seconds_count", model)
+    assert after[first_token] == before.get(first_token, 0) + 1
+    route = ("shoal_http_requests_total", (("model", "smollm2"), ("route",
+                                           "/v1/chat/completions"), ("status", "200")))
+    assert after[route] == before.get(route, 0) + 1
+    kv = {state: after[("shoal_kv_cache_bytes", model + (("state", state),))]
+          for state in ("in_use", "cached", "free")}
+    assert kv["free"] > 0 and min(kv.values()) >= 0
+    assert after[("shoal_model_loads_total", model)] == 1
+    assert after[("shoal_runner_restarts_total", model)] >= 1  # the runner killed above
+    assert after[("shoal_cluster_nodes", ())] == 1
+    assert after.get(("shoal_queue_waiting", model), 0) == 0  # nothing left waiting

@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from shoal.api.errors import APIError, invalid_parameter
-from shoal.api.requests import record_request_id
+from shoal.api.requests import record_model, record_request_id
 from shoal.protocol import EmbeddingRequest, GenerationRequest
 
 PRIORITY_HEADER = "X-Shoal-Priority"
@@ -51,6 +51,7 @@ def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFi
     """internal, carrying the priority and client id the body (or the headers) asked for;
     its id becomes the response's x-request-id."""
     record_request_id(http_request, internal.request_id)
+    record_model(http_request, internal.model)
     return internal.model_copy(
         update=admission_fields(http_request, body.x_priority, body.x_client_id))
 

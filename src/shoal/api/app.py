@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shoal.api import admin
 from shoal.api.anthropic import errors as anthropic_errors
@@ -17,6 +18,7 @@ from shoal.api.anthropic import messages as anthropic_messages
 from shoal.api import requests as request_routes
 from shoal.api.errors import install_error_handlers, register_error_dialect
 from shoal.api.requests import RequestIds
+from shoal.metrics import NodeMetrics
 from shoal.api.ollama import embed as ollama_embed
 from shoal.api.ollama import errors as ollama_errors
 from shoal.api.ollama import generate as ollama_generate
@@ -41,7 +43,9 @@ def create_app(router: Any, keepalive_s: float = 15.0,
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys)
-    app.add_middleware(RequestIds)  # outermost: a 401 carries an id too
+    # Fake routers in tests have no metrics of their own.
+    app.state.metrics = getattr(router, "metrics", None) or NodeMetrics()
+    app.add_middleware(RequestIds, metrics=app.state.metrics)  # outermost: a 401 too
     app.include_router(request_routes.router)
     app.state.router = router
     app.state.cluster = cluster
@@ -63,6 +67,11 @@ def create_app(router: Any, keepalive_s: float = 15.0,
     app.include_router(anthropic_messages.router)
     if cluster is not None:
         app.include_router(admin.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.api.errors import APIError
 from shoal.ids import new_request_id
+from shoal.metrics import NodeMetrics
 
 HEADER = "x-request-id"
 
@@ -27,11 +28,19 @@ def record_request_id(http_request: Request, request_id: str) -> None:
     http_request.state.request_id = request_id
 
 
-class RequestIds:
-    """ASGI middleware: x-request-id on every HTTP response."""
+def record_model(http_request: Request, model: str) -> None:
+    """The model the request asked for, for the metrics' model label."""
+    http_request.state.model = model
 
-    def __init__(self, app: ASGIApp) -> None:
+
+class RequestIds:
+    """ASGI middleware: x-request-id on every HTTP response, and each answer counted in
+    metrics.http_requests by route template, model (only for a success: a client's unknown
+    names must not grow the label set) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: NodeMetrics) -> None:
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,9 +52,16 @@ class RequestIds:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 headers[HEADER] = state.get("request_id") or new_request_id()
+                self._count(scope, state, message["status"])
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+    def _count(self, scope: Scope, state: dict[str, Any], status: int) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"
+        model = state.get("model") if status < 400 else None
+        self.metrics.http_requests.labels(path, model or "-", str(status)).inc()
 
 
 @router.post("/v1/requests/{request_id}/cancel")

@@ -62,6 +62,8 @@ class Replica:
         self.state = ClusterState()
         self.session: str | None = None
         self.master: NodeId | None = None  # the master of the session being replicated
+        self.sessions_followed = 0  # masters' sessions this node followed (GET /metrics)
+        self.events_applied = 0
         self._following: NodeId | None = None
         self._pending_session: str | None = None  # the session the buffer belongs to
         self._buffer: dict[int, IndexedEvent] = {}
@@ -131,6 +133,8 @@ class Replica:
         self._drain()
 
     def _start_session(self, session: str, master: NodeId, state: ClusterState) -> None:
+        if session != self.session:
+            self.sessions_followed += 1
         self.session, self.master, self.state = session, master, state
         if self._pending_session != session:
             self._buffer.clear()
@@ -138,6 +142,7 @@ class Replica:
 
     def _apply(self, indexed: IndexedEvent) -> None:
         self.state = apply(self.state, indexed)
+        self.events_applied += 1
         self._callbacks.deliver(_EVENT, indexed)
 
     def _drain(self) -> None:

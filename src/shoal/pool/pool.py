@@ -25,8 +25,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.engine.config import ModelSource, ModelTask
@@ -84,6 +85,14 @@ class _Keep:
         return None if value is None or value < 0 else value
 
 
+@dataclass
+class PoolCounts:
+    """Models started and evicted on this node, by model (GET /metrics)."""
+
+    loads: Counter[str] = field(default_factory=Counter)
+    evictions: Counter[str] = field(default_factory=Counter)
+
+
 class ModelPool:
     def __init__(self, registry: RunnerRegistry, resolve: Resolver | None = None,
                  keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
@@ -101,6 +110,7 @@ class ModelPool:
         self._keeps: dict[str, _Keep] = {}
         self._change: asyncio.Future[None] | None = None  # woken by _notify
         self.unloader: Unloader | None = None  # set by the cluster: deletes an instance
+        self.counts = PoolCounts()
 
     # ---- names ----------------------------------------------------------------------------
 
@@ -125,6 +135,8 @@ class ModelPool:
     def track(self, instance_id: str, keep_alive_s: float | None, pinned: bool = False) -> None:
         """The instance's serving runner has started here; keep_alive_s is its own
         keep-alive. An idle instance's timer starts now."""
+        if instance_id not in self._keeps:
+            self.counts.loads[self._model_of(instance_id)] += 1
         keep = self._keeps.setdefault(instance_id, _Keep(last_used=time.monotonic()))
         keep.default_s = keep_alive_s
         keep.pinned = pinned
@@ -201,6 +213,7 @@ class ModelPool:
             keep.timer.cancel()
             keep.timer = None
         keep.retiring = True
+        self.counts.evictions[self._model_of(instance_id)] += 1
         log.info("evicting instance %s: %s", instance_id, reason)
         if self.unloader is not None:
             self.unloader(instance_id, reason)
@@ -212,6 +225,10 @@ class ModelPool:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, timeout_s)):
                 await asyncio.shield(self._change)
+
+    def _model_of(self, instance_id: str) -> str:
+        supervisor = self.registry.get((instance_id, 0))
+        return supervisor.model_id if supervisor is not None else instance_id
 
     def _notify(self) -> None:
         if self._change is not None and not self._change.done():

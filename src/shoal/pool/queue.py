@@ -118,6 +118,10 @@ class AdmissionQueue:
             return sum(self._running_models.values())
         return self._running_models[model]
 
+    def running_models(self) -> set[str]:
+        """Models with requests holding a turn now."""
+        return {m for m, n in self._running_models.items() if n}
+
     def busy_models(self) -> set[str]:
         """Models with requests admitted or waiting: not to be evicted."""
         return {m for m, n in self._running_models.items() if n} | {

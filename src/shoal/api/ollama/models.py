@@ -3,8 +3,9 @@ and the liveness answer on GET / and HEAD /.
 
 /api/tags lists exactly what /v1/models lists (shoal.api.model_list). /api/ps lists the
 models this node's pool runs (not other nodes' models, nor ranks of split instances); its
-"size" is what each holds now: weights plus the KV cache in use, as the runner last reported
-(the weight files' size until it has), split up in the extension object "shoal".
+"size" is what each holds now: weights plus the KV cache in use and kept for the prefix
+cache, as the runner last reported (the weight files' size until it has), split up in the
+extension object "shoal".
 
 Ollama's model "digest" is a content hash of its manifest; shoal has no manifests, so its
 digest fingerprints the local weights (id, path, size, modification time) instead.
