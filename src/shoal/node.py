@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import ipaddress
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from shoal import logs
 from shoal.api.app import create_app
 from shoal.api.auth import ApiKeys
 from shoal.config import NodeConfig
@@ -42,7 +44,10 @@ class NodeStartError(RuntimeError):
 def print_progress(model_id: str, stage: str, fraction: float) -> None:
     """Loading progress on stderr: one line per stage, overwritten in place on a terminal."""
     line = f"loading {model_id}: {stage} {fraction * 100:5.1f}%"
-    if sys.stderr.isatty():
+    if os.environ.get(logs.ENV) == "json":  # stderr holds only JSON lines
+        if fraction >= 1.0 or stage in ("starting", "tokenizer"):
+            log.info(line)
+    elif sys.stderr.isatty():
         print(f"\r{line}\033[K", end="\n" if fraction >= 1.0 else "", file=sys.stderr,
               flush=True)
     elif fraction >= 1.0 or stage in ("starting", "tokenizer"):
@@ -164,7 +169,9 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         app = create_app(router, keepalive_s=config.server.keepalive_s,
                          list_available=list_available, cluster=cluster, api_keys=api_keys)
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                        log_level="warning", lifespan="off"))
+                                        log_level="warning", lifespan="off",
+                                        # its records go to our handler (--log-format)
+                                        log_config=None))
         server_task = asyncio.ensure_future(server.serve())
         await _wait_started(server, server_task)
         url = _bound_url(server)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from shoal import logs
 from shoal.config import (
     DEFAULT_PORT,
     build_cluster_settings,
@@ -47,6 +48,9 @@ def add_parser(commands) -> None:
                              "KEY, or x-api-key); repeat for several (SHOAL_API_KEY)")
     parser.add_argument("--api-keys-file", default=None, metavar="FILE",
                         help="file of API keys, one per line (SHOAL_API_KEYS_FILE)")
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=None,
+                        help="stderr as text, or one JSON object per line "
+                             "(SHOAL_LOG_FORMAT; text)")
     add_engine_flags(parser)
     add_pool_flags(parser)
     add_cluster_flags(parser)
@@ -123,12 +127,15 @@ def run_serve(args: argparse.Namespace) -> int:
                                    max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                    parallel=args.parallel, clients=args.clients,
                                    tasks=args.tasks))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    chosen = logs.configure("node", "%(asctime)s %(name)s %(levelname)s %(message)s",
+                            args.log_format)
 
     def announce(url: str) -> None:
-        print(f"shoal is serving on {url} (OpenAI API at {url}/v1)", file=sys.stderr,
-              flush=True)
+        line = f"shoal is serving on {url} (OpenAI API at {url}/v1)"
+        if chosen == "json":  # every line of stderr stays one JSON object
+            logging.getLogger("shoal.serve").info(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     try:
         asyncio.run(serve(config, on_listening=announce))

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from shoal import logs
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
 from shoal.runner.memory import MemoryReporter, loading_heap
@@ -180,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="the supervisor's unix socket")
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="runner %(process)d %(levelname)s %(message)s")
+    logs.configure("runner", "runner %(process)d %(levelname)s %(message)s")
     start_watchdog(args.parent_pid if args.parent_pid is not None else os.getppid())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
