@@ -159,6 +159,21 @@ def test_reconcile_admits_nodes_then_after_settling_removes_the_silent():
     assert created.model == "small" and created.node_ids[0] in ("a", "c")
 
 
+def test_a_departed_node_leaves_at_once_but_a_silent_one_waits_for_the_grace():
+    on_b = placed("x", "b")
+    state = state_of(SessionStarted(master_id=NodeId("a"),
+                                    nodes=(node("a"), node("b"), node("c")), instances=(on_b,)))
+    # b's presence is gone (its process died); c is present but has not reported yet.
+    inputs = facts_of(reading("a"), reading("b"), settled=False)
+    departed = Facts(**{**inputs.__dict__, "departed": frozenset({NodeId("b")})})
+    decision = decide.reconcile(state, departed)
+    left = [e for e in decision.events if isinstance(e, NodeLeft)]
+    assert [(e.node_id, e.reason) for e in left] == [("b", "disconnected")]
+    assert not any(isinstance(e, NodeJoined) for e in decision.events)  # b's stale reading
+    assert kinds(decision)[-2:] == ["InstanceDeleted", "InstanceCreated"]
+    assert decision.events[-1].instance.node_ids == ("a",)
+
+
 def test_instances_lost_together_are_planned_together_without_overbooking():
     one, two = placed("one", "b"), placed("two", "b")
     state = state_of(SessionStarted(master_id=NodeId("a"), nodes=(node("a"), node("b")),

@@ -113,6 +113,13 @@ def test_three_nodes_serve_across_the_cluster_and_survive_losing_the_master(thre
              "node3 sees gemma on node1")
 
     node2.kill()
+    # Its presence (liveliness token) goes with its process: the others stop listing it
+    # within 3 s, before any silence timeout.
+    gone_in = wait_for(lambda: all(
+        (view := cluster_of(node)) is not None
+        and ids[1] not in [n["node_id"] for n in view["nodes"]] for node in (node1, node3)),
+        3, "node2 gone from GET /cluster")
+    print(f"node2 gone from GET /cluster: {gone_in:.2f} s")
     failover_in = wait_for(lambda: agreed_master([node1, node3], 3) not in (None, ids[1])
                            or agreed_master([node1, node3], 2) is not None, 15,
                            "a new agreed master")

@@ -60,8 +60,11 @@ class Facts:
     rendezvous_ports: tuple[int, int]
     # New instance ids and rendezvous ports are drawn from this seed.
     seed: int = 0
-    # False during a new master's settle grace: no node is declared gone yet.
+    # False during a new master's settle grace: no node is declared gone for silence yet.
     settled: bool = True
+    # Member nodes whose presence (Zenoh liveliness token) is gone: they leave at once,
+    # settled or not, and their last readings no longer count.
+    departed: frozenset[NodeId] = frozenset()
 
 
 @dataclass
@@ -293,20 +296,21 @@ def on_worker_event(state: ClusterState, event: Event, facts: Facts) -> Decision
 
 
 def reconcile(state: ClusterState, facts: Facts) -> Decision:
-    """Admit reporting nodes (or record their new name and addresses); once settled, remove
-    nodes gone silent and re-place the instances that had ranks there (those placed for
-    requests are only deleted: the next request places them anew)."""
+    """Admit reporting nodes (or record their new name and addresses); remove departed
+    nodes, and once settled the silent ones too; re-place the instances that had ranks there
+    (those placed for requests are only deleted: the next request places them anew)."""
     draft = _Draft(state, facts)
-    for node_id in sorted(facts.readings):
+    for node_id in sorted(set(facts.readings) - facts.departed):
         reading = facts.readings[node_id]
         info = NodeInfo(node_id=node_id, name=reading.name or node_id,
                         addresses=reading.addresses)
         if state.nodes.get(node_id) != info:
             draft.add(NodeJoined(node=info))
-    if not facts.settled:
-        return draft.decision
     for node_id in list(draft.state.nodes):
-        if node_id not in facts.readings:
+        if node_id in facts.departed:
+            draft.note(logging.WARNING, f"node {node_id} disconnected: removing it")
+            draft.add(NodeLeft(node_id=node_id, reason="disconnected"))
+        elif facts.settled and node_id not in facts.readings:
             draft.note(logging.WARNING, f"node {node_id} went silent: removing it")
             draft.add(NodeLeft(node_id=node_id, reason="timed_out"))
     gone: dict[InstanceId, str] = {}

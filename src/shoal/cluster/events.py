@@ -97,7 +97,9 @@ class NodeJoined(Frozen):
 class NodeLeft(Frozen):
     kind: Literal["node_left"] = "node_left"
     node_id: NodeId
-    reason: Literal["timed_out", "shutdown"] = "timed_out"
+    # timed_out: silent past the telemetry timeout; disconnected: its presence (liveliness
+    # token) was withdrawn, as when its process dies or its links drop.
+    reason: Literal["timed_out", "shutdown", "disconnected"] = "timed_out"
 
 
 class InstanceCreated(Frozen):

@@ -93,7 +93,9 @@ class Master:
         self._subscriptions = [
             self._transport.subscribe(Topic.COMMANDS, self._on_command),
             self._transport.subscribe(Topic.LOCAL_EVENTS, self._on_worker_event),
-            self._transport.subscribe(Topic.STATE_SYNC, self._on_sync)]
+            self._transport.subscribe(Topic.STATE_SYNC, self._on_sync),
+            # A node whose presence goes is removed now, not at the next reconcile tick.
+            self._transport.on_peers_changed(self._on_peers_changed)]
         self._reconciler = asyncio.create_task(self._reconcile_loop(), name="master-reconcile")
         log.info("node %s is master: session %s, %d instance(s) carried over", self.node_id,
                  self.session[:8], len(self.state.instances))
@@ -131,10 +133,13 @@ class Master:
                     if (reading := self._telemetry.reading(node_id)) is not None}
         settled = (self._started_at is not None
                    and now - self._started_at >= self.config.settle_grace_s)
+        present = self._transport.peers | {self.node_id}
+        departed = frozenset(n for n in set(self.state.nodes) | set(readings)
+                             if n not in present)
         return Facts(readings=readings, policy=self.config.policy,
                      max_replacements=self.config.max_replacements,
                      rendezvous_ports=self.config.rendezvous_ports,
-                     seed=random.getrandbits(64), settled=settled)
+                     seed=random.getrandbits(64), settled=settled, departed=departed)
 
     def _carry_out(self, decision: Decision) -> list[IndexedEvent]:
         for level, message in decision.notes:
@@ -168,6 +173,12 @@ class Master:
             log.warning("malformed worker event dropped: %s", error)
             return
         self.handle_worker_event(event)
+
+    def _on_peers_changed(self, _peers: Any) -> None:
+        try:
+            self.reconcile()
+        except Exception:  # keep the master alive; the next tick retries
+            log.exception("master reconcile on a presence change failed")
 
     async def _reconcile_loop(self) -> None:
         while True:

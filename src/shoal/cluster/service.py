@@ -333,10 +333,14 @@ class ClusterService:
         return readings
 
     def describe(self) -> dict[str, Any]:
-        """GET /cluster: this node, the master, the nodes with their readings, the instances."""
+        """GET /cluster: this node, the master, the nodes present (their liveliness token
+        seen) with their readings, the instances."""
         state, readings = self.state, self.readings()
+        present = self.peers | {self.node_id}
         nodes = []
         for node_id, info in sorted(state.nodes.items()):
+            if node_id not in present:
+                continue  # its presence is gone: the master is removing it
             reading = readings.get(node_id)
             nodes.append({
                 "node_id": node_id, "name": info.name, "addresses": list(info.addresses),
