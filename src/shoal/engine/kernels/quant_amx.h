@@ -26,9 +26,8 @@ namespace shoal_quant {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SHOAL_QUANT_AMX 1
 
-// Rows of x per AMX tile, and row tiles sharing each loaded weight tile.
+// Rows of x per AMX tile.
 constexpr int kTileRows = 16;
-constexpr int kRowTiles = 2;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -70,117 +69,162 @@ inline void tile_dot() {
   asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
 }
 
-// Float32 lanes of a strip's 32 bf16 words (pair layout): low half words 0-15, high 16-31.
-inline void widen(__m512i v, __m512& low, __m512& high) {
-  low = bf16_half(v, 0);
-  high = bf16_half(v, 1);
+// A vector of a strip's tile (chain layout: lane c holds column c's k = 4q + c' in its high
+// word and k = 4q + c' + 2 in its low word, for vector 2q + c') as float32, a lane per
+// column: `high` the high words, `low` the low words. Float types add their bf16 parts
+// (they sum back to the weight exactly).
+template <QType T, int P>
+inline void chain_lanes(const uint8_t* tile, const Constants& c, __m512& high, __m512& low) {
+  const __m512i high_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512i v[Traits<T>::kVectors];
+  decode_vector<T, P>(tile, c, v);
+  high = _mm512_castsi512_ps(_mm512_and_si512(v[0], high_mask));
+  low = _mm512_castsi512_ps(_mm512_slli_epi32(v[0], 16));
+  for (int i = 1; i < Traits<T>::kVectors; ++i) {
+    high = _mm512_add_ps(high, _mm512_castsi512_ps(_mm512_and_si512(v[i], high_mask)));
+    low = _mm512_add_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(v[i], 16)));
+  }
 }
 
-// Per-column S (or O) as float32 lanes of the pair layout: lane i of the low half is word
-// i, column i / 2; of the high half, column 8 + i / 2.
-inline void spread(__m512 per_column, __m512& low, __m512& high) {
-  const __m512i low_index = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i high_index =
-      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  low = _mm512_permutexvar_ps(low_index, per_column);
-  high = _mm512_permutexvar_ps(high_index, per_column);
+// Weights w of two k (a: even k, b: the odd k after it; a lane per column) -> one pair row
+// of the hi tile and of the lo tile: hi = bf16(w), lo = bf16(w - hi), column c's two k in
+// words 2c, 2c + 1 (AMX's pair layout). cvtne2ps puts a in words 0-15 and b in 16-31; one
+// word permute interleaves them.
+inline void split_pair(__m512 a, __m512 b, __m512i* hi_out, __m512i* lo_out) {
+  alignas(64) static constexpr int16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i hi = _mm512_permutexvar_epi16(interleave, to_bf16(b, a));
+  const __m512 hi_a = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+  const __m512 hi_b = _mm512_castsi512_ps(
+      _mm512_and_si512(hi, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m512i lo = to_bf16(_mm512_sub_ps(b, hi_b), _mm512_sub_ps(a, hi_a));
+  _mm512_store_si512(hi_out, hi);
+  _mm512_store_si512(lo_out, _mm512_permutexvar_epi16(interleave, lo));
 }
 
-// w -> (hi, lo) bf16 words: hi = bf16(w), lo = bf16(w - hi).
-inline void split(__m512 low, __m512 high, __m512i& hi, __m512i& lo) {
-  hi = to_bf16(high, low);
-  lo = to_bf16(_mm512_sub_ps(high, bf16_half(hi, 1)), _mm512_sub_ps(low, bf16_half(hi, 0)));
-}
-
-// A strip decoded for the tiles: per 32-k tile t, B tiles hi then lo (16 vectors each, in
-// AMX's pair layout) at split + t * 2 * kPairs.
-template <QType T>
-void decode_strip_split(const uint8_t* strip, int64_t k, __m512i* split_tiles) {
+// Half `Half` (pair rows 8 Half .. 8 Half + 7) of a strip's k-tile t decoded for the tiles
+// into out: its exact float32 weights, as gguf dequantizes them, split into the hi B tile
+// (out[0 .. 15]) and the lo B tile (out[16 .. 31]). Half a tile at a time so the decoding
+// can be spread thinly between tile ops (QuantLinear::run_amx_prompt).
+template <QType T, int Half>
+inline void decode_split_half(const uint8_t* strip, int64_t k, int64_t t, __m512i* out) {
   using Tr = Traits<T>;
   constexpr int tiles_per_block = Tr::f.super_k / kTileK;
   constexpr int subs_per_tile = kTileK / Tr::f.sub_k;
-  const Constants c = constants();
-  const int64_t tiles = k / kTileK;
-  const uint8_t* meta_base = strip + tiles * Tr::kTileBytes;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile = strip + t * Tr::kTileBytes;
-    const uint8_t* meta = meta_base + t / tiles_per_block * Tr::kMetaBytes;
-    __m512i* hi_out = split_tiles + t * 2 * kPairs;
-    __m512i* lo_out = hi_out + kPairs;
-    __m512 scale_low, scale_high, min_low, min_high;  // w = S * (u + c) - e * mc
-    static_for<kPairs>([&](auto p) {
-      if constexpr (!Tr::kFloat) {
-        if (p % Tr::kSubPairs == 0) {
-          __m512 scale, minus_min;
-          sub_scale_min<T>(meta, static_cast<int>(t % tiles_per_block) * subs_per_tile +
-                                     p / Tr::kSubPairs, scale, minus_min);
-          spread(scale, scale_low, scale_high);
-          spread(minus_min, min_low, min_high);
-        }
-      }
-      __m512i v[Tr::kVectors];
-      decode_vector<T, p>(tile, c, v);
-      __m512 low, high;
-      if constexpr (Tr::kFloat) {
-        // The bf16 parts of a float weight sum back to it: add them in float32 first.
-        low = _mm512_setzero_ps(), high = _mm512_setzero_ps();
-        for (int i = 0; i < Tr::kVectors; ++i) {
-          __m512 part_low, part_high;
-          widen(v[i], part_low, part_high);
-          low = _mm512_add_ps(low, part_low);
-          high = _mm512_add_ps(high, part_high);
-        }
+  constexpr int kHalfPairs = kPairs / 2;
+  static const Constants c = constants();
+  const uint8_t* tile = strip + t * Tr::kTileBytes;
+  // w = S * (u + c) - e * mc: S and -e * mc a lane per column (one sub-block: sub_k >= 16).
+  __m512 scale = _mm512_setzero_ps(), minus_min = _mm512_setzero_ps();
+  if constexpr (!Tr::kFloat) {
+    const uint8_t* meta =
+        strip + k / kTileK * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
+    sub_scale_min<T>(meta, static_cast<int>(t % tiles_per_block) * subs_per_tile +
+                               Half * kHalfPairs / Tr::kSubPairs,
+                     scale, minus_min);
+  }
+  // The decoded value is u + base (or the table's entry, c = base = 0): u + c is an exact
+  // small integer, so the fma rounds once, as gguf's dequantization does.
+  const __m512 shift = _mm512_set1_ps(static_cast<float>(Tr::kC));
+  auto weights = [&](__m512 v) {
+    if constexpr (Tr::kFloat) return v;
+    else return _mm512_fmadd_ps(scale, _mm512_add_ps(v, shift), minus_min);
+  };
+  // Pair rows 2q (k = 4q, 4q + 1: the high words of chain vectors 2q, 2q + 1) and 2q + 1
+  // (k = 4q + 2, 4q + 3: their low words).
+  static_for<kHalfPairs / 2>([&](auto i) {
+    constexpr int q = Half * kHalfPairs / 2 + i;
+    __m512 even_high, even_low, odd_high, odd_low;
+    chain_lanes<T, 2 * q>(tile, c, even_high, even_low);
+    chain_lanes<T, 2 * q + 1>(tile, c, odd_high, odd_low);
+    split_pair(weights(even_high), weights(odd_high), out + 2 * q, out + kPairs + 2 * q);
+    split_pair(weights(even_low), weights(odd_low), out + 2 * q + 1, out + kPairs + 2 * q + 1);
+  });
+}
+
+// decode_split_half for a run-time half.
+template <QType T>
+void decode_split(const uint8_t* strip, int64_t k, int64_t t, int half, __m512i* out) {
+  if (half == 0) {
+    decode_split_half<T, 0>(strip, k, t, out);
+  } else {
+    decode_split_half<T, 1>(strip, k, t, out);
+  }
+}
+
+// x rows as A tiles: rows [row0, row0 + 16 * row_tiles) and k [k0, k0 + kc) of x [m, k]
+// copied to out as [row tile][k-tile][16 rows][32 k], each A tile one contiguous 1 KiB
+// (rows past m are zeros). Loaded with a 64-byte stride, a tile is 16 consecutive cache
+// lines, which the prefetchers stream; from x itself its rows lie 2k bytes apart.
+inline void tile_rows(const bf16* x, int64_t m, int64_t k, int64_t row0, int64_t row_tiles,
+                      int64_t k0, int64_t kc, bf16* out) {
+  for (int64_t i = 0; i < row_tiles * kTileRows; ++i) {
+    const int64_t row = row0 + i;
+    bf16* to = out + (i / kTileRows) * kTileRows * kc + (i % kTileRows) * kTileK;
+    for (int64_t t = 0; t < kc / kTileK; ++t, to += kTileRows * kTileK) {
+      if (row < m) {
+        std::memcpy(to, x + row * k + k0 + t * kTileK, kTileK * sizeof(bf16));
       } else {
-        // The decoded value is u + base (or the table's entry, c = base = 0): u + c is an
-        // exact small integer, so the fma rounds once, as gguf's dequantization does.
-        widen(v[0], low, high);
-        const __m512 shift = _mm512_set1_ps(static_cast<float>(Tr::kC));
-        low = _mm512_fmadd_ps(scale_low, _mm512_add_ps(low, shift), min_low);
-        high = _mm512_fmadd_ps(scale_high, _mm512_add_ps(high, shift), min_high);
+        std::memset(to, 0, kTileK * sizeof(bf16));
       }
-      split(low, high, hi_out[p], lo_out[p]);
-      // Chain layout to AMX's pairs, a pair of vectors at a time.
-      if constexpr (p % 2 == 1) {
-        to_pairs(hi_out[p - 1], hi_out[p], hi_out[p - 1], hi_out[p]);
-        to_pairs(lo_out[p - 1], lo_out[p], lo_out[p - 1], lo_out[p]);
-      }
-    });
+    }
   }
 }
 
 // C0 += x0 . strip's k-tile t and C1 += x1 . it (x0, x1 in tiles 4, 5), hi part then lo
 // part: each C sums in the same order whatever else is computed beside it.
-template <int C0, int C1>
+template <int RowTiles, int C0, int C1>
 inline void split_dots(const __m512i* strip, int64_t t) {
   tile_load<6>(strip + 2 * t * kPairs, 64);
   tile_load<7>(strip + (2 * t + 1) * kPairs, 64);
   tile_dot<C0, 4, 6>();
-  tile_dot<C1, 5, 6>();
+  if constexpr (RowTiles == 2) tile_dot<C1, 5, 6>();
   tile_dot<C0, 4, 7>();
-  tile_dot<C1, 5, 7>();
+  if constexpr (RowTiles == 2) tile_dot<C1, 5, 7>();
 }
 
-// Two row tiles (kRowTiles x rows) times two decoded strips (nullptr: one strip), C summed
-// over all of k: out [2 strips][2 row tiles][rows][16]. Tiles configured for `rows`.
-inline void strips_amx_split(const __m512i* strip0, const __m512i* strip1, int64_t k,
-                             const bf16* x0, const bf16* x1, int64_t ldx, float* out) {
-  const int64_t stride = ldx * static_cast<int64_t>(sizeof(bf16));
-  constexpr int64_t kTileFloats = kTileRows * kCols;
-  tile_zero<0>();
-  tile_zero<1>();
-  tile_zero<2>();
-  tile_zero<3>();
-  for (int64_t t = 0; t < k / kTileK; ++t) {
-    tile_load<4>(x0 + t * kTileK, stride);
-    tile_load<5>(x1 + t * kTileK, stride);
-    split_dots<0, 1>(strip0, t);
-    if (strip1 != nullptr) split_dots<2, 3>(strip1, t);
+// RowTiles (1 or 2) row tiles of 16 rows times two decoded strips (strip1 nullptr: one
+// strip) over `tiles` k-tiles: x0, x1 the row tiles' first A tiles (tile_rows' layout,
+// consecutive k-tiles 1 KiB apart), strips as decode_strip_split leaves them. C as
+// c [2 strips][2 row tiles][16][16] (C0 strip 0 x0, C1 strip 0 x1, C2 strip 1 x0, C3 strip 1
+// x1): loaded from c where `resume` (a chunk of k after the first), else zeroed; stored
+// back to c. A float32 C stored and loaded again is the same C, so a row's sum runs
+// through the k-tiles in one order however k is cut into chunks.
+// between() runs after each k-tile's ops are issued: vector work placed there (decoding the
+// next strips) runs while the tile unit multiplies.
+template <int RowTiles, class Between>
+inline void strips_amx_split(const __m512i* strip0, const __m512i* strip1, int64_t tiles,
+                             const bf16* x0, const bf16* x1, float* c, bool resume,
+                             Between&& between) {
+  constexpr int64_t kTileFloats = kTileRows * kCols, kTileBf16 = kTileRows * kTileK;
+  constexpr bool two = RowTiles == 2;
+  if (resume) {
+    tile_load<0>(c, 64);
+    if constexpr (two) tile_load<1>(c + kTileFloats, 64);
+    if (strip1 != nullptr) {
+      tile_load<2>(c + 2 * kTileFloats, 64);
+      if constexpr (two) tile_load<3>(c + 3 * kTileFloats, 64);
+    }
+  } else {
+    tile_zero<0>();
+    tile_zero<1>();
+    tile_zero<2>();
+    tile_zero<3>();
   }
-  tile_store<0>(out, 64);
-  tile_store<1>(out + kTileFloats, 64);
+  for (int64_t t = 0; t < tiles; ++t) {
+    tile_load<4>(x0 + t * kTileBf16, 64);
+    if constexpr (two) tile_load<5>(x1 + t * kTileBf16, 64);
+    split_dots<RowTiles, 0, 1>(strip0, t);
+    if (strip1 != nullptr) split_dots<RowTiles, 2, 3>(strip1, t);
+    between();
+  }
+  tile_store<0>(c, 64);
+  if constexpr (two) tile_store<1>(c + kTileFloats, 64);
   if (strip1 != nullptr) {
-    tile_store<2>(out + 2 * kTileFloats, 64);
-    tile_store<3>(out + 3 * kTileFloats, 64);
+    tile_store<2>(c + 2 * kTileFloats, 64);
+    if constexpr (two) tile_store<3>(c + 3 * kTileFloats, 64);
   }
 }
 

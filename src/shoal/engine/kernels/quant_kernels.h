@@ -20,7 +20,7 @@ using BufferedFn = void (*)(const __m512i*, const float*, const float*, int64_t,
                             int64_t, const float*, int64_t, float*);
 using TilesFn = void (*)(const __m512i*, const float*, const float*, int64_t, const bf16*,
                          int64_t, int, const float*, int64_t, float*);
-using SplitFn = void (*)(const uint8_t*, int64_t, __m512i*);
+using SplitFn = void (*)(const uint8_t*, int64_t, int64_t, int, __m512i*);
 
 // Strips run side by side for R rows: enough chains to hide vdpbf16ps's latency.
 constexpr int strips_side_by_side(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
@@ -53,7 +53,7 @@ Kernels kernels_of() {
   out.decode_pairs = &decode_strip<T, true>;
 #if SHOAL_QUANT_AMX
   out.tiles = &strip_tiles<T>;
-  out.split = &decode_strip_split<T>;
+  out.split = &decode_split<T>;
 #endif
   out.vectors = Traits<T>::kVectors;
   out.sub_k = Traits<T>::f.sub_k;

@@ -35,7 +35,14 @@ namespace {
 // x rows per block while a decoded strip is reused: about this many bytes of x stay cached
 // (AMX prompt rows read x again for every pair of strips; other paths for every strip).
 constexpr int64_t kRowBlockBytes = 512 * 1024;
-constexpr int64_t kAmxBlockBytes = 4 * 1024 * 1024;
+// AMX prompt rows (run_amx_prompt): bytes of x, as A tiles, per block of rows (or per chunk
+// of k): it stays in a core's L2 (2 MiB here) beside the decoded strips while every pair of
+// strips runs over it; a block of at least kAmxMinRows rows over all of k where that fits,
+// else kAmxBlockRows rows over chunks of k; and bytes of C kept between chunks.
+constexpr int64_t kAmxBlockBytes = 1024 * 1024;
+constexpr int64_t kAmxMinRows = 128;
+constexpr int64_t kAmxBlockRows = 512;
+constexpr int64_t kAmxPartialBytes = 4 * 1024 * 1024;
 
 
 #if SHOAL_QUANT_AVX512
@@ -51,6 +58,36 @@ struct StripBuffer {
     if (scales.size() < s) scales.resize(s), offsets.resize(s);
   }
 };
+
+#if SHOAL_QUANT_AMX
+// One or two strips' k-tiles [t0, t0 + tiles) decoded for the prompt tiles
+// (decode_split) half a k-tile at a time: step() decodes the next half, so the work can be
+// spread thinly between another pair's tile ops.
+struct PairDecoder {
+  int64_t k, t0, tiles;
+  SplitFn fn[2] = {};
+  const uint8_t* strip[2] = {};
+  __m512i* out[2] = {};
+  int strips = 0;
+  int64_t next = 0;
+
+  void add(SplitFn f, const uint8_t* s, __m512i* o) {
+    fn[strips] = f, strip[strips] = s, out[strips] = o;
+    ++strips;
+  }
+  int64_t units() const { return strips * tiles * 2; }
+  void step() {
+    if (next == units()) return;
+    const int s = static_cast<int>(next % strips);
+    const int64_t t = next / strips / 2;
+    fn[s](strip[s], k, t0 + t, static_cast<int>(next / strips % 2), out[s] + t * 2 * kPairs);
+    ++next;
+  }
+  void finish() {
+    while (next < units()) step();
+  }
+};
+#endif
 
 #endif
 
@@ -207,61 +244,152 @@ void QuantLinear::run_tiles(const Call& call) const {
 #endif
 }
 
-// Prompt rows on AMX: strips in pairs, each decoded once per block of rows into hi / lo B
-// tiles, then 32 rows at a time (two row tiles; 16 or fewer for the last rows).
+// Prompt rows on AMX. x is first copied into A tiles (tile_rows: each tile 1 KiB in a row).
+// Then, per block of rows, strips in pairs: each pair's k-tiles decoded into hi / lo B
+// tiles once per block (and chunk of k), and the block's rows run over them 32 at a time
+// (two row tiles times two strips: 6 tile loads per 8 tile ops). A thread decodes its next
+// pair half a k-tile at a time between the current pair's tile ops (PairDecoder), into the
+// other of two buffers: the vector units are free while the tile unit multiplies, though
+// only for a little work per k-tile step, so the decoding is spread evenly over the pair.
+//
+// The tile ops want their operands from L1 / L2: a block of x that stays in this core's L2
+// while every pair of strips runs over it, and decoded tiles just written. Where the whole
+// block's x does not fit (long k, or many rows), k is cut into chunks whose x does: for
+// each chunk, every pair of strips is decoded over that chunk alone and runs the rows over
+// it, its C tiles kept between chunks in `partial` (a group of pairs at a time, so that
+// stays a few MiB). A row's C still sums k-tile after k-tile in one order, and the chunks
+// depend on M only through where they cut k, which does not change the sums: each row's
+// result is the same for any M and any rows beside it.
 void QuantLinear::run_amx_prompt(const Call& call) const {
 #if SHOAL_QUANT_AMX
-  const int64_t m = call.m, k = k_;
-  constexpr int64_t kPassRows = kRowTiles * kTileRows;
+  const int64_t m = call.m, k = k_, k_tiles = k / kTileK;
   constexpr int64_t kTileFloats = kTileRows * kCols;
-  const int64_t block_rows =
-      std::max<int64_t>(kPassRows, kAmxBlockBytes / (2 * k) / kPassRows * kPassRows);
-  const int64_t pairs = (strips_total_ + 1) / 2;
-  const size_t split_vectors = static_cast<size_t>(k / kTileK * 2 * kPairs);
-  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-    const int64_t rows = std::min(block_rows, m - m0);
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      thread_local StripBuffer buffer;
-      if (buffer.pairs.size() < split_vectors) buffer.pairs.resize(split_vectors);
-      if (buffer.second.size() < split_vectors) buffer.second.resize(split_vectors);
-      alignas(64) float c[2 * kPassRows * kCols];  // [strip][row tile][16][16]
-      int configured = 0;
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t s0 = 2 * pair, s1 = s0 + 1;
-        const Segment& seg0 = segment_of(s0);
-        const int64_t local0 = s0 - seg0.first_strip;
-        kernels(seg0.type).split(seg0.packed.data_ptr<uint8_t>() + local0 * seg0.strip_bytes,
-                                 k, buffer.pairs.data());
-        const Segment* seg1 = s1 < strips_total_ ? &segment_of(s1) : nullptr;
-        if (seg1 != nullptr)
-          kernels(seg1->type).split(
-              seg1->packed.data_ptr<uint8_t>() + (s1 - seg1->first_strip) * seg1->strip_bytes,
-              k, buffer.second.data());
-        for (int64_t r0 = m0; r0 < m0 + rows;) {
-          // 32 rows as two row tiles; then 16; then the rest as one short tile (the
-          // second tile repeats the first's rows and its results are dropped).
-          const int64_t left = m0 + rows - r0;
-          const bool both = left >= kPassRows;
-          const int tile = static_cast<int>(std::min<int64_t>(kTileRows, left));
-          if (tile != configured) configure_tiles(configured = tile);
-          const bf16* x0 = call.x + r0 * k;
-          strips_amx_split(buffer.pairs.data(), seg1 ? buffer.second.data() : nullptr, k, x0,
-                           both ? x0 + kTileRows * k : x0, k, c);
-          for (int half = 0; half < (both ? 2 : 1); ++half) {
-            const float* first = c + half * kTileFloats;
-            const int64_t row = r0 + half * tile;
-            if (seg1 == &seg0 &&
-                store_pair(call, seg0, local0, first, first + 2 * kTileFloats, tile, row))
-              continue;
-            store(call, seg0, local0, first, tile, row);
-            if (seg1 != nullptr)
-              store(call, *seg1, s1 - seg1->first_strip, first + 2 * kTileFloats, tile, row);
-          }
-          r0 += both ? kPassRows : tile;
-        }
+  constexpr int64_t kSlotFloats = 4 * kTileFloats;  // a pass's C: [2 strips][2 row tiles]
+  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
+  // Rows per block (in row tiles) and k per chunk (a multiple of kTileK): whole k where a
+  // block of at least kAmxMinRows rows fits kAmxBlockBytes, else chunks of k.
+  const int64_t fit_tiles = kAmxBlockBytes / (kTileRows * k * 2);
+  int64_t block_tiles = row_tiles, chunk_k = k;
+  if (fit_tiles >= std::min(row_tiles, kAmxMinRows / kTileRows)) {
+    const int64_t blocks = (row_tiles + fit_tiles - 1) / std::max<int64_t>(fit_tiles, 1);
+    block_tiles = (row_tiles + blocks - 1) / blocks;
+  } else {
+    block_tiles = std::min<int64_t>(row_tiles, kAmxBlockRows / kTileRows);
+    const int64_t chunks =
+        (block_tiles * kTileRows * k * 2 + kAmxBlockBytes - 1) / kAmxBlockBytes;
+    chunk_k = (k_tiles + chunks - 1) / chunks * kTileK;
+  }
+  const bool chunked = chunk_k < k;
+
+  // x as A tiles: block by block (block b's rows at b's first row * k), in each block chunk
+  // by chunk ([k0, k0 + chunk) at k0 * the block's rows), then tile_rows' layout.
+  at::Tensor tiled = at::empty({row_tiles * kTileRows * k}, at::kBFloat16);
+  bf16* xt = tiled.data_ptr<bf16>();
+  const int64_t block_rows = block_tiles * kTileRows;
+  auto block_x = [&](int64_t m0, int64_t k0) {
+    const int64_t rows = std::min(block_rows, row_tiles * kTileRows - m0);
+    return xt + m0 * k + k0 * rows;
+  };
+  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t m0 = tile * kTileRows / block_rows * block_rows;
+      for (int64_t k0 = 0; k0 < k; k0 += chunk_k) {
+        const int64_t kc = std::min(chunk_k, k - k0);
+        tile_rows(call.x, m, k, tile * kTileRows, 1, k0, kc,
+                  block_x(m0, k0) + (tile * kTileRows - m0) * kc);
       }
-      if (configured) _tile_release();
-    });
+    }
+  });
+
+  const int64_t pairs = (strips_total_ + 1) / 2;
+  const int64_t passes = (block_tiles + 1) / 2;  // per block: 2 row tiles, the last maybe 1
+  // Pairs per group while chunks of k keep their C in `partial`.
+  const int64_t group =
+      chunked ? std::max<int64_t>(1, kAmxPartialBytes / (passes * kSlotFloats * 4)) : pairs;
+  at::Tensor partial;
+  if (chunked) partial = at::empty({std::min(group, pairs) * passes * kSlotFloats}, at::kFloat);
+  const int tile_height = static_cast<int>(std::min<int64_t>(m, kTileRows));
+
+  for (int64_t m0 = 0; m0 < row_tiles * kTileRows; m0 += block_rows) {
+    const int64_t tiles_here = std::min(block_tiles, row_tiles - m0 / kTileRows);
+    const int64_t passes_here = (tiles_here + 1) / 2;
+    for (int64_t g0 = 0; g0 < pairs; g0 += group) {
+      for (int64_t k0 = 0; k0 < k; k0 += chunk_k) {
+        const int64_t kc = std::min(chunk_k, k - k0);
+        const int64_t t0 = k0 / kTileK, tiles = kc / kTileK;
+        const bool last = k0 + kc == k;
+        const bf16* x = block_x(m0, k0);
+        at::parallel_for(g0, std::min(pairs, g0 + group), 1, [&](int64_t begin, int64_t end) {
+          // Two buffers: the pair being multiplied, and the next one being decoded.
+          thread_local StripBuffer buffers[2];
+          const size_t vectors = static_cast<size_t>(tiles * 2 * kPairs);
+          for (StripBuffer& b : buffers) {
+            if (b.pairs.size() < vectors) b.pairs.resize(vectors);
+            if (b.second.size() < vectors) b.second.resize(vectors);
+          }
+          auto decoder = [&](int64_t pair) {
+            PairDecoder d{k, t0, tiles};
+            StripBuffer& b = buffers[(pair - begin) % 2];
+            for (int64_t s = 2 * pair; s < std::min(2 * pair + 2, strips_total_); ++s) {
+              const Segment& seg = segment_of(s);
+              d.add(kernels(seg.type).split,
+                    seg.packed.data_ptr<uint8_t>() + (s - seg.first_strip) * seg.strip_bytes,
+                    s == 2 * pair ? b.pairs.data() : b.second.data());
+            }
+            return d;
+          };
+          PairDecoder ahead = decoder(begin);
+          ahead.finish();
+          alignas(64) float local[kSlotFloats];
+          configure_tiles(tile_height);
+          for (int64_t pair = begin; pair < end; ++pair) {
+            const int64_t s0 = 2 * pair, s1 = s0 + 1;
+            const Segment& seg0 = segment_of(s0);
+            const int64_t local0 = s0 - seg0.first_strip;
+            const Segment* seg1 = s1 < strips_total_ ? &segment_of(s1) : nullptr;
+            const StripBuffer& b = buffers[(pair - begin) % 2];
+            const __m512i* second = seg1 != nullptr ? b.second.data() : nullptr;
+            // The next pair decodes between this one's k-tiles, spread evenly over them.
+            ahead = pair + 1 < end ? decoder(pair + 1) : PairDecoder{k, t0, tiles};
+            const int64_t steps = passes_here * tiles, units = ahead.units();
+            int64_t credit = 0;
+            auto between = [&] {
+              for (credit += units; credit >= steps; credit -= steps) ahead.step();
+            };
+            for (int64_t pass = 0; pass < passes_here; ++pass) {
+              const int64_t tile = 2 * pass;
+              const bool both = tile + 1 < tiles_here;
+              const bf16* x0 = x + tile * kTileRows * kc;
+              float* c = chunked ? partial.data_ptr<float>() +
+                                       ((pair - g0) * passes + pass) * kSlotFloats
+                                 : local;
+              if (both) {
+                strips_amx_split<2>(b.pairs.data(), second, tiles, x0, x0 + kTileRows * kc, c,
+                                    k0 > 0, between);
+              } else {
+                strips_amx_split<1>(b.pairs.data(), second, tiles, x0, x0, c, k0 > 0, between);
+              }
+              if (!last) continue;
+              for (int half = 0; half < (both ? 2 : 1); ++half) {
+                const int64_t row = m0 + (tile + half) * kTileRows;
+                const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - row));
+                if (rows <= 0) break;
+                const float* first = c + half * kTileFloats;
+                if (seg1 == &seg0 &&
+                    store_pair(call, seg0, local0, first, first + 2 * kTileFloats, rows, row))
+                  continue;
+                store(call, seg0, local0, first, rows, row);
+                if (seg1 != nullptr)
+                  store(call, *seg1, s1 - seg1->first_strip, first + 2 * kTileFloats, rows,
+                        row);
+              }
+            }
+            ahead.finish();
+          }
+          _tile_release();
+        });
+      }
+    }
   }
 #endif
 }
