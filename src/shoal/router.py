@@ -18,6 +18,7 @@ loaded, or loads within the ladder's budget (pool/ladders.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -111,26 +112,22 @@ class Router:
             request = request.model_copy(update={
                 "model": instance.model, "priority": ticket.priority,
                 "keep_alive_s": keep_alive_s})
-            async for chunk in self._deliver(instance, request):
-                if chunk.kind == "accepted":
-                    chunk = chunk.model_copy(update={"model": instance.model})
-                elif chunk.kind == "error":
-                    chunk = clock.explain(chunk)
-                yield chunk
+            async with contextlib.aclosing(self._deliver(instance, request)) as stream:
+                async for chunk in stream:
+                    if chunk.kind == "accepted":
+                        chunk = chunk.model_copy(update={"model": instance.model})
+                    elif chunk.kind == "error":
+                        chunk = clock.explain(chunk)
+                    yield chunk
         finally:
             self.queue.release(ticket)
 
-    async def _deliver(self, instance: Instance, request: GenerationRequest
-                       ) -> AsyncIterator[Any]:
+    def _deliver(self, instance: Instance, request: GenerationRequest) -> AsyncIterator[Any]:
+        """The request's chunks from the instance's serving rank: through the pool when it
+        runs here, as a cluster task otherwise."""
         if self._here(instance):
-            stream = self.pool.submit(instance.instance_id, request, self._wanted(instance))
-        else:
-            stream = self.cluster.submit_remote(request, instance.instance_id)
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()
+            return self.pool.submit(instance.instance_id, request, self._wanted(instance))
+        return self.cluster.submit_remote(request, instance.instance_id)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
         """The request's vectors, or one ErrorChunk. An empty batch just loads the model."""

@@ -59,3 +59,21 @@ def test_a_queued_request_cancelled_by_id_leaves_the_queue(sources):
 
 async def _collect(stream) -> list:
     return [chunk async for chunk in stream]
+
+
+def test_a_stream_cancelled_before_its_pump_ran_still_ends():
+    from shoal.pool.cancellable import CancellableStream
+
+    async def chunks():
+        raise AssertionError("never started")
+        yield  # an async generator
+
+    async def main():
+        stream = CancellableStream(chunks(), "r1")
+        consumer = asyncio.ensure_future(_collect(stream))
+        await asyncio.sleep(0)  # the consumer made the pump; the pump has not run
+        assert stream.cancel()
+        return await asyncio.wait_for(consumer, 2)
+
+    ended = asyncio.run(main())
+    assert [c.kind for c in ended] == ["error"] and ended[0].code == "cancelled"

@@ -259,8 +259,8 @@ def _replace_refused(draft: _Draft, command: RefusePlacement) -> None:
     if instance is None or command.node_id not in instance.node_ids:
         return  # already handled: refusals are idempotent
     reason = f"node {command.node_id} cannot fit its share: {command.reason}"
-    wider = widen(instance.request, len(instance.ranks),
-                  len(capacities(draft.state, draft.facts)))
+    reporting = sum(1 for n in draft.state.nodes if n in draft.facts.readings)
+    wider = widen(instance.request, len(instance.ranks), reporting)
     if wider is None:
         draft.note(logging.WARNING, f"model {instance.model} refused at width "
                                     f"{len(instance.ranks)} and cannot go wider")
@@ -282,13 +282,11 @@ def on_worker_event(state: ClusterState, event: Event, facts: Facts) -> Decision
     reason = (f"its runner on node {event.status.node_id} failed: "
               f"{event.status.message or 'no reason given'}")
     attempt = instance.attempt + 1
-    wanted = []
-    if instance.request.on_demand:
-        pass  # placed for requests: the next request for the model places it anew
-    elif attempt > facts.max_replacements:
+    wanted = []  # placed for requests (on_demand): the next request places it anew
+    if not instance.request.on_demand and attempt > facts.max_replacements:
         draft.note(logging.WARNING, f"instance {instance.instance_id} of {instance.model} "
                                     f"failed; not placing it again after {attempt} attempts")
-    else:
+    elif not instance.request.on_demand:
         wanted = [Want(instance.request, attempt=attempt,
                        why=f"{instance.instance_id} failed (attempt {attempt})")]
     _replace(draft, {instance.instance_id: reason}, wanted)

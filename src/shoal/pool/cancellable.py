@@ -59,6 +59,9 @@ class CancellableStream:
             return False
         self._cancelled = True
         self._pump.cancel()
+        # A pump cancelled before its first step never reaches its finally: wake the
+        # consumer here too (a second end marker is never read).
+        self._chunks.put_nowait(_END)
         return True
 
     async def close(self) -> None:

@@ -273,12 +273,9 @@ class ModelPool:
             except ModelUnavailable as error:
                 yield refusal(request.request_id, error)
                 return
-            stream = supervisor.submit(request)
-            try:
+            async with contextlib.aclosing(supervisor.submit(request)) as stream:
                 async for chunk in stream:
                     yield chunk
-            finally:
-                await stream.aclose()
         finally:
             self.release(instance_id)
 
@@ -295,12 +292,9 @@ class ModelPool:
             yield refusal(request.request_id, error)
             return
         try:
-            stream = self.submit(instance_id, request)
-            try:
+            async with contextlib.aclosing(self.submit(instance_id, request)) as stream:
                 async for chunk in stream:
                     yield chunk
-            finally:
-                await stream.aclose()
         finally:
             self.queue.release(ticket)
 
