@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shoal.durations import parse_duration_s
 from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
 from shoal.pool.queue import QueueLimits
 
 DEFAULT_HOST = "127.0.0.1"
@@ -68,6 +69,20 @@ class EngineDefaults:
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
+    # --speculative: (model name as given, how it speculates), applied by speculation_for.
+    speculative: tuple[tuple[str, SpeculativeConfig], ...] = ()
+
+    def speculation_for(self, model_id: str) -> SpeculativeConfig | None:
+        """The speculation named for a model, by its id or any catalogue name of it."""
+        from shoal.catalog.cards import load_builtin_catalog
+        from shoal.catalog.resolve import find_card
+
+        for name, speculative in self.speculative:
+            card = find_card(name, load_builtin_catalog())
+            if name.lower() == model_id.lower() or (card is not None and any(
+                    model_id.lower() == other.lower() for other in card.names)):
+                return speculative
+        return None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -173,6 +188,7 @@ class NodeConfig:
                             kv_cache_bytes=self.engine.kv_cache_bytes,
                             max_model_len=self.engine.max_model_len,
                             kv_cache_dtype=self.engine.kv_cache_dtype,  # type: ignore[arg-type]
+                            speculative=self.engine.speculation_for(source.model_id),
                             cache_dir=self.data_dir / "cache")
 
 
@@ -251,6 +267,7 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       cluster: ClusterSettings | None = None,
                       pool: PoolSettings | None = None,
                       api_keys: Sequence[str] = (), api_keys_file: str | None = None,
+                      speculative: Sequence[str] = (),
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment.
     ValueError when a value is invalid or the API keys file cannot be read."""
@@ -268,7 +285,8 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         kv_cache_bytes=None if size is None else parse_size(size),
         max_model_len=_as_int(_pick(max_model_len, env, "SHOAL_MAX_MODEL_LEN"),
                               "max model length"),
-        kv_cache_dtype=_pick(kv_cache_dtype, env, "SHOAL_KV_CACHE_DTYPE") or "auto")
+        kv_cache_dtype=_pick(kv_cache_dtype, env, "SHOAL_KV_CACHE_DTYPE") or "auto",
+        speculative=_speculative(speculative, env))
     runner = RunnerLimits(
         load_timeout_s=_as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
         or 600.0,
@@ -286,6 +304,22 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       cluster=cluster or build_cluster_settings(env=env),
                       preload=True if preload_value is None else preload_value,
                       pool=pool or build_pool_settings(env=env))
+
+
+def _speculative(flags: Sequence[str], env: Mapping[str, str]
+                 ) -> tuple[tuple[str, SpeculativeConfig], ...]:
+    """--speculative MODEL=SPEC values, else SHOAL_SPECULATIVE (comma-separated)."""
+    values = list(flags) or [v for v in env.get("SHOAL_SPECULATIVE", "").split(",") if v.strip()]
+    parsed = tuple(parse_assignment(value) for value in values)
+    for name, speculative in parsed:
+        if speculative.method == "draft":
+            # The engine verifies guesses; a draft model's runner is not wired to it yet.
+            raise ValueError(f"--speculative {name}=draft:{speculative.draft_model}: draft-model "
+                             f"speculation is not available yet; use {name}=ngram[:K]")
+    names = [name.lower() for name, _ in parsed]
+    if len(set(names)) != len(names):
+        raise ValueError("--speculative names a model twice")
+    return parsed
 
 
 def _api_keys(flags: Sequence[str], keys_file: str | None,

@@ -86,10 +86,20 @@ class Usage(WireModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Speculative decoding (an extension): tokens guessed, and how many were kept.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def speculative_json(self) -> dict[str, Any]:
+        """The usage extension of a request that guessed tokens; {} for one that did not."""
+        if not self.draft_tokens:
+            return {}
+        return {"x_speculative": {"proposed_tokens": self.draft_tokens,
+                                  "accepted_tokens": self.accepted_draft_tokens}}
 
 
 class TopLogprobItem(WireModel):

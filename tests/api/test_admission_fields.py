@@ -159,3 +159,22 @@ def test_a_full_queue_is_each_dialect_s_overload_answer_with_retry_after(path, b
     assert refused.status_code == status
     assert refused.headers["Retry-After"] == "7"
     assert "--max-queue 3" in refused.text
+
+
+@pytest.mark.parametrize("route", GENERATION)
+@pytest.mark.parametrize("choice", ["off", "ngram", "draft"])
+def test_speculation_choice_reaches_the_engine(recorded, route, choice):
+    internal = internal_request(recorded, route, {"x_speculative": choice})
+    assert internal.sampling.speculative == choice
+
+
+@pytest.mark.parametrize("route", GENERATION)
+def test_without_a_choice_the_model_decides(recorded, route):
+    assert internal_request(recorded, route).sampling.speculative is None
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("bad", ["medusa", "", 1, True, ["ngram"]])
+def test_a_bad_speculation_choice_is_refused_naming_the_field(recorded, route, bad):
+    message = refused(recorded, route, {"x_speculative": bad})
+    assert "x_speculative" in message and '"ngram"' in message

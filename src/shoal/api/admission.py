@@ -4,10 +4,14 @@ A body may carry the extension fields x_priority (an integer, 0 most urgent .. 9
 default 5) and x_client_id (a string); without them the headers X-Shoal-Priority and
 X-Shoal-Client are read. A body field wins over its header. Both go to the router (queue
 order, per-client caps) and never reach the model.
+
+x_speculative ("off", "ngram" or "draft") chooses speculative decoding for one generation
+request; without it the model's own --speculative setting applies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, TypeVar
@@ -17,6 +21,7 @@ from pydantic import BaseModel
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.requests import record_model, record_request_id
+from shoal.engine.speculation.config import REQUEST_CHOICES as SPECULATIVE_CHOICES
 from shoal.protocol import EmbeddingRequest, GenerationRequest
 
 PRIORITY_HEADER = "X-Shoal-Priority"
@@ -35,6 +40,7 @@ class AdmissionFields(BaseModel):
 
     x_priority: Any = None
     x_client_id: Any = None
+    x_speculative: Any = None
 
 
 def admission_fields(http_request: Request, x_priority: Any, x_client_id: Any
@@ -52,8 +58,20 @@ def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFi
     its id becomes the response's x-request-id."""
     record_request_id(http_request, internal.request_id)
     record_model(http_request, internal.model)
-    return internal.model_copy(
-        update=admission_fields(http_request, body.x_priority, body.x_client_id))
+    update = admission_fields(http_request, body.x_priority, body.x_client_id)
+    if body.x_speculative is not None:
+        choice = _speculative(body.x_speculative)
+        if isinstance(internal, GenerationRequest):  # embeddings have nothing to guess
+            update["sampling"] = dataclasses.replace(internal.sampling, speculative=choice)
+    return internal.model_copy(update=update)
+
+
+def _speculative(value: Any) -> str:
+    if value not in SPECULATIVE_CHOICES:
+        raise invalid_parameter("x_speculative", "x_speculative must be one of "
+                                f"{', '.join(map(json.dumps, SPECULATIVE_CHOICES))}, not "
+                                f"{json.dumps(value, default=repr)}")
+    return value
 
 
 def _priority(body_value: Any, header_value: str | None) -> int:

@@ -24,6 +24,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32"),
                         default=None, help="KV cache elements (SHOAL_KV_CACHE_DTYPE; default "
                         "auto: bfloat16 with bf16 compute, float32 with --dtype float32)")
+    parser.add_argument("--speculative", action="append", default=[],
+                        metavar="MODEL=ngram[:K]",
+                        help="speculative decoding for MODEL: ngram[:K] guesses up to K "
+                             "tokens from the request's own text; repeat per model "
+                             "(SHOAL_SPECULATIVE, comma-separated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per runner (SHOAL_THREADS)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
@@ -121,6 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                kv_cache_memory=args.kv_cache_memory,
                                keep_alive=args.keep_alive, preload=args.preload,
                                api_keys=args.api_key, api_keys_file=args.api_keys_file,
+                               speculative=args.speculative,
                                cluster=cluster, pool=build_pool_settings(
                                    memory_budget=args.memory_budget,
                                    max_loaded_models=args.max_loaded_models, pin=args.pin,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.speculation.config import SpeculativeConfig
 
 DType = Literal["auto", "bfloat16", "float32"]
 WeightFormat = Literal["gguf", "safetensors"]
@@ -61,6 +62,9 @@ class EngineConfig:
     # The most this runner may hold in all (its share of the node's memory budget): the KV
     # cache is sized within what is left of it once the weights are loaded. None: no share.
     memory_limit_bytes: int | None = None
+    # Speculative decoding for every request of this model (--speculative); None: only
+    # requests asking for it (x_speculative) speculate.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:

@@ -8,6 +8,7 @@ clean text deltas. The engine imports no asyncio, HTTP or cluster code.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,9 +26,12 @@ from shoal.engine.parallel.executor import Executor, LeaderExecutor, LocalExecut
 from shoal.engine.parallel.plan import NewRequest
 from shoal.engine.parallel.setup import set_up_rank
 from shoal.engine.request import Request
-from shoal.engine.sampler import Sampler, SamplingRow
+from shoal.engine.sampler import Sampler, SamplingRow, position_generator
 from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.scheduler import Scheduler, SchedulerConfig
+from shoal.engine.scheduler_output import ScheduledChunk
+from shoal.engine.speculation.speculator import Speculator
+from shoal.engine.speculation.verify import kept_tokens
 from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 from shoal.engine.tokenizer.tokenizer import Tokenizer
 
@@ -42,7 +46,6 @@ class _OutputState:
 
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
-    generator: torch.Generator | None
     constraint: Constraint | None = None  # the grammar the output must follow, if any
     reported_tokens: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -95,6 +98,9 @@ class Engine:
         )
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
+        # Guessed tokens are verified by this process's sampler: a model served whole only.
+        self.speculator = Speculator(config.speculative, self.model_id) \
+            if config.parallel is None else None
         self._requests: dict[str, Request] = {}
         self._states: dict[str, _OutputState] = {}
         self._aborted: list[str] = []
@@ -130,14 +136,20 @@ class Engine:
         constraint = self.grammars.compile(grammar) if grammar is not None else None
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, priority=priority)
-        self.scheduler.add(request)
+        if self.speculator is not None:
+            self.speculator.add(request_id, request.prompt_token_ids, params,
+                                constrained=constraint is not None)
+        try:
+            self.scheduler.add(request)
+        except Exception:
+            self._forget_guesses(request_id)
+            raise
         if self._mirrors:
             self._added.append(NewRequest(request_id, tuple(prompt_token_ids), params))
         self._requests[request_id] = request
         self._states[request_id] = _OutputState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop),
-            generator=_generator_for(params.seed, self.config.device),
             constraint=constraint,
         )
 
@@ -153,21 +165,21 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish_output(rid, "abort") for rid in self._drain_aborted()]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.decoding())
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self.idle()
             return outputs
         sampled_chunks = [c for c in scheduled.chunks if c.needs_sample]
-        rows = self._sampling_rows([c.request_id for c in sampled_chunks],
-                                   torch.device(self.config.device))
+        rows = self._sampling_rows(sampled_chunks, torch.device(self.config.device))
         added, self._added = self._added, []
         removed, self._removed = self._removed, []
+        started = time.perf_counter()
         result = self.executor.step(scheduled, rows, added, removed)
-        sampled = {c.request_id: tok for c, tok in zip(sampled_chunks, result.token_ids)}
+        self._observe_cost(scheduled, time.perf_counter() - started)
+        sampled = self._kept(sampled_chunks, result.token_ids, result.logprobs)
         self._advance_constraints(sampled)
-        for chunk, lp in zip(sampled_chunks, result.logprobs):
-            if lp is not None:
-                self._states[chunk.request_id].pending_logprobs.append(self._to_logprob(lp))
         finished = {r.request_id for r in self.scheduler.update(scheduled, sampled)}
         for request_id in sampled:
             output = self._emit(request_id, request_id in finished)
@@ -200,7 +212,11 @@ class Engine:
         aborted, self._aborted = self._aborted, []
         return [rid for rid in aborted if rid in self._requests]
 
-    def _sampling_rows(self, request_ids: list[str], device: torch.device) -> list[SamplingRow]:
+    def _sampling_rows(self, chunks: list[ScheduledChunk],
+                       device: torch.device) -> list[SamplingRow]:
+        """One row per logits row: a chunk with drafts gets one per position it verifies,
+        each seeing the drafts before it as output (penalties count them)."""
+        request_ids = [c.request_id for c in chunks]
         constrained = [rid for rid in request_ids if self._states[rid].constraint is not None]
         masks: dict[str, torch.Tensor] = {}
         if constrained:  # unconstrained batches never get here
@@ -208,22 +224,61 @@ class Engine:
                 [self._states[rid].constraint for rid in constrained]).to(device)  # [C, V]
             masks = dict(zip(constrained, allowed))
         rows = []
-        for request_id in request_ids:
-            request = self._requests[request_id]
-            rows.append(SamplingRow(params=request.params,
-                                    prompt_token_ids=request.prompt_token_ids,
-                                    output_token_ids=request.output_token_ids,
-                                    generator=self._states[request_id].generator,
-                                    allowed_tokens=masks.get(request_id)))
+        for chunk in chunks:
+            request = self._requests[chunk.request_id]
+            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
+            for guessed in range(chunk.num_drafts + 1):
+                outputs = request.output_token_ids
+                if guessed:
+                    outputs = outputs + list(drafts[:guessed])
+                rows.append(SamplingRow(params=request.params,
+                                        prompt_token_ids=request.prompt_token_ids,
+                                        output_token_ids=outputs,
+                                        generator=position_generator(
+                                            request.params.seed, len(outputs), device),
+                                        allowed_tokens=masks.get(chunk.request_id)))
         return rows
 
-    def _advance_constraints(self, sampled: dict[str, int]) -> None:
-        for request_id, token_id in sampled.items():
+    def _kept(self, chunks: list[ScheduledChunk], samples: list[int],
+              logprobs: list) -> dict[str, list[int]]:
+        """Per sampled chunk, the tokens it adds (verify.py), their logprobs queued."""
+        kept: dict[str, list[int]] = {}
+        row = 0
+        for chunk in chunks:
+            count = chunk.num_logits
+            tokens = [samples[row]]
+            if chunk.num_drafts:
+                drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
+                tokens = kept_tokens(drafts, samples[row:row + count])
+                self.speculator.record(chunk.request_id, chunk.num_drafts, len(tokens) - 1)
+            state = self._states[chunk.request_id]
+            for lp in logprobs[row:row + len(tokens)]:
+                if lp is not None:
+                    state.pending_logprobs.append(self._to_logprob(lp))
+            kept[chunk.request_id] = tokens
+            row += count
+        return kept
+
+    def _advance_constraints(self, sampled: dict[str, list[int]]) -> None:
+        for request_id, token_ids in sampled.items():
             constraint = self._states[request_id].constraint
-            if constraint is not None and not constraint.advance(token_id):
-                # Cannot happen for a masked token; the request then ends as complete.
-                log.error("request %s: grammar rejected token %d: %s", request_id, token_id,
-                          constraint.error)
+            for token_id in token_ids if constraint is not None else ():
+                if not constraint.advance(token_id):
+                    # Cannot happen for a masked token; the request then ends as complete.
+                    log.error("request %s: grammar rejected token %d: %s", request_id,
+                              token_id, constraint.error)
+                    break
+
+    def _observe_cost(self, scheduled, seconds: float) -> None:
+        """A step of one generated token (with or without guesses) prices guessing."""
+        chunks = scheduled.chunks
+        if self.speculator is not None and len(chunks) == 1 and chunks[0].needs_sample \
+                and not chunks[0].prompt:
+            self.speculator.costs.observe(chunks[0].num_drafts, seconds)
+
+    def _forget_guesses(self, request_id: str) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _to_logprob(self, sampled) -> TokenLogprob:
         text = self.tokenizer.token_text
@@ -269,6 +324,7 @@ class Engine:
                        token_ids: tuple[int, ...] = ()) -> RequestOutput:
         request = self._requests.pop(request_id)
         state = self._states.pop(request_id)
+        self._forget_guesses(request_id)
         if self._mirrors:
             self._removed.append(request_id)
         return RequestOutput(request_id=request_id, text=text, token_ids=token_ids,
@@ -280,12 +336,7 @@ class Engine:
     def _usage(request: Request) -> dict:
         return {"prompt_tokens": len(request.prompt_token_ids),
                 "completion_tokens": len(request.output_token_ids),
-                "cached_tokens": request.num_cached_tokens}
+                "cached_tokens": request.num_cached_tokens,
+                "draft_tokens": request.num_draft_tokens,
+                "accepted_draft_tokens": request.num_accepted_tokens}
 
-
-def _generator_for(seed: int | None, device: str) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator

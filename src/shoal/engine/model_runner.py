@@ -85,10 +85,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [num_sampled, vocab], one row per chunk with needs_sample in chunk
-        order. A stage without the output head returns hidden states [T_total, hidden]
-        instead (rows in the order of prepare()'s parts), and a stage without the
-        embedding takes them as `hidden_states`."""
+        """float32 logits [num_logits, vocab]: for each chunk with needs_sample, in chunk
+        order, its num_logits rows (one, or one per draft and one more). A stage without
+        the output head returns hidden states [T_total, hidden] instead (rows in the order
+        of prepare()'s parts), and a stage without the embedding takes them as
+        `hidden_states`."""
         return self.execute_prepared(self.prepare(scheduler_output), hidden_states)
 
     @torch.inference_mode()
@@ -121,18 +122,22 @@ class ModelRunner:
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Flat token ids, positions, KV slots and attention groups for one step, in parts.
 
-        Generated tokens (single-token chunks that are not prompt) run on the compiled
-        decode kernel where it applies; everything else on the Python path, its generated
-        tokens first. A token is thus always computed the same way whatever shares its step.
+        Generated tokens (single-token chunks that are not prompt, and a generated token
+        with the guesses after it) run on the compiled decode kernel where it applies, a
+        row per token; everything else on the Python path, its generated tokens first. A
+        token is thus always computed the same way whatever shares its step, and a guess
+        that is kept has the bits it would have had without guessing.
         """
         chunks = scheduler_output.chunks
         for chunk in chunks:
             self._check(chunk)
-        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1 and not c.prompt]
+        decodes = [i for i, c in enumerate(chunks)
+                   if len(c.token_ids) == 1 + c.num_drafts and not c.prompt]
         fused = self.model.fused_decoder() if decodes else None
         parts: list[StepPart] = []
         rest = list(range(len(chunks)))
-        if fused is not None and len(decodes) <= fused.max_rows:
+        rows = sum(len(chunks[i].token_ids) for i in decodes)
+        if fused is not None and rows <= fused.max_rows:
             parts.append(self._part(chunks, decodes, fused=True))
             rest = [i for i in rest if i not in set(decodes)]
         if rest:
@@ -146,9 +151,14 @@ class ModelRunner:
         in_chunks = [i for i, c in enumerate(chunks) if c.needs_sample]
         order = None
         if in_parts != in_chunks:
-            where = {chunk_index: row for row, chunk_index in enumerate(in_parts)}
-            order = torch.tensor([where[i] for i in in_chunks], dtype=torch.long,
-                                 device=self.device)
+            # A chunk's logits rows stay together (more than one when it carries drafts).
+            first, row = {}, 0
+            for chunk_index in in_parts:
+                first[chunk_index] = row
+                row += chunks[chunk_index].num_logits
+            order = torch.tensor([first[i] + j for i in in_chunks
+                                  for j in range(chunks[i].num_logits)],
+                                 dtype=torch.long, device=self.device)
         return PreparedStep(parts=parts, sample_order=order)
 
     def _part(self, chunks: tuple[ScheduledChunk, ...], indices: list[int],
@@ -164,13 +174,17 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.context_len))
             if chunk.needs_sample:
-                logits_rows.append(len(token_ids) - 1)
+                # The last token's row, and a row per draft before it (verification).
+                logits_rows.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
         device = self.device
         decode = None
         if fused:
-            decode = DecodeRows(tables=self._block_tables(members),
-                                context_lens=torch.tensor([c.context_len for c in members]),
-                                block_size=self.block_size)
+            # One row per token: a chunk with guesses repeats its block table per position.
+            per_chunk = torch.tensor([len(c.token_ids) for c in members])
+            tables = self._block_tables(members).repeat_interleave(per_chunk, 0)
+            decode = DecodeRows(tables=tables, context_lens=torch.tensor(positions) + 1,
+                                block_size=self.block_size,
+                                chained=any(c.num_drafts for c in members))
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             slot_mapping=self._slot_mapping(members).to(device),

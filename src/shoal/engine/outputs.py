@@ -42,4 +42,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding: tokens guessed for this request, and how many of them were kept.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     stop_string: str | None = None  # set on the last output when a stop string ended it

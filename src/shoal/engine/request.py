@@ -47,6 +47,11 @@ class Request:
     # How many leading blocks of block_ids are registered in the prefix cache.
     num_registered_blocks: int = 0
     num_preemptions: int = 0
+    # Guessed next tokens (speculative decoding) for the next step to verify; set by the
+    # engine before schedule(), consumed by it.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0     # proposed over the request's life
+    num_accepted_tokens: int = 0  # of those, verified and kept
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -6,12 +6,16 @@ Order of operations per row (matching HF and OpenAI semantics):
   2. log-probabilities are taken here (after penalties, before temperature and filters);
   3. greedy rows take the argmax; other rows divide by temperature, apply top_k, top_p and
      min_p, and draw from the remaining distribution.
-Seeded rows are sampled one by one with their own torch.Generator (one draw per step), so a
-request's tokens do not depend on which other requests share its batch.
+Seeded rows are sampled one by one, each with a torch.Generator seeded from the request's
+seed and the output position it samples (position_generator), so a request's tokens do not
+depend on which other requests share its batch, nor on how many positions a step samples
+(speculative decoding samples several and keeps some).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +27,17 @@ from shoal.engine.sampling import SamplingParams
 TOP_P_CANDIDATES = 1024
 # Stand-in for -inf in reported logprobs: JSON has no infinity (OpenAI reports -9999.0 too).
 MIN_LOGPROB = -9999.0
+
+
+def position_generator(seed: int | None, position: int,
+                       device: str | torch.device = "cpu") -> torch.Generator | None:
+    """The generator for a seeded request's output token at `position` (0 = first)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, position), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+    return generator
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    # Speculative decoding for this request (x_speculative): "off", "ngram", "draft", or
+    # None for the model's own setting. It changes speed only, never the distribution.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
@@ -71,6 +74,8 @@ class SamplingParams:
                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed",
                "seed must be a non-negative 63-bit integer")
+        _check(self.speculative in (None, "off", "ngram", "draft"), "x_speculative",
+               "x_speculative must be \"off\", \"ngram\" or \"draft\"")
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,7 @@ recompute: it drops its blocks and goes back to the waiting queue with nothing c
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shoal.engine.errors import ContextLengthExceeded
@@ -68,6 +68,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def decoding(self) -> list[Request]:
+        """Running requests whose next step computes one generated token."""
+        return [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -144,6 +148,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.draft_token_ids:
+                num_new += self._fit_drafts(request, budget - num_new)
             if self._reserve_blocks(request, num_new, scheduled, preempted):
                 scheduled[request.request_id] = num_new
             budget = self.config.max_num_batched_tokens - sum(scheduled.values())
@@ -152,6 +158,16 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         chunks = tuple(self._make_chunk(self._requests[rid], n) for rid, n in scheduled.items())
         return SchedulerOutput(chunks=chunks, preempted_ids=tuple(preempted))
+
+    def _fit_drafts(self, request: Request, budget: int) -> int:
+        """Keep as many of a decoding request's drafts as the step's budget, the context and
+        free blocks allow (guesses never preempt anyone); returns how many remain."""
+        drafts = request.draft_token_ids
+        free_slots = ((len(request.block_ids) + self.pool.num_free_blocks) * self.block_size
+                      - request.num_tokens)
+        room = min(budget, self.max_model_len - request.num_tokens - 1, free_slots)
+        del drafts[max(room, 0):]
+        return len(drafts)
 
     def _reserve_blocks(self, request: Request, num_new: int, scheduled: dict[str, int],
                         preempted: list[str]) -> bool:
@@ -170,6 +186,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
+        request.draft_token_ids.clear()
         self._release_blocks(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -220,14 +237,17 @@ class Scheduler:
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        end = start + num_new
+        end = min(start + num_new, request.num_tokens)
+        drafts = tuple(request.draft_token_ids[:start + num_new - end])
+        request.draft_token_ids.clear()
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids_slice(start, end)),
+            token_ids=tuple(request.token_ids_slice(start, end)) + drafts,
             start_position=start,
             block_ids=tuple(request.block_ids),
             needs_sample=end == request.num_tokens,
             prompt=start < len(request.prompt_token_ids),
+            num_drafts=len(drafts),
         )
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -243,28 +263,56 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput,
+               sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
         """Record a step's results: advance computed counts, append sampled tokens, register
         newly full blocks in the prefix cache, and finish requests that hit a stop.
+
+        sampled: per sampled chunk, its new token, or for a chunk with drafts the tokens
+        verification kept: the accepted drafts, then one token of the model's own.
         Returns the requests that finished in this update."""
         finished: list[Request] = []
         for chunk in output.chunks:
             request = self._requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted since schedule(); its work is discarded
-            request.num_computed_tokens += len(chunk.token_ids)
             if not chunk.needs_sample:
+                request.num_computed_tokens += len(chunk.token_ids)
                 self._register_full_blocks(request)
                 continue
             if chunk.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {chunk.request_id!r}")
-            request.append_output(sampled[chunk.request_id])
+            new = sampled[chunk.request_id]
+            tokens = [new] if isinstance(new, int) else list(new)
+            accepted = len(tokens) - 1
+            if not 0 <= accepted <= chunk.num_drafts:
+                raise ValueError(f"request {chunk.request_id!r}: {len(tokens)} tokens for a "
+                                 f"chunk with {chunk.num_drafts} drafts")
+            # Rejected drafts' KV entries are simply not counted: later tokens overwrite them.
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts + accepted
+            request.num_draft_tokens += chunk.num_drafts
+            request.num_accepted_tokens += accepted
+            reason = None
+            for token in tokens:
+                request.append_output(token)
+                reason = request.check_stop(self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    break
             self._register_full_blocks(request)
-            reason = request.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
+            elif chunk.num_drafts:
+                self._cut_tail(request)
         return finished
+
+    def _cut_tail(self, request: Request) -> None:
+        """Give back blocks reserved for rejected drafts (never cached: only computed full
+        blocks are registered), keeping those the next token needs."""
+        keep = self._blocks_for(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def _register_full_blocks(self, request: Request) -> None:
         """Publish blocks whose every slot now holds computed KV entries."""

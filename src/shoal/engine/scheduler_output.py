@@ -17,6 +17,9 @@ class ScheduledChunk:
     prompt is true when the chunk starts inside the request's prompt: its tokens take the
     prompt arithmetic (kernels/quant.h), a generated token's step the decode arithmetic,
     whatever else shares the step.
+    num_drafts: the chunk's last num_drafts tokens are guesses (speculative decoding) to
+    verify: logits come back for each of them and for the token before them, so
+    1 + num_drafts rows for this chunk. Their KV entries count only once accepted.
     """
 
     request_id: str
@@ -25,6 +28,12 @@ class ScheduledChunk:
     block_ids: tuple[int, ...]
     needs_sample: bool
     prompt: bool = False
+    num_drafts: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this chunk gets back: 0, or 1 plus one per draft."""
+        return 1 + self.num_drafts if self.needs_sample else 0
 
     @property
     def context_len(self) -> int:

@@ -309,7 +309,9 @@ class RunnerLoop:
                 del self.tool_streams[request_id]
             usage = Usage(prompt_tokens=output.prompt_tokens,
                           completion_tokens=output.completion_tokens,
-                          cached_tokens=output.cached_tokens)
+                          cached_tokens=output.cached_tokens,
+                          draft_tokens=output.draft_tokens,
+                          accepted_draft_tokens=output.accepted_draft_tokens)
             self.send_chunk(FinishChunk(request_id=request_id, finish_reason=finish_reason,
                                         usage=usage, stop_sequence=output.stop_string))
 

@@ -29,12 +29,12 @@ def stop_reason(finish: FinishChunk, called_tools: bool) -> str:
     return "stop_sequence" if finish.stop_sequence else "end_turn"
 
 
-def usage_json(finish: FinishChunk) -> dict[str, int]:
+def usage_json(finish: FinishChunk) -> dict[str, Any]:
     # Anthropic counts prompt tokens read from a cache apart from input_tokens.
     usage = finish.usage
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
             "output_tokens": usage.completion_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cached_tokens}
+            "cache_read_input_tokens": usage.cached_tokens, **usage.speculative_json()}
 
 
 def tool_use_block(call: ToolCall, with_input: bool = True) -> dict[str, Any]:

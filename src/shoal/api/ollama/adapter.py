@@ -186,7 +186,8 @@ class OllamaResponder:
         return {**body, "done": True, "done_reason": _DONE_REASON[finish.finish_reason],
                 **self.timings.durations(),
                 "prompt_eval_count": finish.usage.prompt_tokens,
-                "eval_count": finish.usage.completion_tokens}
+                "eval_count": finish.usage.completion_tokens,
+                **finish.usage.speculative_json()}
 
     def _mark(self, chunk: Any) -> None:
         if chunk.kind in ("token", "tool_call") and not self.timings.first_token:

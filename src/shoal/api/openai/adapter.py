@@ -134,7 +134,8 @@ def completion_to_internal(body: CompletionRequest, request_id: str) -> Generati
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            **usage.speculative_json()}
 
 
 def chat_logprobs(items: list[LogprobItem] | tuple[LogprobItem, ...]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def usage_json(finish: FinishChunk) -> dict[str, Any]:
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, **usage.speculative_json()}
 
 
 def text_part(text: str) -> dict[str, Any]:

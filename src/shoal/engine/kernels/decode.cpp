@@ -91,10 +91,13 @@ class Decoder {
   // rope: (cos, signed sin) [B, D] float32 for full layers, then for sliding layers (the
   // same pair again where a model has one table); slots: [B] int64, each row's new KV slot;
   // tables: [B, W] int64 block ids; context: [B] int64, each row's keys (new one included).
+  // chained: some rows read keys that other rows of the step write (consecutive positions
+  // of one request: guesses being verified), so every row's key and value are written
+  // before any row attends.
   at::Tensor forward(const at::Tensor& hidden, const std::vector<at::Tensor>& caches,
                      const std::vector<at::Tensor>& rope, const at::Tensor& slots,
                      const at::Tensor& tables, const at::Tensor& context,
-                     int64_t block_size) const {
+                     int64_t block_size, bool chained) const {
     TORCH_CHECK(caches.size() == blocks_.size(), "Decoder: one KV cache per block");
     TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2,
                 "Decoder: hidden must be [B, hidden] bfloat16");
@@ -115,6 +118,7 @@ class Decoder {
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
                 "Decoder: KV caches must be float32 or bfloat16");
     Step step = plan(rows, caches, tables.contiguous(), context, slots, block_size);
+    step.chained = chained;
     if (dtype == at::kFloat) return run<float>(hidden, caches, rope, step);
     return run<bf16>(hidden, caches, rope, step);
   }
@@ -126,6 +130,7 @@ class Decoder {
     std::vector<int64_t> key_slots;           // row b's keys: [first[b], first[b] + ctx[b])
     std::vector<int64_t> first, ctx, new_slot;
     std::vector<int64_t> window_first, window_length;  // the last `window` keys of each row
+    bool chained = false;  // see forward()
   };
 
   Step plan(int64_t rows, const std::vector<at::Tensor>& caches, const at::Tensor& tables,
@@ -268,10 +273,19 @@ class Decoder {
     };
     const shoal_attention::Layout layout{heads_, kv_heads_, dim, slots, scale_};
     const bool windowed = block.sliding && window_ > 0;
-    shoal_attention::attend(layout, q_p, cache_p, step.key_slots.data(),
-                            windowed ? step.window_first.data() : step.first.data(),
-                            windowed ? step.window_length.data() : step.ctx.data(), rows,
-                            kParallelKeys, attn.data_ptr<bf16>(), prepare);
+    const int64_t* first = windowed ? step.window_first.data() : step.first.data();
+    const int64_t* length = windowed ? step.window_length.data() : step.ctx.data();
+    if (!step.chained) {
+      shoal_attention::attend(layout, q_p, cache_p, step.key_slots.data(), first, length, rows,
+                              kParallelKeys, attn.data_ptr<bf16>(), prepare);
+      return attn;
+    }
+    // The same arithmetic in two passes: every row's query, key and value, then attention.
+    at::parallel_for(0, rows * kv_heads_, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) prepare(item / kv_heads_, item % kv_heads_);
+    });
+    shoal_attention::attend(layout, q_p, cache_p, step.key_slots.data(), first, length, rows,
+                            kParallelKeys, attn.data_ptr<bf16>(), [](int64_t, int64_t) {});
     return attn;
   }
 
@@ -393,5 +407,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return Decoder(norms, linears, sliding, heads, kv_heads, head_dim, scale, eps,
                             window, gelu);
            }))
-      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &Decoder::forward, pybind11::arg("hidden"), pybind11::arg("caches"),
+           pybind11::arg("rope"), pybind11::arg("slots"), pybind11::arg("tables"),
+           pybind11::arg("context"), pybind11::arg("block_size"),
+           pybind11::arg("chained") = false,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

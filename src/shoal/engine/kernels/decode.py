@@ -83,4 +83,4 @@ class FusedDecoder:
         local = rope.get("local", full)
         tables = [t.squeeze(1).contiguous() for t in (*full, *local)]
         return self._decoder.forward(hidden, kv_caches, tables, slot_mapping, rows.tables,
-                                     rows.context_lens, rows.block_size)
+                                     rows.context_lens, rows.block_size, rows.chained)

@@ -1,6 +1,6 @@
 """The last pipeline rank's copy of each request's sampling state.
 
-Penalties need a request's prompt and output so far, seeded requests their own generator,
+Penalties need a request's prompt and output so far, seeded requests their seed,
 constrained ones their grammar's mask (which rank 0 computes and sends in the plan). The
 mirror learns requests from the plans and appends the tokens it samples, so its view of
 each output matches rank 0's token for token.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.engine.parallel.plan import SampledStep, StepPlan
-from shoal.engine.sampler import Sampler, SamplingRow
+from shoal.engine.sampler import Sampler, SamplingRow, position_generator
 from shoal.engine.sampling import SamplingParams
 
 
@@ -21,7 +21,6 @@ from shoal.engine.sampling import SamplingParams
 class _Mirrored:
     params: SamplingParams
     prompt_token_ids: tuple[int, ...]
-    generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
 
 
@@ -38,12 +37,7 @@ class SamplingMirror:
         """Track the added requests, then forget the removed ones (a request aborted before
         its first step is in both)."""
         for new in plan.added:
-            generator = None
-            if new.params.seed is not None:  # seeded exactly as a single engine seeds it
-                generator = torch.Generator(device=self._device)
-                generator.manual_seed(new.params.seed)
-            self._requests[new.request_id] = _Mirrored(new.params, new.prompt_token_ids,
-                                                       generator)
+            self._requests[new.request_id] = _Mirrored(new.params, new.prompt_token_ids)
         for request_id in plan.removed:
             self._requests.pop(request_id, None)
 
@@ -60,7 +54,10 @@ class SamplingMirror:
             rows.append(SamplingRow(params=state.params,
                                     prompt_token_ids=state.prompt_token_ids,
                                     output_token_ids=state.output_token_ids,
-                                    generator=state.generator,
+                                    # seeded exactly as a single engine seeds it
+                                    generator=position_generator(
+                                        state.params.seed, len(state.output_token_ids),
+                                        self._device),
                                     allowed_tokens=None if allowed is None
                                     else allowed.to(logits.device)))
         result = self._sampler(logits, rows)

@@ -92,12 +92,15 @@ class DecodeRows:
     how it reads the paged KV cache.
 
     tables: [B, W] int64 block ids of each row (padded with 0 past its blocks);
-    context_lens: [B] int64 keys each row attends to, its new token included.
+    context_lens: [B] int64 keys each row attends to, its new token included;
+    chained: some rows are consecutive positions of one request (guesses to verify), each
+    reading the keys the rows before it write in the same step.
     """
 
     tables: torch.Tensor
     context_lens: torch.Tensor
     block_size: int
+    chained: bool = False
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""The engine's guesser: per request, an n-gram index and an adaptive guess length.
+
+Before each step the engine asks for guesses for its decoding requests; the scheduler gives
+them room in the step (scheduler._fit_drafts), the model computes logits at every guessed
+position, verify.kept_tokens keeps the agreeing prefix, and record() adapts the length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shoal.engine.request import Request
+from shoal.engine.sampling import InvalidParameter, SamplingParams
+from shoal.engine.speculation.config import SpeculativeConfig
+from shoal.engine.speculation.length import DraftLength, StepCosts
+from shoal.engine.speculation.ngram import NgramIndex
+
+NGRAM = SpeculativeConfig("ngram")
+
+
+@dataclass
+class _Guessing:
+    index: NgramIndex
+    length: DraftLength
+    synced_outputs: int = 0  # output tokens already in the index
+
+
+class Speculator:
+    """config: the model's own speculation (--speculative), or None: only requests that
+    ask for it (x_speculative) speculate."""
+
+    def __init__(self, config: SpeculativeConfig | None, model_id: str) -> None:
+        self.config = config
+        self.model_id = model_id
+        self._guessing: dict[str, _Guessing] = {}
+        self.costs = StepCosts()
+
+    def add(self, request_id: str, prompt_token_ids: list[int],
+            params: SamplingParams, constrained: bool) -> None:
+        """Start guessing for a request if it and the model want it; InvalidParameter when
+        it asks for a draft model this model does not have."""
+        config = self._config_for(params)
+        if config is None or constrained:
+            # A grammar's mask would have to be advanced along the guesses; such requests
+            # decode one token at a time.
+            return
+        index = NgramIndex()
+        index.extend(prompt_token_ids)
+        self._guessing[request_id] = _Guessing(index, DraftLength(config.num_drafts, self.costs))
+
+    def forget(self, request_id: str) -> None:
+        self._guessing.pop(request_id, None)
+
+    def propose(self, decoding: Iterable[Request]) -> None:
+        """Set draft_token_ids on the decoding requests that guess this step."""
+        for request in decoding:
+            guessing = self._guessing.get(request.request_id)
+            if guessing is None:
+                continue
+            outputs = request.output_token_ids
+            guessing.index.extend(outputs[guessing.synced_outputs:])
+            guessing.synced_outputs = len(outputs)
+            count = guessing.length.wanted()
+            max_tokens = request.params.max_tokens
+            if max_tokens is not None:
+                # The step adds the kept guesses plus one token of the model's own.
+                count = min(count, max_tokens - len(outputs) - 1)
+            if count > 0:
+                request.draft_token_ids = guessing.index.propose(count)
+
+    def record(self, request_id: str, proposed: int, kept: int) -> None:
+        guessing = self._guessing.get(request_id)
+        if guessing is not None:
+            guessing.length.record(proposed, kept)
+
+    def _config_for(self, params: SamplingParams) -> SpeculativeConfig | None:
+        choice = params.speculative
+        if choice is None:
+            return self.config
+        if choice == "off":
+            return None
+        if choice == "ngram":
+            if self.config is not None and self.config.method == "ngram":
+                return self.config
+            return NGRAM
+        if self.config is None or self.config.method != "draft":
+            raise InvalidParameter(
+                "x_speculative", f"model {self.model_id!r} has no draft model; start it with "
+                f"--speculative {self.model_id}=draft:DRAFT_MODEL, or ask for "
+                f"x_speculative \"ngram\"")
+        return self.config
