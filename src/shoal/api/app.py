@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from shoal.api import admin
 from shoal.api.anthropic import errors as anthropic_errors
 from shoal.api.auth import ApiKeys, RequireApiKey
+from shoal.api.dashboard import routes as dashboard
 from shoal.api.anthropic import messages as anthropic_messages
 from shoal.api import requests as request_routes
 from shoal.api.errors import install_error_handlers, register_error_dialect
@@ -53,6 +54,7 @@ def create_app(router: Any, keepalive_s: float = 15.0,
     app.state.list_available = list_available or _catalog_entries
     app.state.started_at = int(time.time())
     install_error_handlers(app)
+    app.include_router(dashboard.router)
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(embeddings.router)

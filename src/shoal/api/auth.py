@@ -4,7 +4,8 @@ wants one.
 A client presents its key as `Authorization: Bearer KEY` (OpenAI and Ollama clients) or
 `x-api-key: KEY` (Anthropic clients). The node keeps only SHA-256 digests of its keys and
 compares digests in constant time, so neither a log line, a repr nor a timing difference
-gives a key away. /health and Ollama's `GET /` stay open: liveness probes carry no secret.
+gives a key away. /health and `GET /` stay open: liveness probes carry no secret, and the
+dashboard's page (`/` and `/dashboard/...`) holds no data, only asks for a key.
 A missing or wrong key is a 401 in the route's dialect (errors.render_error).
 """
 
@@ -22,6 +23,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from shoal.api.errors import APIError, render_error
 
 OPEN_PATHS = frozenset({"/health", "/"})
+# The dashboard's files: api/dashboard/routes.py serves nothing else under this prefix.
+OPEN_PREFIXES = ("/dashboard/",)
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 def _digest(key: str) -> bytes:
@@ -82,14 +89,14 @@ def presented_key(headers: Any) -> str | None:
 
 
 class RequireApiKey:
-    """ASGI middleware: a request outside OPEN_PATHS without an accepted key gets 401."""
+    """ASGI middleware: a request without an accepted key gets 401, unless its path is open."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.keys or is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         request = Request(scope)

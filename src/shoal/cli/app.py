@@ -1,4 +1,4 @@
-"""The `shoal` command: argparse front door for serve, run, models, cluster and ps."""
+"""The `shoal` command: argparse front door for serve, run, pull, models, cluster and ps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from shoal import __version__
-from shoal.cli import cluster, models, run, serve
+from shoal.cli import cluster, models, pull, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve.add_parser(commands)
     run.add_parser(commands)
+    pull.add_parser(commands)
     models.add_parser(commands)
     cluster.add_parsers(commands)
     return parser

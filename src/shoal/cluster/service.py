@@ -349,6 +349,8 @@ class ClusterService:
                 "memory_budget": reading.memory_budget if reading else None,
                 "memory_held": held_bytes(state, node_id, self.policy),
                 "max_loaded_models": reading.max_loaded_models if reading else None,
+                "cpu_percent": reading.cpu_percent if reading else None,
+                "cpu_count": reading.cpu_count if reading else None,
                 "queue_depth": sum(reading.queue_depths.values()) if reading else 0,
                 "backends": list(reading.backends) if reading else [],
                 "last_seen": reading.taken_at if reading else None})

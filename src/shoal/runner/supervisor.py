@@ -82,6 +82,9 @@ class RunnerSupervisor:
         # The runner's latest report of what it holds; None until it reports, or once gone.
         self.memory: MemoryUsage | None = None
         self.last_error: str | None = None
+        # The runner's latest load report: stage ("weights", "ready", ...) and its fraction.
+        self.load_stage: str | None = None
+        self.load_progress = 0.0
         self.restarts = 0
         # Wall-clock time (unix seconds) the router will stop this runner if it stays idle;
         # None when it is kept loaded indefinitely. Set by the router's keep-alive.
@@ -205,7 +208,8 @@ class RunnerSupervisor:
                 "error": self.last_error,
                 "task": info.task if info else self.config.source.task,
                 "size_bytes": self.memory.held_bytes if self.memory else None,
-                "expires_at": self.expires_at}
+                "expires_at": self.expires_at,
+                "load": {"stage": self.load_stage, "progress": self.load_progress}}
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -315,6 +319,7 @@ class RunnerSupervisor:
         elif isinstance(message, MemoryUsage):
             self.memory = message
         elif isinstance(message, Status):
+            self.load_stage, self.load_progress = message.stage, message.progress
             if message.state == "ready" and message.model is not None:
                 process.ready = True
                 self.model_info = message.model
@@ -371,6 +376,8 @@ class RunnerSupervisor:
 
     def _set_state(self, state: RunnerState) -> None:
         self.state = state
+        if state in ("starting", "restarting"):  # a new load: the last one's report is stale
+            self.load_stage, self.load_progress = None, 0.0
         self._state_changed.set()
         self._state_changed = asyncio.Event()
 

@@ -1,5 +1,5 @@
 """Ollama's model endpoints: GET /api/tags, GET /api/ps, POST /api/show, GET /api/version,
-and the liveness answer on GET / and HEAD /.
+and the liveness answer GET / and HEAD / give clients other than browsers (api/dashboard).
 
 /api/tags lists exactly what /v1/models lists (shoal.api.model_list). /api/ps lists the
 models this node's pool runs (not other nodes' models, nor ranks of split instances); its
@@ -101,8 +101,8 @@ def _expires_at(supervisor: Any) -> str | None:
     return datetime.fromtimestamp(supervisor.expires_at, UTC).isoformat()
 
 
-@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-async def liveness() -> PlainTextResponse:
+def liveness() -> PlainTextResponse:
+    """What Ollama answers on GET /; its clients and scripts probe for exactly this text."""
     return PlainTextResponse("Ollama is running")
 
 
