@@ -63,6 +63,8 @@ def test_cluster_settings_from_flags_and_env():
     assert settings.discovery is False and settings.force_master and not settings.standalone
     assert settings.secret == "hunter2" and "hunter2" not in repr(settings)  # never shown
     assert build_cluster_settings(env={}).discovery is None  # on unless peers are given
+    assert build_cluster_settings(env={"SHOAL_DISCOVERY_INTERFACE": "lo"}
+                                  ).discovery_interface == "lo"
     with pytest.raises(ValueError, match="SHOAL_DISCOVERY"):
         build_cluster_settings(env={"SHOAL_DISCOVERY": "maybe"})
     with pytest.raises(ValueError, match="standalone"):

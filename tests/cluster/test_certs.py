@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import stat
 
 import pytest
@@ -11,6 +12,7 @@ from cryptography import x509
 from shoal.cli.app import main
 from shoal.cluster.certs import CertsExist, make_cluster_certs
 from shoal.cluster.tls import read_cluster_tls
+from shoal.config import build_cluster_settings
 
 
 def mode(path) -> int:
@@ -68,4 +70,28 @@ def test_a_tls_directory_with_a_missing_or_foreign_file_is_refused_naming_it(tmp
         read_cluster_tls(good)
     (good / "node-key.pem").unlink()
     with pytest.raises(ValueError, match=r"cannot read .*node-key\.pem"):
-        read_cluster_tls(good)
+        build_cluster_settings(tls_dir=str(good), env={})
+
+
+def test_serve_with_an_unreadable_tls_file_stops_at_start_naming_it(tmp_path, capsys):
+    make_cluster_certs(tmp_path)
+    secret = tmp_path / "cluster.secret"
+    secret.chmod(0)
+    if os.access(secret, os.R_OK):  # root reads anything: take the file away instead
+        secret.unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--cluster-tls", str(tmp_path), "--no-preload"])
+    assert exit_info.value.code == 2
+    assert "cluster.secret" in capsys.readouterr().err
+
+
+def test_cluster_settings_with_tls(tmp_path):
+    make_cluster_certs(tmp_path)
+    settings = build_cluster_settings(env={"SHOAL_CLUSTER_TLS": str(tmp_path)})
+    secret = (tmp_path / "cluster.secret").read_bytes()
+    assert settings.tls is not None and settings.tls.secret == secret
+    assert secret.hex() not in repr(settings)
+    with pytest.raises(ValueError, match="every cluster endpoint is tls/"):
+        build_cluster_settings(tls_dir=str(tmp_path), peers=["tcp/10.0.0.2:7447"], env={})
+    with pytest.raises(ValueError, match="standalone"):
+        build_cluster_settings(tls_dir=str(tmp_path), standalone=True, env={})
