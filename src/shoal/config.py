@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal.cluster.tls import ClusterTls, read_cluster_tls
+from shoal.cluster.tls import ClusterTls, rank_key, read_cluster_tls
 from shoal.durations import parse_duration_s
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.pool.queue import QueueLimits
@@ -129,7 +129,7 @@ class ClusterSettings:
     session: listen on `listen` (Zenoh picks when empty), dial `peers`, and discover nodes
     by multicast scouting when `discovery` is on (by default: unless peers are given).
     `secret` isolates clusters; it is never logged or shown. `tls` (--cluster-tls): Zenoh
-    links are mutual TLS under the cluster CA.
+    links are mutual TLS under the cluster CA, and its secret file keys the ranks' proofs.
     """
 
     standalone: bool = False
@@ -151,6 +151,12 @@ class ClusterSettings:
                 if not endpoint.startswith("tls/"):
                     raise ValueError(f"with --cluster-tls every cluster endpoint is tls/HOST:"
                                      f"PORT, not {endpoint!r}")
+
+    @property
+    def rank_key(self) -> str:
+        """What the ranks of an instance prove to each other: from the --cluster-tls secret
+        file, else from --cluster-secret; "" (no proof) with neither."""
+        return rank_key(self.tls.secret if self.tls is not None else self.secret.encode())
 
 
 @dataclass(frozen=True)

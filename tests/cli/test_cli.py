@@ -172,3 +172,26 @@ def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):
     assert main(["ps", "--url", "http://node"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert len(rows) == 3 and rows[1].split()[10:13] == ["-", "-", "-"]
+
+
+def test_a_rank_s_runner_gets_the_cluster_s_rank_key_and_never_shows_it(tmp_path):
+    from shoal.cluster.certs import make_cluster_certs
+    from shoal.engine.config import ModelSource
+    from shoal.engine.parallel.config import ParallelConfig
+    from shoal.node import runner_factory
+    from shoal.runner.messages import Load, parse_to_runner, to_wire
+
+    make_cluster_certs(tmp_path / "tls")
+    cluster = build_cluster_settings(tls_dir=str(tmp_path / "tls"), env={})
+    config = build_node_config(cluster=cluster, data_dir=str(tmp_path), env={})
+    (tmp_path / "m.gguf").write_bytes(b"")
+    parallel = ParallelConfig(rank=1, world_size=2, sharding="pipeline", layer_start=0,
+                              layer_end=2, master_addr="127.0.0.1", master_port=29600)
+    supervisor = runner_factory(config, on_progress=None)(
+        ModelSource("m", "gguf", tmp_path / "m.gguf"), parallel)
+    key = supervisor.config.parallel.rank_key
+    assert key and key == cluster.rank_key
+    assert key not in repr(supervisor.config)
+    # It reaches the runner process in its Load message (over the local socket only).
+    arrived = parse_to_runner(to_wire(Load(engine=supervisor.config)))
+    assert arrived.engine.parallel.rank_key == key

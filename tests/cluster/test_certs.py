@@ -11,7 +11,7 @@ from cryptography import x509
 
 from shoal.cli.app import main
 from shoal.cluster.certs import CertsExist, make_cluster_certs
-from shoal.cluster.tls import read_cluster_tls
+from shoal.cluster.tls import read_cluster_tls, rank_key
 from shoal.config import build_cluster_settings
 
 
@@ -95,3 +95,13 @@ def test_cluster_settings_with_tls(tmp_path):
         build_cluster_settings(tls_dir=str(tmp_path), peers=["tcp/10.0.0.2:7447"], env={})
     with pytest.raises(ValueError, match="standalone"):
         build_cluster_settings(tls_dir=str(tmp_path), standalone=True, env={})
+
+
+def test_the_ranks_key_comes_from_the_tls_secret_else_the_cluster_secret(tmp_path):
+    make_cluster_certs(tmp_path)
+    secret = (tmp_path / "cluster.secret").read_bytes()
+    settings = build_cluster_settings(tls_dir=str(tmp_path), secret="s3cret", env={})
+    assert settings.rank_key == rank_key(secret) and settings.rank_key not in repr(settings)
+    assert build_cluster_settings(secret="s3cret", env={}).rank_key == rank_key(b"s3cret")
+    assert build_cluster_settings(env={}).rank_key == ""  # ranks prove nothing, as before
+    assert len(rank_key(secret)) == 64 and rank_key(secret) != rank_key(b"s3cret")

@@ -5,7 +5,7 @@
                     the nodes if you like)
     node.pem        the node certificate, signed by the CA, shared by every node
     node-key.pem    its private key
-    cluster.secret  32 random bytes, the cluster secret
+    cluster.secret  32 random bytes: ranks of an instance prove it to each other (HMAC)
 
 Every node of a cluster gets the same files. Zenoh links are TLS with both sides showing a
 certificate the CA signed (mutual TLS); names are not checked on connect, since every node
@@ -15,6 +15,8 @@ would have to be listed in the certificate beforehand.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +74,14 @@ def read_cluster_tls(directory: Path) -> ClusterTls:
         raise ValueError(f"{directory / SECRET} holds {len(secret)} bytes; a cluster secret "
                          f"needs at least {_MIN_SECRET_BYTES}")
     return ClusterTls(directory, secret)
+
+
+def rank_key(secret: bytes) -> str:
+    """The key ranks prove to each other (hex), from a cluster secret; "" for none. Derived,
+    so the secret itself never leaves the node process."""
+    if not secret:
+        return ""
+    return hmac.new(secret, b"shoal rank links v1", hashlib.sha256).hexdigest()
 
 
 def _read(path: Path) -> bytes:
