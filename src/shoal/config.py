@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.cluster.tls import ClusterTls, rank_key, read_cluster_tls
 from shoal.durations import parse_duration_s
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
@@ -142,7 +143,8 @@ class ClusterSettings:
     standalone: no network at all, a cluster of this node alone. Otherwise a Zenoh peer
     session: listen on `listen` (Zenoh picks when empty), dial `peers`, and discover nodes
     by multicast scouting when `discovery` is on (by default: unless peers are given).
-    `secret` isolates clusters; it is never logged or shown.
+    `secret` isolates clusters; it is never logged or shown. `tls` (--cluster-tls): Zenoh
+    links are mutual TLS under the cluster CA, and its secret file keys the ranks' proofs.
     """
 
     standalone: bool = False
@@ -152,10 +154,24 @@ class ClusterSettings:
     force_master: bool = False
     discovery: bool | None = None
     name: str = ""  # shown in GET /cluster; the host name when empty
+    tls: ClusterTls | None = None
+    discovery_interface: str = ""  # the interface multicast scouting uses; Zenoh picks
 
     def __post_init__(self) -> None:
-        if self.standalone and (self.listen or self.peers or self.discovery):
-            raise ValueError("a standalone node neither listens, dials peers nor discovers")
+        if self.standalone and (self.listen or self.peers or self.discovery or self.tls):
+            raise ValueError("a standalone node neither listens, dials peers, discovers nor "
+                             "uses --cluster-tls")
+        if self.tls is not None:
+            for endpoint in (*self.listen, *self.peers):
+                if not endpoint.startswith("tls/"):
+                    raise ValueError(f"with --cluster-tls every cluster endpoint is tls/HOST:"
+                                     f"PORT, not {endpoint!r}")
+
+    @property
+    def rank_key(self) -> str:
+        """What the ranks of an instance prove to each other: from the --cluster-tls secret
+        file, else from --cluster-secret; "" (no proof) with neither."""
+        return rank_key(self.tls.secret if self.tls is not None else self.secret.encode())
 
 
 @dataclass(frozen=True)
@@ -243,9 +259,12 @@ def _as_list(value) -> tuple[str, ...]:
 def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers=None,
                            secret: str | None = None, force_master: bool | None = None,
                            discovery: bool | None = None, name: str | None = None,
+                           tls_dir: str | None = None, discovery_interface: str | None = None,
                            env: Mapping[str, str] | None = None) -> ClusterSettings:
-    """Cluster settings from flags (None = not given) and SHOAL_* variables."""
+    """Cluster settings from flags (None = not given) and SHOAL_* variables; ValueError
+    naming the file when a --cluster-tls file is missing or unreadable."""
     env = os.environ if env is None else env
+    tls_path = _pick(tls_dir, env, "SHOAL_CLUSTER_TLS")
     return ClusterSettings(
         standalone=bool(_as_bool(_pick(standalone, env, "SHOAL_STANDALONE"),
                                  "SHOAL_STANDALONE")),
@@ -255,7 +274,9 @@ def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers
         force_master=bool(_as_bool(_pick(force_master, env, "SHOAL_FORCE_MASTER"),
                                    "SHOAL_FORCE_MASTER")),
         discovery=_as_bool(_pick(discovery, env, "SHOAL_DISCOVERY"), "SHOAL_DISCOVERY"),
-        name=_pick(name, env, "SHOAL_NODE_NAME") or "")
+        name=_pick(name, env, "SHOAL_NODE_NAME") or "",
+        tls=read_cluster_tls(Path(tls_path)) if tls_path else None,
+        discovery_interface=_pick(discovery_interface, env, "SHOAL_DISCOVERY_INTERFACE") or "")
 
 
 def build_node_config(*, host: str | None = None, port: int | None = None,

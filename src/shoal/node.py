@@ -69,6 +69,8 @@ def runner_factory(config: NodeConfig,
         ranked = dataclasses.replace(
             single, load_timeout_s=single.load_timeout_s + parallel.connect_timeout_s,
             max_crashes=1)
+        # The ranks prove the cluster secret to each other (engine/parallel/proof.py).
+        parallel = dataclasses.replace(parallel, rank_key=config.cluster.rank_key)
         engine = dataclasses.replace(config.engine_config(source), parallel=parallel)
         return RunnerSupervisor(engine, ranked, on_progress)
 

@@ -63,6 +63,8 @@ def test_cluster_settings_from_flags_and_env():
     assert settings.discovery is False and settings.force_master and not settings.standalone
     assert settings.secret == "hunter2" and "hunter2" not in repr(settings)  # never shown
     assert build_cluster_settings(env={}).discovery is None  # on unless peers are given
+    assert build_cluster_settings(env={"SHOAL_DISCOVERY_INTERFACE": "lo"}
+                                  ).discovery_interface == "lo"
     with pytest.raises(ValueError, match="SHOAL_DISCOVERY"):
         build_cluster_settings(env={"SHOAL_DISCOVERY": "maybe"})
     with pytest.raises(ValueError, match="standalone"):
@@ -170,3 +172,26 @@ def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):
     assert main(["ps", "--url", "http://node"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert len(rows) == 3 and rows[1].split()[10:13] == ["-", "-", "-"]
+
+
+def test_a_rank_s_runner_gets_the_cluster_s_rank_key_and_never_shows_it(tmp_path):
+    from shoal.cluster.certs import make_cluster_certs
+    from shoal.engine.config import ModelSource
+    from shoal.engine.parallel.config import ParallelConfig
+    from shoal.node import runner_factory
+    from shoal.runner.messages import Load, parse_to_runner, to_wire
+
+    make_cluster_certs(tmp_path / "tls")
+    cluster = build_cluster_settings(tls_dir=str(tmp_path / "tls"), env={})
+    config = build_node_config(cluster=cluster, data_dir=str(tmp_path), env={})
+    (tmp_path / "m.gguf").write_bytes(b"")
+    parallel = ParallelConfig(rank=1, world_size=2, sharding="pipeline", layer_start=0,
+                              layer_end=2, master_addr="127.0.0.1", master_port=29600)
+    supervisor = runner_factory(config, on_progress=None)(
+        ModelSource("m", "gguf", tmp_path / "m.gguf"), parallel)
+    key = supervisor.config.parallel.rank_key
+    assert key and key == cluster.rank_key
+    assert key not in repr(supervisor.config)
+    # It reaches the runner process in its Load message (over the local socket only).
+    arrived = parse_to_runner(to_wire(Load(engine=supervisor.config)))
+    assert arrived.engine.parallel.rank_key == key

@@ -94,6 +94,26 @@ def test_joining_without_the_other_ranks_fails_after_the_deadline():
     assert "could not join its group" in message and float(waited) < 10
 
 
+def join_with_key(rank: int, world: int, port: int, keys: list[str]) -> str:
+    started = time.monotonic()
+    try:
+        group = RankGroup.join(config(rank, world, port, connect=3.0, rank_key=keys[rank]),
+                               torch.device("cpu"))
+    except GroupError as error:
+        return f"{time.monotonic() - started:.1f} {error}"
+    group.close()
+    return "joined"
+
+
+def test_a_rank_with_another_key_is_refused_at_the_rendezvous_at_once():
+    keys = ["ab" * 32, "cd" * 32]
+    results = run_ranks(join_with_key, 2, keys, timeout_s=60)
+    waited, message = results[1].split(" ", 1)
+    assert "refused this rank" in message and "cluster secret" in message
+    assert float(waited) < 2.0
+    assert "could not join its group" in results[0]  # rank 0 never got its second rank
+
+
 def int8_hidden_states(rank: int, world: int, port: int) -> float:
     from shoal.engine.parallel.executor import HiddenWire
 

@@ -1,5 +1,6 @@
 """shoal cluster / shoal ps: what a running node knows of its cluster (GET /cluster), and
-for ps what that node's runners hold in memory (GET /api/ps)."""
+for ps what that node's runners hold in memory (GET /api/ps). `shoal cluster certs` makes a
+cluster's TLS files (cli/certs.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from shoal.cli import certs
 from shoal.cli.table import print_table
 
 
@@ -23,6 +25,7 @@ def add_parsers(commands) -> None:
                             help="a running shoal node (SHOAL_HOST / SHOAL_PORT)")
         parser.add_argument("--json", action="store_true", help="print the answer as JSON")
         parser.set_defaults(handler=handler)
+    certs.add_parser(cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND"))
 
 
 def fetch_cluster(url: str | None) -> dict[str, Any] | None:

@@ -102,6 +102,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cluster-secret", default=None, metavar="SECRET",
                        help="only nodes with the same secret form a cluster "
                             "(SHOAL_CLUSTER_SECRET)")
+    group.add_argument("--cluster-tls", default=None, metavar="DIR",
+                       help="mutual TLS between nodes and a secret between ranks, from the "
+                            "files `shoal cluster certs DIR` made (SHOAL_CLUSTER_TLS)")
     group.add_argument("--force-master", action="store_true", default=None,
                        help="this node wins every master election (SHOAL_FORCE_MASTER)")
     group.add_argument("--discovery", dest="discovery", action="store_true", default=None,
@@ -109,6 +112,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                             "--peers is given)")
     group.add_argument("--no-discovery", dest="discovery", action="store_false",
                        help="do not scout for nodes; only --peers are dialled")
+    group.add_argument("--discovery-interface", default=None, metavar="NAME",
+                       help="network interface to scout on, e.g. eth0 or lo "
+                            "(SHOAL_DISCOVERY_INTERFACE; Zenoh picks)")
     group.add_argument("--standalone", action="store_true", default=None,
                        help="join no cluster and open no cluster port (SHOAL_STANDALONE)")
     group.add_argument("--name", default=None,
@@ -119,7 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cluster = build_cluster_settings(
         standalone=args.standalone, listen=args.listen, peers=args.peers,
         secret=args.cluster_secret, force_master=args.force_master, discovery=args.discovery,
-        name=args.name)
+        name=args.name, tls_dir=args.cluster_tls, discovery_interface=args.discovery_interface)
     config = build_node_config(host=args.host, port=args.port, models=args.model,
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
                                kv_cache_dtype=args.kv_cache_dtype,

@@ -64,7 +64,8 @@ async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transpor
 
     return await ZenohTransport.open(node_id, ZenohConfig(
         listen=settings.listen, connect=settings.peers,
-        multicast_scouting=settings.discovery, secret=settings.secret))
+        multicast_scouting=settings.discovery, secret=settings.secret, tls=settings.tls,
+        scouting_interface=settings.discovery_interface))
 
 
 async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPool,

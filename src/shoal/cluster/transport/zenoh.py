@@ -4,6 +4,8 @@ Peers find each other by multicast scouting on the LAN, or through explicit `con
 endpoints (then scouting is off unless asked for; gossip still spreads what peers learn).
 Presence is a liveliness token per node under the cluster namespace: Zenoh removes it when
 the node's session closes or its link lease expires, which is what `peers` reports.
+With TLS (cluster/tls.py) every link is mutual TLS under the cluster CA and no other
+protocol is spoken; scouting still works, as a node's hello names its tls/ locators.
 Zenoh calls back on its own threads; everything is handed to the event loop in arrival order.
 """
 
@@ -27,6 +29,7 @@ from shoal.cluster.transport.base import (
     decode,
     encode,
 )
+from shoal.cluster.tls import ClusterTls
 from shoal.cluster.transport.topics import Namespace, Topic, check_node_id
 from shoal.ids import NodeId
 
@@ -51,6 +54,10 @@ class ZenohConfig:
     # None: scout by multicast unless explicit connect endpoints are given.
     multicast_scouting: bool | None = None
     secret: str = field(default="", repr=False)
+    # Mutual TLS under the cluster CA on every link; None: plain TCP (or what endpoints say).
+    tls: ClusterTls | None = None
+    # The network interface multicast scouting uses (e.g. "lo"); empty: Zenoh picks.
+    scouting_interface: str = ""
 
     def __post_init__(self) -> None:
         for endpoint in (*self.listen, *self.connect):
@@ -59,6 +66,8 @@ class ZenohConfig:
                                  f"for example tcp/192.168.1.5:7447")
             if int(endpoint.rsplit(":", 1)[1]) > 65535:
                 raise ValueError(f"invalid endpoint {endpoint!r}: port must be <= 65535")
+            if self.tls is not None and not endpoint.startswith("tls/"):
+                raise ValueError(f"invalid endpoint {endpoint!r}: with TLS, use tls/HOST:PORT")
 
     @property
     def scouting(self) -> bool:
@@ -68,11 +77,29 @@ class ZenohConfig:
 def _session_config(config: ZenohConfig) -> zenoh.Config:
     settings = zenoh.Config()
     settings.insert_json5("mode", '"peer"')
-    if config.listen:
-        settings.insert_json5("listen/endpoints", json.dumps(list(config.listen)))
+    listen = config.listen or (("tls/[::]:0",) if config.tls is not None else ())
+    if listen:
+        settings.insert_json5("listen/endpoints", json.dumps(list(listen)))
     settings.insert_json5("connect/endpoints", json.dumps(list(config.connect)))
     settings.insert_json5("scouting/multicast/enabled", json.dumps(config.scouting))
+    if config.scouting_interface:
+        settings.insert_json5("scouting/multicast/interface",
+                              json.dumps(config.scouting_interface))
+    if config.tls is not None:
+        settings.insert_json5("transport/link/tls", json.dumps(_tls_settings(config.tls)))
+        # Neither accept nor open a link of any other kind (a scouted tcp/ locator included).
+        settings.insert_json5("transport/link/protocols", '["tls"]')
     return settings
+
+
+def _tls_settings(tls: ClusterTls) -> dict[str, Any]:
+    """Both roles show the node certificate and accept only peers the CA signed. Names are
+    not checked: every node holds the same CA-signed key, so a name proves nothing more."""
+    return {"root_ca_certificate": str(tls.ca_cert),
+            "listen_certificate": str(tls.node_cert), "listen_private_key": str(tls.node_key),
+            "connect_certificate": str(tls.node_cert),
+            "connect_private_key": str(tls.node_key),
+            "enable_mtls": True, "verify_name_on_connect": False}
 
 
 class ZenohTransport:
@@ -106,9 +133,10 @@ class ZenohTransport:
         except zenoh.ZError as error:
             raise TransportError(f"cannot open the cluster transport: {error}") from None
         log.info("cluster transport open: node %s, namespace %s, listen %s, connect %s, "
-                 "multicast scouting %s", node, namespace.fingerprint,
+                 "multicast scouting %s, %s", node, namespace.fingerprint,
                  ",".join(config.listen) or "auto", ",".join(config.connect) or "none",
-                 "on" if config.scouting else "off")
+                 "on" if config.scouting else "off",
+                 f"mutual TLS under {config.tls.ca_cert}" if config.tls else "no TLS")
         return cls(node, session, namespace, asyncio.get_running_loop())
 
     @property

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Literal
 
 Sharding = Literal["pipeline", "tensor"]
@@ -13,7 +14,8 @@ class ParallelConfig:
     """rank of world_size; a pipeline rank holds layers [layer_start, layer_end), a tensor
     rank holds every layer and 1/world_size of each layer's heads and MLP columns.
 
-    Ranks meet at master_addr:master_port (rank 0's node) within connect_timeout_s. Every
+    Ranks meet at master_addr:master_port (rank 0's node) within connect_timeout_s, each
+    proving rank_key (hex, from the cluster secret; "" when the cluster has none). Every
     later wait on another rank is bounded by collective_timeout_s; rank 0 sends a keep-alive
     step every keepalive_s while idle, so a silent rank 0 is noticed too.
     """
@@ -33,6 +35,8 @@ class ParallelConfig:
     # A wait on another rank polls its link this long before it sleeps (parallel/links.py):
     # while steps flow the waiting core stays awake, at the cost of keeping it busy.
     spin_s: float = 0.02
+    # HMAC key for the rendezvous and the links (parallel/proof.py); never shown or logged.
+    rank_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 2 or not 0 <= self.rank < self.world_size:
@@ -50,6 +54,8 @@ class ParallelConfig:
             raise ValueError("connect_timeout_s must be positive")
         if self.spin_s < 0:
             raise ValueError("spin_s must not be negative")
+        if self.rank_key and not re.fullmatch(r"[0-9a-f]{64}", self.rank_key):
+            raise ValueError("rank_key must be 64 hex digits, or empty")
 
     @property
     def tp_rank(self) -> int:

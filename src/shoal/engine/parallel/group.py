@@ -1,6 +1,7 @@
 """The process group of one instance's ranks (torch.distributed), with every wait bounded.
 
-Ranks meet through a TCPStore on rank 0's rendezvous address and form a gloo group, its
+Ranks meet through a TCPStore on rank 0's rendezvous address (behind a guard that admits only
+connections proving the cluster secret: rendezvous.py) and form a gloo group, its
 device bound to the interface that reaches rank 0 (gloo's default device follows the host
 name, which on some machines routes loopback traffic through a slow path: ~2 ms per message
 instead of ~0.1 ms). On CUDA, tensors of the forward pass ride an NCCL group beside it.
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.parallel.links import LinkError, PeerLinks
+from shoal.engine.parallel.rendezvous import GuardedStore, RendezvousError
 
 log = logging.getLogger("shoal.parallel")
 
@@ -56,7 +58,7 @@ class RankGroup:
 
     def __init__(self, config: ParallelConfig, gloo: dist.ProcessGroup,
                  tensors: dist.ProcessGroup, links: PeerLinks, device: torch.device,
-                 store: dist.TCPStore) -> None:
+                 store: GuardedStore) -> None:
         self.config = config
         self.rank = config.rank
         self.world_size = config.world_size
@@ -73,11 +75,12 @@ class RankGroup:
     def join(cls, config: ParallelConfig, device: torch.device) -> RankGroup:
         """Meet the other ranks; GroupError if they are not all there within
         connect_timeout_s (or rank 0 cannot listen on the rendezvous port)."""
-        connect = timedelta(seconds=config.connect_timeout_s)
+        key = bytes.fromhex(config.rank_key)
+        guarded = None
         try:
-            store = dist.TCPStore(config.master_addr, config.master_port, config.world_size,
-                                  is_master=config.rank == 0, timeout=connect,
-                                  wait_for_workers=True)
+            guarded = GuardedStore.open(config.master_addr, config.master_port, config.rank,
+                                        config.world_size, key, config.connect_timeout_s)
+            store = guarded.store
             address = local_address_towards(config.master_addr)
             gloo = _gloo_group(store, config, address)
             tensors = gloo
@@ -86,14 +89,18 @@ class RankGroup:
                 tensors = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), config.rank,
                                                 config.world_size, options)
             links = PeerLinks.connect(store, config.rank, config.world_size, address,
-                                      config.connect_timeout_s)
+                                      config.connect_timeout_s, key)
+        except RendezvousError as error:  # refused at once: no wait to speak of
+            raise GroupError(f"rank {config.rank} could not join its group: {error}") from None
         except (RuntimeError, OSError, ValueError) as error:  # DistStoreError, LinkError too
+            if guarded is not None:
+                guarded.close()
             raise GroupError(f"rank {config.rank} could not join its group at "
                              f"{config.master_addr}:{config.master_port} within "
                              f"{config.connect_timeout_s:.0f} s: {error}") from error
         log.info("rank %d of %d joined its group at %s:%d", config.rank, config.world_size,
                  config.master_addr, config.master_port)
-        return cls(config, gloo, tensors, links, device, store)
+        return cls(config, gloo, tensors, links, device, guarded)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -162,6 +169,7 @@ class RankGroup:
                     shutdown()
                 except RuntimeError:
                     pass
+        self._store.close()
 
     def _wait(self, work: dist.Work, what: str, timeout_s: float | None = None) -> None:
         timeout = self._timeout if timeout_s is None else timedelta(seconds=timeout_s)

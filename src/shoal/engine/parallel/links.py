@@ -8,20 +8,28 @@ against ~35 µs for a plain socket (bench/distributed.py prints both). A token o
 pipeline crosses two such hand-offs; a tensor-parallel token crosses two per layer.
 
 A message is one frame: an int64 length, then the payload. Every wait has a deadline, and a
-closed connection (its process died) is a LinkError at once.
+closed connection (its process died) is a LinkError at once. A link opens with a proof of
+the cluster secret both ways (proof.py): a peer that cannot prove it is turned away, and the
+listener goes on waiting for the ranks that can.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
 import struct
 import time
 
+from shoal.engine.parallel.proof import ProofError, challenge, prove
+
+log = logging.getLogger("shoal.parallel")
+
 _LENGTH = struct.Struct("<q")
-_HELLO = struct.Struct("<8sq")  # magic, the dialing rank
-_MAGIC = b"shoal-lk"
+_PURPOSE = b"rank link"
+# A rank proves itself as soon as it connects; a silent stranger holds the listener 2 s at most.
+_STRANGER_S = 2.0
 _MAX_MESSAGE = 2**30  # byte messages are plans and answers: far smaller
 
 
@@ -37,11 +45,11 @@ class PeerLinks:
         self._sockets = sockets
 
     @classmethod
-    def connect(cls, store, rank: int, world_size: int, address: str,
-                timeout_s: float) -> PeerLinks:
+    def connect(cls, store, rank: int, world_size: int, address: str, timeout_s: float,
+                key: bytes) -> PeerLinks:
         """Meet every other rank within timeout_s: each rank listens and publishes its
         address in the group's store (torch.distributed's TCPStore); a rank dials every rank
-        below it and accepts the ones above."""
+        below it and accepts the ones above. Both ends of a link prove key to each other."""
         deadline = time.monotonic() + timeout_s
         listener = socket.create_server((address, 0))
         sockets: dict[int, socket.socket] = {}
@@ -50,11 +58,9 @@ class PeerLinks:
             store.set(f"links/{rank}", f"{host} {port}")
             for peer in range(rank):
                 host, port = store.get(f"links/{peer}").decode().split()
-                sock = socket.create_connection((host, int(port)), _remaining(deadline))
-                sock.sendall(_HELLO.pack(_MAGIC, rank))
-                sockets[peer] = sock
+                sockets[peer] = _dial((host, int(port)), peer, rank, key, deadline)
             while len(sockets) < world_size - 1:
-                peer, sock = _accept(listener, rank, world_size, deadline)
+                peer, sock = _accept(listener, rank, world_size, key, deadline)
                 if peer in sockets:
                     sock.close()
                     raise LinkError(f"rank {peer} dialed twice")
@@ -206,33 +212,43 @@ def _attempt(operation, buffer: memoryview, peer: int) -> int | None:
         raise LinkError(f"link to rank {peer}: {error.strerror or error}") from None
 
 
-def _accept(listener: socket.socket, rank: int, world_size: int,
+def _dial(address: tuple[str, int], peer: int, rank: int, key: bytes,
+          deadline: float) -> socket.socket:
+    """A link to peer, both sides proven (the peer may still be dialing others: the proof
+    waits for it, up to the deadline)."""
+    sock = socket.create_connection(address, _remaining(deadline))
+    try:
+        prove(sock, key, _PURPOSE, rank, _remaining(deadline))
+    except ProofError as error:
+        sock.close()
+        raise LinkError(f"rank {rank} could not link up with rank {peer}: {error}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _accept(listener: socket.socket, rank: int, world_size: int, key: bytes,
             deadline: float) -> tuple[int, socket.socket]:
-    """The next rank above this one to dial in; strangers are turned away."""
+    """The next rank above this one to dial in and prove the cluster secret; strangers and
+    failed proofs are turned away."""
     while True:
         listener.settimeout(_remaining(deadline))
-        sock, _ = listener.accept()
-        # A rank says hello as soon as it connects; a silent stranger waits 2 s at most.
-        sock.settimeout(min(_remaining(deadline), 2.0))
+        sock, origin = listener.accept()
         try:
-            hello = _recv_exact(sock, _HELLO.size)
-        except OSError:
+            peer = challenge(sock, key, _PURPOSE, min(_remaining(deadline), _STRANGER_S))
+        except ProofError as error:
+            log.warning("rank %d: a link from %s:%d was refused: %s", rank, *origin[:2], error)
             sock.close()
             continue
-        magic, peer = _HELLO.unpack(hello)
-        if magic == _MAGIC and rank < peer < world_size:
+        except OSError:  # silent or gone before proving anything
+            sock.close()
+            continue
+        if rank < peer < world_size:
             return peer, sock
+        log.warning("rank %d: a link from %s:%d claimed rank %d; closed", rank, *origin[:2],
+                    peer)
         sock.close()
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("closed during hello")
-        data += chunk
-    return bytes(data)
 
 
 def _remaining(deadline: float) -> float:
