@@ -8,6 +8,7 @@ clean text deltas. The engine imports no asyncio, HTTP or cluster code.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 from shoal.engine.tokenizer.tokenizer import Tokenizer
+from shoal.tracing.steps import RequestTrace, StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,11 @@ class Engine:
         # Requests the sampling rank of a pipeline must start or stop tracking.
         self._mirrors = config.parallel is not None and config.parallel.sharding == "pipeline"
         self._added: list[NewRequest] = []
+        # Requests the other ranks must forget (pipeline: sampling state; all: trace ids).
         self._removed: list[str] = []
+        # New requests' traces, for the other ranks' own step spans.
+        self._traced: dict[str, RequestTrace] = {}
+        self.tracer = StepTracer()  # the runner reads its spans (GET /v1/traces/{id})
         report("ready", 1.0)
         log.info("engine ready: %s, %d KV blocks of %d, context %d, compute %s",
                  self.model_id, num_blocks, config.block_size, self.max_model_len,
@@ -115,9 +121,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: GrammarSpec | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, trace: RequestTrace | None = None) -> None:
         """Queue a request; raises InvalidParameter, ContextLengthExceeded or InvalidGrammar.
         priority: lower is admitted first and preempted last (the request's x_priority).
+        trace: the trace its steps are recorded in (every rank records its own).
 
         With a grammar, every sampled token is one the grammar accepts, and the request ends
         ("stop") as soon as the grammar is complete."""
@@ -134,6 +141,9 @@ class Engine:
         if self._mirrors:
             self._added.append(NewRequest(request_id, tuple(prompt_token_ids), params))
         self._requests[request_id] = request
+        self.tracer.begin(request_id, trace, time.time_ns())
+        if trace is not None and self.config.parallel is not None:
+            self._traced[request_id] = trace
         self._states[request_id] = _OutputState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop),
@@ -162,7 +172,10 @@ class Engine:
                                    torch.device(self.config.device))
         added, self._added = self._added, []
         removed, self._removed = self._removed, []
-        result = self.executor.step(scheduled, rows, added, removed)
+        traced, self._traced = self._traced, {}
+        started_ns = time.time_ns()
+        result = self.executor.step(scheduled, rows, added, removed, traced)
+        self.tracer.step(scheduled.chunks, started_ns, time.time_ns())
         sampled = {c.request_id: tok for c, tok in zip(sampled_chunks, result.token_ids)}
         self._advance_constraints(sampled)
         for chunk, lp in zip(sampled_chunks, result.logprobs):
@@ -269,7 +282,8 @@ class Engine:
                        token_ids: tuple[int, ...] = ()) -> RequestOutput:
         request = self._requests.pop(request_id)
         state = self._states.pop(request_id)
-        if self._mirrors:
+        self.tracer.end(request_id)
+        if self.config.parallel is not None:
             self._removed.append(request_id)
         return RequestOutput(request_id=request_id, text=text, token_ids=token_ids,
                              finished=True, finish_reason=reason,
