@@ -33,6 +33,7 @@ from shoal.router import ModelUnavailable, Router
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.registry import RunnerRegistry, SupervisorFactory
 from shoal.runner.supervisor import RunnerSupervisor
+from shoal.tracing.otlp import OtlpExporter
 
 log = logging.getLogger("shoal.node")
 
@@ -156,6 +157,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         await cluster.stop()
         await pool.shutdown()
         raise
+    pool.spans.exporter = exporter = OtlpExporter.from_env(
+        {"shoal.role": "node", "shoal.node_id": cluster.node_id, "process.pid": os.getpid()})
     try:
         await _preload(router, default_models(config), stop)
         await _preload(router, config.pool.pinned, stop, pinned=True)
@@ -186,6 +189,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     finally:
         await cluster.stop()
         await router.shutdown()
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)  # sends what is queued (bounded)
 
 
 def is_loopback(host: str) -> bool:

@@ -16,8 +16,11 @@ from shoal.api.anthropic import errors as anthropic_errors
 from shoal.api.auth import ApiKeys, RequireApiKey
 from shoal.api.anthropic import messages as anthropic_messages
 from shoal.api import requests as request_routes
+from shoal.api import traces
 from shoal.api.errors import install_error_handlers, register_error_dialect
 from shoal.api.requests import RequestIds
+from shoal.api.trace_context import TraceContext
+from shoal.tracing.spans import SpanBuffer
 from shoal.metrics import NodeMetrics
 from shoal.api.ollama import embed as ollama_embed
 from shoal.api.ollama import errors as ollama_errors
@@ -45,8 +48,13 @@ def create_app(router: Any, keepalive_s: float = 15.0,
         app.add_middleware(RequireApiKey, keys=api_keys)
     # Fake routers in tests have no metrics of their own.
     app.state.metrics = getattr(router, "metrics", None) or NodeMetrics()
-    app.add_middleware(RequestIds, metrics=app.state.metrics)  # outermost: a 401 too
+    app.add_middleware(RequestIds, metrics=app.state.metrics)  # a 401 too
+    # The node's own spans (the router records queue and load waits there too).
+    spans = getattr(router, "spans", None)  # (an empty buffer is falsy: no `or` here)
+    app.state.spans = spans if spans is not None else SpanBuffer()
+    app.add_middleware(TraceContext, spans=app.state.spans)  # outermost: traceparent on all
     app.include_router(request_routes.router)
+    app.include_router(traces.router)
     app.state.router = router
     app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s
