@@ -1,6 +1,8 @@
-"""A request's trace across a pipeline instance split over two real nodes: GET
+"""Traces and diagnostics across a pipeline instance split over two real nodes: GET
 /v1/traces/{id}, asked of either node, holds the node's queue and server spans and the
-prefill and decode steps of both ranks, as valid Chrome trace JSON (multinode, slow)."""
+prefill and decode steps of both ranks, as valid Chrome trace JSON; GET
+/v1/diagnostics/cluster holds both nodes and both ranks' flight recorders (multinode,
+slow)."""
 
 from __future__ import annotations
 
@@ -72,3 +74,21 @@ def test_a_pipeline_request_s_trace_holds_both_ranks_steps(two_nodes):
                      if e["ph"] == "M" and e["name"] == "process_name"}
         assert len(processes) == 2  # both nodes
         assert "nodes_without_answer" not in trace.get("otherData", {})
+
+
+def test_cluster_diagnostics_hold_every_node_and_both_ranks_flight_recorders(two_nodes):
+    first, second = two_nodes
+    if not any(i["sharding"] == "pipeline" and i["status"] == "ready"
+               for i in cluster_of(first)["instances"]):
+        place(first, "smollm2", "pipeline", 2)
+    response = httpx.get(second.url + "/v1/diagnostics/cluster", timeout=60)
+    assert response.status_code == 200, response.text
+    report = response.json()
+    ids = {cluster_of(node)["node_id"] for node in two_nodes}
+    assert set(report["nodes"]) == ids and report["unanswered"] == {}
+    ranks = {r["rank"]: r for node in report["nodes"].values() for r in node["runners"]}
+    assert set(ranks) == {0, 1}
+    for runner in ranks.values():
+        assert runner["state"] == "ready"
+        assert [s["stage"] for s in runner["flight"]["load"]][-1] == "ready"
+        assert "group" in [s["stage"] for s in runner["flight"]["load"]]

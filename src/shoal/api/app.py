@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shoal.api import admin
+from shoal.api import admin, diagnostics
 from shoal.api.anthropic import errors as anthropic_errors
 from shoal.api.auth import ApiKeys, RequireApiKey
 from shoal.api.anthropic import messages as anthropic_messages
@@ -39,9 +39,10 @@ def _catalog_entries() -> Sequence[Any]:
 def create_app(router: Any, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
                lifespan: Any = None, cluster: Any = None,
-               api_keys: ApiKeys | None = None) -> FastAPI:
+               api_keys: ApiKeys | None = None, diagnose: Any = None) -> FastAPI:
     """The HTTP app over router (shoal.router.Router or anything with its interface), with
-    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given; every
+    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given and the
+    diagnostics routes' answers from diagnose (diagnostics.report.NodeDiagnostics); every
     route but /health and / wants one of api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:
@@ -55,6 +56,8 @@ def create_app(router: Any, keepalive_s: float = 15.0,
     app.add_middleware(TraceContext, spans=app.state.spans)  # outermost: traceparent on all
     app.include_router(request_routes.router)
     app.include_router(traces.router)
+    app.state.diagnostics = diagnose
+    app.include_router(diagnostics.router)
     app.state.router = router
     app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s

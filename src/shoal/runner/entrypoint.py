@@ -82,7 +82,7 @@ def build_engine(load: Load, channel: Channel, records: RunnerRecords | None = N
             channel.send(Status(state="loading", stage=stage,
                                 progress=min(max(float(fraction), 0.0), 1.0)))
 
-    channel.send(Status(state="loading", stage="starting", progress=0.0))
+    progress("starting", 0.0)
     follower = config.parallel is not None and config.parallel.rank > 0
     return resolve_factory(load.engine_factory, config.source.task, follower)(config, progress)
 
