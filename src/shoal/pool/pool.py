@@ -289,15 +289,15 @@ class ModelPool:
         priority order, --parallel and client tiers cover every request its instances
         serve, wherever it arrived. An overload is the stream's one ErrorChunk."""
         queued_ns = time.time_ns()
+        queue_span = {"model": request.model, "for_peer": True}
         try:
             ticket = await self.queue.admit(request.model, request.priority,
                                             request.client_id, warm=True)
         except Overloaded as error:
+            self.spans.record(request.trace, "queue", queued_ns, args=queue_span)
             yield refusal(request.request_id, error)
             return
-        finally:
-            self.spans.record(request.trace, "queue", queued_ns,
-                              args={"model": request.model, "for_peer": True})
+        self.spans.record(request.trace, "queue", queued_ns, args=queue_span)
         try:
             async with contextlib.aclosing(self.submit(instance_id, request)) as stream:
                 async for chunk in stream:
