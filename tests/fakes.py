@@ -84,7 +84,7 @@ class FakeEngine:
         return " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
 
     def add_request(self, request_id, prompt_token_ids, params, grammar=None,
-                    priority=0) -> None:
+                    priority=0, trace=None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:

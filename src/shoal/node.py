@@ -27,12 +27,15 @@ from shoal import logs
 from shoal.api.app import create_app
 from shoal.api.auth import ApiKeys
 from shoal.config import NodeConfig
+from shoal.diagnostics.error_log import RecentErrors
+from shoal.diagnostics.report import NodeDiagnostics
 from shoal.pool.pool import ModelPool
 from shoal.pool.queue import AdmissionQueue
 from shoal.router import ModelUnavailable, Router
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.registry import RunnerRegistry, SupervisorFactory
 from shoal.runner.supervisor import RunnerSupervisor
+from shoal.tracing.otlp import OtlpExporter
 
 log = logging.getLogger("shoal.node")
 
@@ -158,6 +161,11 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         await cluster.stop()
         await pool.shutdown()
         raise
+    pool.spans.exporter = exporter = OtlpExporter.from_env(
+        {"shoal.role": "node", "shoal.node_id": cluster.node_id, "process.pid": os.getpid()})
+    errors = RecentErrors()
+    logging.getLogger().addHandler(errors)  # this node's recent errors, for diagnostics
+    diagnose = NodeDiagnostics(config, pool, cluster, errors)
     try:
         await _preload(router, default_models(config), stop)
         await _preload(router, config.pool.pinned, stop, pinned=True)
@@ -169,7 +177,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
                         "can use every route (set --api-key or --api-keys-file)",
                         config.server.host)
         app = create_app(router, keepalive_s=config.server.keepalive_s,
-                         list_available=list_available, cluster=cluster, api_keys=api_keys)
+                         list_available=list_available, cluster=cluster, api_keys=api_keys,
+                         diagnose=diagnose)
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                         log_level="warning", lifespan="off",
                                         # its records go to our handler (--log-format)
@@ -188,6 +197,9 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     finally:
         await cluster.stop()
         await router.shutdown()
+        logging.getLogger().removeHandler(errors)
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)  # sends what is queued (bounded)
 
 
 def is_loopback(host: str) -> bool:

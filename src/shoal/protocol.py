@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shoal.engine.sampling import SamplingParams
+from shoal.tracing.traceparent import SPAN_ID_PATTERN, TRACE_ID_PATTERN
 
 
 class WireModel(BaseModel):
@@ -58,6 +59,14 @@ class ResponseFormat(WireModel):
     json_schema: dict[str, Any] | None = None  # set exactly when type is "json_schema"
 
 
+class TraceRef(WireModel):
+    """The trace a request belongs to and the span its work happens under (the accepting
+    node's server span): spans recorded for it anywhere name these."""
+
+    trace_id: str = Field(pattern=TRACE_ID_PATTERN)
+    span_id: str = Field(pattern=SPAN_ID_PATTERN)
+
+
 class GenerationRequest(WireModel):
     """One completion job. Exactly one of prompt, messages, prompt_token_ids is set."""
 
@@ -80,6 +89,7 @@ class GenerationRequest(WireModel):
     # Tokenize the prompt and answer AcceptedChunk(prompt_tokens) then FinishChunk, generating
     # nothing: token counting, and loading a model (Ollama's empty prompt) through submit().
     count_only: bool = False
+    trace: TraceRef | None = None  # None: nothing is recorded for it
 
 
 class Usage(WireModel):
@@ -184,6 +194,7 @@ class EmbeddingRequest(WireModel):
     priority: int = 5  # 0 most urgent .. 9 least
     client_id: str | None = None  # as in GenerationRequest
     keep_alive_s: float | None = None  # as in GenerationRequest
+    trace: TraceRef | None = None  # as in GenerationRequest
 
     @model_validator(mode="after")
     def _one_kind_of_input(self) -> EmbeddingRequest:

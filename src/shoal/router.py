@@ -46,6 +46,9 @@ __all__ = ["ModelUnavailable", "Router", "WrongModelTask"]
 
 log = logging.getLogger("shoal.router")
 
+# Finding a loaded instance takes microseconds; a longer wait was a placement or a load.
+_LOAD_SPAN_MIN_NS = 1_000_000
+
 
 class Router:
     def __init__(self, pool: ModelPool, cluster: ClusterService,
@@ -58,6 +61,7 @@ class Router:
         self.placer = Placer(pool, cluster, **placing)
         self._in_flight: dict[str, CancellableStream] = {}  # request id -> its stream
         self.metrics = NodeMetrics()  # GET /metrics
+        self.spans = pool.spans  # the node process's spans (GET /v1/traces/{id})
         self.metrics.watch(self)
 
     @property
@@ -96,6 +100,7 @@ class Router:
         try:
             clock.queued()
             ladder = self._ladder(request.model)
+            placing_ns = time.time_ns()
             try:
                 instance = await self._instance_for_request(request.model, ladder)
                 if instance.model != ticket.model:  # a ladder fell back to another rung
@@ -103,8 +108,10 @@ class Router:
                 if self._here(instance):
                     await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
+                self._record_load(request, placing_ns, None)
                 yield clock.explain(refusal(request.request_id, error))
                 return
+            self._record_load(request, placing_ns, instance)
             clock.loaded()
             keep_alive_s = request.keep_alive_s
             if keep_alive_s is None and ladder is not None:
@@ -112,13 +119,21 @@ class Router:
             request = request.model_copy(update={
                 "model": instance.model, "priority": ticket.priority,
                 "keep_alive_s": keep_alive_s})
-            async with contextlib.aclosing(self._deliver(instance, request)) as stream:
-                async for chunk in stream:
-                    if chunk.kind == "accepted":
-                        chunk = chunk.model_copy(update={"model": instance.model})
-                    elif chunk.kind == "error":
-                        chunk = clock.explain(chunk)
-                    yield chunk
+            delivered_ns = time.time_ns()
+            try:
+                async with contextlib.aclosing(self._deliver(instance, request)) as stream:
+                    async for chunk in stream:
+                        if chunk.kind == "accepted":
+                            chunk = chunk.model_copy(update={"model": instance.model})
+                        elif chunk.kind == "error":
+                            chunk = clock.explain(chunk)
+                        yield chunk
+            finally:
+                here = self._here(instance)
+                self.spans.record(request.trace, "generate" if here else "remote",
+                                  delivered_ns, args={
+                                      "instance": instance.instance_id,
+                                      "node": instance.ranks[0].node_id})
         finally:
             self.queue.release(ticket)
 
@@ -137,15 +152,22 @@ class Router:
             return ticket
         try:
             clock.queued()
+            placing_ns = time.time_ns()
             try:
                 instance = await self.instance_for(request.model, "embed", here_only=True)
                 await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
+                self._record_load(request, placing_ns, None)
                 return clock.explain(refusal(request.request_id, error))
+            self._record_load(request, placing_ns, instance)
             load_s = clock.loaded()
             request = request.model_copy(update={"priority": ticket.priority})
+            embedding_ns = time.time_ns()
             result = await self.pool.embed(instance.instance_id, request,
                                            self._wanted(instance))
+            self.spans.record(request.trace, "embed", embedding_ns,
+                              args={"instance": instance.instance_id,
+                                    "inputs": request.num_inputs})
             if isinstance(result, EmbeddingResult):
                 return result.model_copy(update={"load_duration_s": load_s})
             return clock.explain(result)
@@ -155,11 +177,24 @@ class Router:
     async def _turn(self, request: GenerationRequest | EmbeddingRequest, task: ModelTask,
                     clock: RequestClock) -> Ticket | ErrorChunk:
         """The request's slot once its turn comes, or the ErrorChunk that refuses it."""
+        queued_ns = time.time_ns()
         try:
             return await self._admit(request.model, task, request.priority,
                                      request.client_id)
         except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
             return clock.explain(refusal(request.request_id, error))
+        finally:
+            self.spans.record(request.trace, "queue", queued_ns,
+                              args={"model": request.model, "priority": request.priority})
+
+    def _record_load(self, request: GenerationRequest | EmbeddingRequest, since_ns: int,
+                     instance: Instance | None) -> None:
+        """The wait for an instance to serve the request, when there was one to speak of
+        (a placement, a load): a request for a loaded model has no load span."""
+        if time.time_ns() - since_ns < _LOAD_SPAN_MIN_NS and instance is not None:
+            return
+        self.spans.record(request.trace, "load", since_ns, args={
+            "model": request.model, "instance": instance.instance_id if instance else None})
 
     async def _admit(self, name: str, task: ModelTask, priority: int,
                      client: str | None) -> Ticket:

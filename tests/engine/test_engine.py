@@ -139,3 +139,27 @@ def test_bad_requests_are_refused_clearly(fast_engine):
         fast_engine.add_request("empty", [], SamplingParams(max_tokens=1))
     assert caught.value.param == "prompt"
     assert not fast_engine.has_unfinished_requests()
+
+
+def test_a_traced_request_records_its_wait_prefill_chunks_and_decode_steps(tmp_path):
+    from shoal.tracing.steps import RequestTrace
+
+    engine = Engine(EngineConfig(source=resolve_model(DEFAULT_MODEL_ID),
+                                 kv_cache_bytes=16 * 2**20, max_num_batched_tokens=16,
+                                 max_num_seqs=4, cache_dir=tmp_path))
+    prompt = encode(engine, "one two three four five six seven eight nine ten " * 3)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("traced", prompt, params, trace=RequestTrace("c" * 32, "d" * 16))
+    engine.add_request("untraced", encode(engine, "untraced"), params)
+    engine.add_request("short", encode(engine, "hello"), params, trace=RequestTrace("e" * 32))
+    while engine.has_unfinished_requests():
+        engine.step()
+    spans = engine.tracer.spans.of("c" * 32)
+    chunks = -(-len(prompt) // 16)
+    assert [s["name"] for s in spans] == ["wait"] + ["prefill"] * chunks + ["decode"] * 4
+    prefills = spans[1:1 + chunks]
+    assert sum(s["args"]["tokens"] for s in prefills) == len(prompt)
+    assert [s["args"]["position"] for s in prefills] == list(range(0, len(prompt), 16))
+    assert all(s["dur"] > 0 for s in spans[1:])
+    assert [s["name"] for s in engine.tracer.spans.of("e" * 32)] == ["wait", "prefill"] + \
+        ["decode"] * 4

@@ -16,6 +16,7 @@ from shoal.engine.parallel.plan import (
 from shoal.engine.sampler import SampledLogprobs
 from shoal.engine.sampling import SamplingParams
 from shoal.engine.scheduler_output import ScheduledChunk
+from shoal.tracing.steps import RequestTrace
 
 
 def test_a_step_plan_round_trips():
@@ -33,6 +34,13 @@ def test_a_step_plan_round_trips():
     assert back.removed == ("old",) and back.num_tokens == 4
     assert torch.equal(back.allowed["a"], mask)
     assert decode_plan(encode_plan(StepPlan(kind="keepalive"))).kind == "keepalive"
+
+
+def test_new_requests_traces_travel_in_the_plan():
+    traced = {"a": RequestTrace("a" * 32, "b" * 16), "b": RequestTrace("c" * 32)}
+    back = decode_plan(encode_plan(StepPlan(kind="step", traced=traced)))
+    assert back.traced == traced
+    assert decode_plan(encode_plan(StepPlan(kind="keepalive"))).traced == {}
 
 
 def test_a_sampled_step_round_trips():

@@ -21,8 +21,9 @@ from pydantic import BaseModel
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.requests import record_model, record_request_id
+from shoal.api.trace_context import request_span
 from shoal.engine.speculation.config import REQUEST_CHOICES as SPECULATIVE_CHOICES
-from shoal.protocol import EmbeddingRequest, GenerationRequest
+from shoal.protocol import EmbeddingRequest, GenerationRequest, TraceRef
 
 PRIORITY_HEADER = "X-Shoal-Priority"
 CLIENT_HEADER = "X-Shoal-Client"
@@ -54,8 +55,8 @@ def admission_fields(http_request: Request, x_priority: Any, x_client_id: Any
 
 def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFields
              ) -> InternalRequest:
-    """internal, carrying the priority and client id the body (or the headers) asked for;
-    its id becomes the response's x-request-id."""
+    """internal, carrying the priority and client id the body (or the headers) asked for,
+    and the request's trace; its id becomes the response's x-request-id."""
     record_request_id(http_request, internal.request_id)
     record_model(http_request, internal.model)
     update = admission_fields(http_request, body.x_priority, body.x_client_id)
@@ -63,6 +64,9 @@ def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFi
         choice = _speculative(body.x_speculative)
         if isinstance(internal, GenerationRequest):  # embeddings have nothing to guess
             update["sampling"] = dataclasses.replace(internal.sampling, speculative=choice)
+    span = request_span(http_request.scope.get("state", {}))
+    if span is not None:
+        update["trace"] = TraceRef(trace_id=span.trace_id, span_id=span.span_id)
     return internal.model_copy(update=update)
 
 

@@ -11,14 +11,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shoal.api import admin
+from shoal.api import admin, diagnostics
 from shoal.api.anthropic import errors as anthropic_errors
 from shoal.api.auth import ApiKeys, RequireApiKey
 from shoal.api.dashboard import routes as dashboard
 from shoal.api.anthropic import messages as anthropic_messages
 from shoal.api import requests as request_routes
+from shoal.api import traces
 from shoal.api.errors import install_error_handlers, register_error_dialect
 from shoal.api.requests import RequestIds
+from shoal.api.trace_context import TraceContext
+from shoal.tracing.spans import SpanBuffer
 from shoal.metrics import NodeMetrics
 from shoal.api.ollama import embed as ollama_embed
 from shoal.api.ollama import errors as ollama_errors
@@ -37,17 +40,25 @@ def _catalog_entries() -> Sequence[Any]:
 def create_app(router: Any, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
                lifespan: Any = None, cluster: Any = None,
-               api_keys: ApiKeys | None = None) -> FastAPI:
+               api_keys: ApiKeys | None = None, diagnose: Any = None) -> FastAPI:
     """The HTTP app over router (shoal.router.Router or anything with its interface), with
-    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given; every
+    the cluster routes when cluster (shoal.cluster.service.ClusterService) is given and the
+    diagnostics routes' answers from diagnose (diagnostics.report.NodeDiagnostics); every
     route but /health and / wants one of api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys)
     # Fake routers in tests have no metrics of their own.
     app.state.metrics = getattr(router, "metrics", None) or NodeMetrics()
-    app.add_middleware(RequestIds, metrics=app.state.metrics)  # outermost: a 401 too
+    app.add_middleware(RequestIds, metrics=app.state.metrics)  # a 401 too
+    # The node's own spans (the router records queue and load waits there too).
+    spans = getattr(router, "spans", None)  # (an empty buffer is falsy: no `or` here)
+    app.state.spans = spans if spans is not None else SpanBuffer()
+    app.add_middleware(TraceContext, spans=app.state.spans)  # outermost: traceparent on all
     app.include_router(request_routes.router)
+    app.include_router(traces.router)
+    app.state.diagnostics = diagnose
+    app.include_router(diagnostics.router)
     app.state.router = router
     app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s

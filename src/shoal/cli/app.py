@@ -1,4 +1,5 @@
-"""The `shoal` command: argparse front door for serve, run, pull, models, cluster and ps."""
+"""The `shoal` command: argparse front door for serve, run, pull, models, cluster, ps
+and diagnose."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 
 from shoal import __version__
-from shoal.cli import cluster, models, pull, run, serve
+from shoal.cli import cluster, diagnose, models, pull, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_parser(commands)
     models.add_parser(commands)
     cluster.add_parsers(commands)
+    diagnose.add_parser(commands)
     return parser
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pydantic
 from pydantic import TypeAdapter
 
+from shoal.cluster.queries import ANSWER_FIELD
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.ids import NodeId
 from shoal.protocol import Chunk, ErrorChunk, ErrorCode, chunk_to_wire
@@ -117,6 +118,8 @@ class RemoteStreams:
         return self._streams.get(request_id)
 
     def _on_data(self, message: Any) -> None:
+        if isinstance(message, dict) and ANSWER_FIELD in message:
+            return  # an answer to a cluster query (queries.py shares this key)
         try:
             request_id, seq = str(message["request_id"]), int(message["seq"])
             chunk = _chunks.validate_python(message["chunk"])

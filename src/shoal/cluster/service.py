@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.cluster import traces
 from shoal.cluster.control_plane import ControlPlane
 from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
@@ -37,6 +38,7 @@ from shoal.cluster.events import (
 )
 from shoal.cluster.instances import Instance, PlacementRequest
 from shoal.cluster.node_budget import held_bytes, node_capacities, rank_bytes
+from shoal.cluster.queries import ClusterQueries
 from shoal.cluster.placement import (
     NodeCapacity,
     Placement,
@@ -94,6 +96,9 @@ class ClusterService:
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
         self.streams = RemoteStreams(plane.transport)
+        self.queries = ClusterQueries(plane.transport)  # questions to every node
+        self.queries.serve(traces.QUERY, lambda args: traces.own_part(
+            pool, self.state, self.node_id, str(args["trace_id"])))
         self._pool = pool
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
@@ -110,12 +115,14 @@ class ClusterService:
         self.plane.replica.on_event(self._on_event)
         self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
         self.streams.start()
+        self.queries.start()
         await self.plane.start()
         await self.worker.start()
 
     async def stop(self) -> None:
         await self.worker.stop()
         self.streams.stop()
+        await self.queries.stop()
         await self.plane.stop()
         await self.plane.transport.close()
 

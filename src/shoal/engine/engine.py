@@ -34,6 +34,7 @@ from shoal.engine.speculation.speculator import Speculator
 from shoal.engine.speculation.verify import kept_tokens
 from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
 from shoal.engine.tokenizer.tokenizer import Tokenizer
+from shoal.tracing.steps import RequestTrace, StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,11 @@ class Engine:
         # Requests the sampling rank of a pipeline must start or stop tracking.
         self._mirrors = config.parallel is not None and config.parallel.sharding == "pipeline"
         self._added: list[NewRequest] = []
+        # Requests the other ranks must forget (pipeline: sampling state; all: trace ids).
         self._removed: list[str] = []
+        # New requests' traces, for the other ranks' own step spans.
+        self._traced: dict[str, RequestTrace] = {}
+        self.tracer = StepTracer()  # the runner reads its spans (GET /v1/traces/{id})
         report("ready", 1.0)
         log.info("engine ready: %s, %d KV blocks of %d, context %d, compute %s",
                  self.model_id, num_blocks, config.block_size, self.max_model_len,
@@ -121,9 +126,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: GrammarSpec | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, trace: RequestTrace | None = None) -> None:
         """Queue a request; raises InvalidParameter, ContextLengthExceeded or InvalidGrammar.
         priority: lower is admitted first and preempted last (the request's x_priority).
+        trace: the trace its steps are recorded in (every rank records its own).
 
         With a grammar, every sampled token is one the grammar accepts, and the request ends
         ("stop") as soon as the grammar is complete."""
@@ -147,6 +153,9 @@ class Engine:
         if self._mirrors:
             self._added.append(NewRequest(request_id, tuple(prompt_token_ids), params))
         self._requests[request_id] = request
+        self.tracer.begin(request_id, trace, time.time_ns())
+        if trace is not None and self.config.parallel is not None:
+            self._traced[request_id] = trace
         self._states[request_id] = _OutputState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop),
@@ -175,9 +184,12 @@ class Engine:
         rows = self._sampling_rows(sampled_chunks, torch.device(self.config.device))
         added, self._added = self._added, []
         removed, self._removed = self._removed, []
-        started = time.perf_counter()
-        result = self.executor.step(scheduled, rows, added, removed)
-        self._observe_cost(scheduled, time.perf_counter() - started)
+        traced, self._traced = self._traced, {}
+        started_ns = time.time_ns()
+        result = self.executor.step(scheduled, rows, added, removed, traced)
+        ended_ns = time.time_ns()
+        self.tracer.step(scheduled.chunks, started_ns, ended_ns)
+        self._observe_cost(scheduled, (ended_ns - started_ns) / 1e9)
         sampled = self._kept(sampled_chunks, result.token_ids, result.logprobs)
         self._advance_constraints(sampled)
         finished = {r.request_id for r in self.scheduler.update(scheduled, sampled)}
@@ -325,7 +337,8 @@ class Engine:
         request = self._requests.pop(request_id)
         state = self._states.pop(request_id)
         self._forget_guesses(request_id)
-        if self._mirrors:
+        self.tracer.end(request_id)
+        if self.config.parallel is not None:
             self._removed.append(request_id)
         return RequestOutput(request_id=request_id, text=text, token_ids=token_ids,
                              finished=True, finish_reason=reason,

@@ -43,6 +43,7 @@ from shoal.protocol import (
 )
 from shoal.runner.registry import RunnerRegistry
 from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
+from shoal.tracing.spans import SpanBuffer
 
 __all__ = ["DEFAULT_KEEP_ALIVE_S", "ModelPool", "ModelUnavailable", "Resolver",
            "WrongModelTask", "refusal"]
@@ -98,7 +99,7 @@ class ModelPool:
                  keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
                  load_wait_s: float = DEFAULT_LOAD_WAIT_S,
                  clock: Callable[[], float] = time.time,
-                 queue: AdmissionQueue | None = None) -> None:
+                 queue: AdmissionQueue | None = None, spans: SpanBuffer | None = None) -> None:
         if keep_alive_s is not None and keep_alive_s < 0:
             raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
         self.registry = registry
@@ -111,6 +112,8 @@ class ModelPool:
         self._change: asyncio.Future[None] | None = None  # woken by _notify
         self.unloader: Unloader | None = None  # set by the cluster: deletes an instance
         self.counts = PoolCounts()
+        # The node process's spans (queue and load waits, generations); runners keep theirs.
+        self.spans = spans if spans is not None else SpanBuffer()
 
     # ---- names ----------------------------------------------------------------------------
 
@@ -285,12 +288,16 @@ class ModelPool:
         turn in this node's queue (warm: the instance is placed here), so this node's
         priority order, --parallel and client tiers cover every request its instances
         serve, wherever it arrived. An overload is the stream's one ErrorChunk."""
+        queued_ns = time.time_ns()
+        queue_span = {"model": request.model, "for_peer": True}
         try:
             ticket = await self.queue.admit(request.model, request.priority,
                                             request.client_id, warm=True)
         except Overloaded as error:
+            self.spans.record(request.trace, "queue", queued_ns, args=queue_span)
             yield refusal(request.request_id, error)
             return
+        self.spans.record(request.trace, "queue", queued_ns, args=queue_span)
         try:
             async with contextlib.aclosing(self.submit(instance_id, request)) as stream:
                 async for chunk in stream:

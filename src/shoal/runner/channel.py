@@ -6,6 +6,7 @@ import logging
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from shoal.runner.framing import FrameError, recv_frame, send_frame
@@ -19,13 +20,20 @@ log = logging.getLogger("shoal.runner")
 EOF = object()  # put in the inbox once the supervisor closed the socket
 
 
-class Channel:
-    """The runner's end of the socket: a reader thread fills an inbox; sends are locked."""
+# raw Inspect -> the answer to send (None: nothing to send)
+Answerer = Callable[[dict[str, Any]], RunnerMessage | None]
 
-    def __init__(self, sock: socket.socket) -> None:
+
+class Channel:
+    """The runner's end of the socket: a reader thread fills an inbox; sends are locked.
+    Inspect messages never reach the inbox: the reader thread answers them with answer(),
+    so they are answered while the loop is busy (loading, stepping)."""
+
+    def __init__(self, sock: socket.socket, answer: Answerer | None = None) -> None:
         self._sock = sock
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._send_lock = threading.Lock()
+        self._answer = answer
         threading.Thread(target=self._read_loop, name="runner-reader", daemon=True).start()
 
     def _read_loop(self) -> None:
@@ -38,7 +46,19 @@ class Channel:
             if raw is None:
                 self._inbox.put(EOF)
                 return
+            if self._answer is not None and isinstance(raw, dict) \
+                    and raw.get("type") == "inspect":
+                self._reply(raw)
+                continue
             self._inbox.put(raw)
+
+    def _reply(self, raw: dict[str, Any]) -> None:
+        try:
+            reply = self._answer(raw)  # type: ignore[misc]
+            if reply is not None:
+                self.send(reply)
+        except Exception:  # noqa: BLE001 - an answer that fails must not stop the reader
+            log.exception("answering an inspect message failed")
 
     def receive(self, block: bool, timeout_s: float | None = None) -> list[Any]:
         """All waiting raw messages; with block, wait for at least one (or timeout_s)."""

@@ -11,6 +11,7 @@ is either a Failed message or an exit the supervisor sees; it never leaves a req
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -19,13 +20,15 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shoal import logs
+from shoal.diagnostics.flight import FlightLogHandler
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
 from shoal.runner.memory import MemoryReporter, loading_heap
+from shoal.runner.records import RunnerRecords
 from shoal.runner.messages import (
     Failed,
     Load,
@@ -62,7 +65,7 @@ def resolve_factory(spec: str | None, task: str = "generate",
     return getattr(importlib.import_module(module_name), attribute)
 
 
-def build_engine(load: Load, channel: Channel) -> Any:
+def build_engine(load: Load, channel: Channel, records: RunnerRecords | None = None) -> Any:
     config = load.engine
     if load.engine_factory is None and config.threads is not None:
         import torch
@@ -71,13 +74,15 @@ def build_engine(load: Load, channel: Channel) -> Any:
     last_sent = [0.0]
 
     def progress(stage: str, fraction: float) -> None:
+        if records is not None:
+            records.flight.load_progress(stage, fraction)
         now = time.monotonic()
         if now - last_sent[0] >= _PROGRESS_INTERVAL_S or fraction >= 1.0:
             last_sent[0] = now
             channel.send(Status(state="loading", stage=stage,
                                 progress=min(max(float(fraction), 0.0), 1.0)))
 
-    channel.send(Status(state="loading", stage="starting", progress=0.0))
+    progress("starting", 0.0)
     follower = config.parallel is not None and config.parallel.rank > 0
     return resolve_factory(load.engine_factory, config.source.task, follower)(config, progress)
 
@@ -105,8 +110,9 @@ def start_watchdog(parent_pid: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="runner-watchdog", daemon=True).start()
 
 
-def serve(sock: socket.socket) -> int:
-    channel = Channel(sock)
+def serve(sock: socket.socket, records: RunnerRecords | None = None) -> int:
+    records = records or RunnerRecords()
+    channel = Channel(sock, answer=records.answer)
     try:
         first = channel.receive(block=True)
         if first[0] is EOF:
@@ -116,28 +122,16 @@ def serve(sock: socket.socket) -> int:
             raise ValueError(f"the first message must be load, not {load.type}")
         try:
             with loading_heap():
-                engine = build_engine(load, channel)
+                engine = build_engine(load, channel, records)
         except Exception as error:  # noqa: BLE001 - reported, then exit
+            records.flight.load_failed()
             log.error("loading %s failed:\n%s", load.engine.source.model_id, traceback.format_exc())
             channel.send(Failed(message=str(error) or type(error).__name__,
                                 error_type=type(error).__name__))
             return 2
-        memory = MemoryReporter(engine, channel.send)
-        memory.report()  # before ready: the supervisor knows the figures once it is ready
-        if getattr(engine, "is_follower", False):
-            return serve_rank(engine, channel, first[1:], memory)
-        channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
-        loop = RunnerLoop(engine, channel, memory)
-        try:
-            for raw in first[1:]:
-                if not loop.handle(raw):
-                    return 0
-            loop.run()
-        finally:
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()  # the other ranks of a parallel instance stop too
-        return 0
+        records.watch(engine)
+        with exporting_spans(engine, load):
+            return serve_engine(engine, channel, first[1:])
     except SupervisorGone:
         return 0
     except EngineBroken as error:
@@ -146,6 +140,50 @@ def serve(sock: socket.socket) -> int:
     except (BrokenPipeError, ConnectionError) as error:
         log.error("runner socket failed: %s", error)
         return 0
+
+
+def serve_engine(engine: Any, channel: Channel, early: list[Any]) -> int:
+    """Serve the loaded engine: rank 0's loop, or a follower rank's; early: messages that
+    came with Load."""
+    memory = MemoryReporter(engine, channel.send)
+    memory.report()  # before ready: the supervisor knows the figures once it is ready
+    if getattr(engine, "is_follower", False):
+        return serve_rank(engine, channel, early, memory)
+    channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
+    loop = RunnerLoop(engine, channel, memory)
+    try:
+        for raw in early:
+            if not loop.handle(raw):
+                return 0
+        loop.run()
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()  # the other ranks of a parallel instance stop too
+    return 0
+
+
+@contextlib.contextmanager
+def exporting_spans(engine: Any, load: Load) -> Iterator[None]:
+    """While serving: the engine's spans also go to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is
+    set (flushed when the runner stops)."""
+    tracer = getattr(engine, "tracer", None)
+    exporter = None
+    if tracer is not None:
+        from shoal.tracing.otlp import OtlpExporter
+
+        parallel = load.engine.parallel
+        exporter = OtlpExporter.from_env({
+            "shoal.role": "runner", "shoal.model": load.engine.source.model_id,
+            "shoal.rank": parallel.rank if parallel is not None else 0,
+            "process.pid": os.getpid()})
+        tracer.spans.exporter = exporter
+    try:
+        yield
+    finally:
+        if exporter is not None:
+            tracer.spans.exporter = None
+            exporter.shutdown()
 
 
 def serve_rank(engine: Any, channel: Channel, early: list[Any], memory: MemoryReporter) -> int:
@@ -182,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args(argv)
     logs.configure("runner", "runner %(process)d %(levelname)s %(message)s")
+    records = RunnerRecords()
+    logging.getLogger().addHandler(FlightLogHandler(records.flight))
     start_watchdog(args.parent_pid if args.parent_pid is not None else os.getppid())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     try:
-        return serve(sock)
+        return serve(sock, records)
     finally:
         sock.close()
 

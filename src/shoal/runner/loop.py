@@ -23,6 +23,7 @@ from shoal.protocol import (
     TokenChunk,
     ToolCallChunk,
     TopLogprobItem,
+    TraceRef,
     Usage,
 )
 from shoal.runner.channel import EOF, Channel, SupervisorGone
@@ -38,6 +39,7 @@ from shoal.runner.messages import (
     parse_to_runner,
 )
 from shoal.runner.tool_stream import IndexedCall, ToolCallStream
+from shoal.tracing.steps import RequestTrace
 from shoal.runner.tool_use import (
     TemplateToolSupport,
     chat_prompt,
@@ -52,6 +54,10 @@ log = logging.getLogger("shoal.runner")
 
 def engine_task(engine: Any) -> str:
     return getattr(engine, "task", "generate")
+
+
+def request_trace(trace: TraceRef | None) -> RequestTrace | None:
+    return None if trace is None else RequestTrace(trace.trace_id, trace.span_id)
 
 
 def _logprob_items(logprobs: tuple[TokenLogprob, ...]) -> tuple[LogprobItem, ...]:
@@ -180,7 +186,8 @@ class RunnerLoop:
             if not request.count_only:
                 grammar = output_grammar(request, self.tool_support.call_format)
                 self.engine.add_request(request_id, ids, request.sampling, grammar=grammar,
-                                        priority=request.priority)
+                                        priority=request.priority,
+                                        trace=request_trace(request.trace))
         except InvalidGrammar as error:
             param = grammar_param(request)
             self._error(request_id, "invalid_request",

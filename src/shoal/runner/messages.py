@@ -1,7 +1,7 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
-supervisor -> runner: Load, Submit, Embed, Cancel, Shutdown
-runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Failed
+supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown
+runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed
 Each travels as one msgpack frame (see framing.py): model_dump() out, validate on arrival.
 """
 
@@ -43,6 +43,25 @@ class Embed(RunnerMessage):
 class Cancel(RunnerMessage):
     type: Literal["cancel"] = "cancel"
     request_id: str
+
+
+class Inspect(RunnerMessage):
+    """Asks what the runner recorded: one trace's spans, or its flight recorder. The
+    socket's reader thread answers (an Inspection) at once, mid-step or mid-load alike."""
+
+    type: Literal["inspect"] = "inspect"
+    query_id: int
+    what: Literal["trace", "flight"]
+    trace_id: str | None = None  # what == "trace"
+
+
+class Inspection(RunnerMessage):
+    """The answer to Inspect query_id: {"spans": [...]} for a trace (spans.Span.to_wire),
+    the flight recorder's snapshot for "flight"."""
+
+    type: Literal["inspection"] = "inspection"
+    query_id: int
+    body: dict[str, Any]
 
 
 class Shutdown(RunnerMessage):
@@ -117,20 +136,22 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Load | Submit | Embed | Cancel | Shutdown, Field(discriminator="type")]
-FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Failed,
+ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown,
+                    Field(discriminator="type")]
+FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed,
                       Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)
 
 
-def parse_to_runner(raw: dict[str, Any]) -> Load | Submit | Embed | Cancel | Shutdown:
+def parse_to_runner(raw: dict[str, Any]
+                    ) -> Load | Submit | Embed | Cancel | Inspect | Shutdown:
     return _to_runner.validate_python(raw)
 
 
-def parse_from_runner(raw: dict[str, Any]
-                      ) -> Status | ChunkMessage | ChunkBatch | MemoryUsage | Failed:
+def parse_from_runner(raw: dict[str, Any]) -> (
+        Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed):
     return _from_runner.validate_python(raw)
 
 

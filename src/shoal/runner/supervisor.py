@@ -35,6 +35,8 @@ from shoal.runner.messages import (
     ChunkMessage,
     Embed,
     Failed,
+    Inspect,
+    Inspection,
     Load,
     MemoryUsage,
     ModelInfo,
@@ -97,6 +99,8 @@ class RunnerSupervisor:
         self._state_changed = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._stopping = False
+        self._inspections: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_query = 0
 
     # ---- public -----------------------------------------------------------------------
 
@@ -178,6 +182,26 @@ class RunnerSupervisor:
             return await self._requests.next_chunk(request_id, pending)
         finally:
             self._requests.close(request_id, pending)
+
+    async def inspect(self, what: str, trace_id: str | None = None,
+                      timeout_s: float = 1.0) -> dict[str, Any] | None:
+        """What the runner recorded (Inspect: a trace's spans, or its flight recorder);
+        None when no runner process is up or it did not answer within timeout_s."""
+        process = self._process
+        if process is None or process.writer is None:
+            return None
+        self._next_query += 1
+        query_id = self._next_query
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._inspections[query_id] = answer
+        try:
+            self._send(Inspect(query_id=query_id, what=what, trace_id=trace_id))
+            async with asyncio.timeout(timeout_s):
+                return await answer
+        except TimeoutError:
+            return None
+        finally:
+            self._inspections.pop(query_id, None)
 
     async def cancel(self, request_id: str) -> None:
         self._requests.cancel(request_id, "the request was cancelled by the server")
@@ -318,6 +342,10 @@ class RunnerSupervisor:
                 self._requests.deliver(chunk)
         elif isinstance(message, MemoryUsage):
             self.memory = message
+        elif isinstance(message, Inspection):
+            answer = self._inspections.get(message.query_id)
+            if answer is not None and not answer.done():
+                answer.set_result(message.body)
         elif isinstance(message, Status):
             self.load_stage, self.load_progress = message.stage, message.progress
             if message.state == "ready" and message.model is not None:

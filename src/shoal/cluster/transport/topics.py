@@ -29,6 +29,8 @@ class Topic(StrEnum):
     STATE_SYNC = "state_sync"          # follower ↔ master: snapshot + log tail
     ELECTION = "election"              # all ↔ all: candidacies and master heartbeats
     TELEMETRY = "telemetry"            # all → all: last-writer-wins readings
+    QUERIES = "queries"                # any → all: questions (traces, diagnostics); the
+                                       # answers go to the asker's data key
 
 
 def check_node_id(node: str) -> NodeId:

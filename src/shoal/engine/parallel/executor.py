@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -32,6 +32,7 @@ from shoal.engine.parallel.plan import (
 from shoal.engine.parallel.sampling_mirror import SamplingMirror
 from shoal.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.tracing.steps import RequestTrace, StepTracer
 
 log = logging.getLogger("shoal.parallel")
 
@@ -69,7 +70,8 @@ class Executor(Protocol):
     """How the engine runs one step's forward pass and sampling."""
 
     def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
-             added: Sequence[NewRequest], removed: Sequence[str]) -> SamplerOutput: ...
+             added: Sequence[NewRequest], removed: Sequence[str],
+             traced: Mapping[str, RequestTrace]) -> SamplerOutput: ...
 
     def idle(self, removed: Sequence[str] = ()) -> None: ...
 
@@ -84,7 +86,8 @@ class LocalExecutor:
         self._sampler = sampler
 
     def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
-             added: Sequence[NewRequest] = (), removed: Sequence[str] = ()) -> SamplerOutput:
+             added: Sequence[NewRequest] = (), removed: Sequence[str] = (),
+             traced: Mapping[str, RequestTrace] | None = None) -> SamplerOutput:
         logits = self._runner.execute(scheduled)  # [num_sampled, vocab] float32
         return self._sampler(logits, rows)
 
@@ -108,12 +111,14 @@ class LeaderExecutor:
         self._last_sent = time.monotonic()
 
     def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
-             added: Sequence[NewRequest], removed: Sequence[str]) -> SamplerOutput:
+             added: Sequence[NewRequest], removed: Sequence[str],
+             traced: Mapping[str, RequestTrace] | None = None) -> SamplerOutput:
         sampled_ids = [c.request_id for c in scheduled.chunks if c.needs_sample]
         allowed = {rid: row.allowed_tokens for rid, row in zip(sampled_ids, rows)
                    if row.allowed_tokens is not None}
         self._send_plan(StepPlan(kind="step", chunks=scheduled.chunks, added=tuple(added),
-                                 removed=tuple(removed), allowed=allowed))
+                                 removed=tuple(removed), allowed=allowed,
+                                 traced=dict(traced or {})))
         if self._config.sharding == "tensor":
             logits = self._runner.execute(scheduled)  # [S, V]; layers sum across ranks
             return self._sampler(logits, rows)
@@ -152,12 +157,13 @@ class Follower:
     """A rank other than 0: mirrors rank 0's steps until told to stop."""
 
     def __init__(self, runner, group: RankGroup, config: ParallelConfig, wire: HiddenWire,
-                 mirror: SamplingMirror | None) -> None:
+                 mirror: SamplingMirror | None, tracer: StepTracer | None = None) -> None:
         self._runner = runner
         self._group = group
         self._config = config
         self._wire = wire
         self._mirror = mirror  # the last pipeline rank's sampling state
+        self.tracer = tracer or StepTracer(rank=config.rank)  # this rank's step spans
         self.steps = 0
 
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
@@ -171,9 +177,15 @@ class Follower:
                     return
                 if self._mirror is not None:
                     self._mirror.apply(plan)
+                for request_id, trace in plan.traced.items():
+                    self.tracer.begin(request_id, trace)
                 busy = plan.kind == "step"
                 if busy:
+                    started_ns = time.time_ns()
                     self._step(plan)
+                    self.tracer.step(plan.chunks, started_ns, time.time_ns())
+                for request_id in plan.removed:
+                    self.tracer.end(request_id)
         finally:
             self._group.close()
 

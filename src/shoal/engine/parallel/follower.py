@@ -18,6 +18,7 @@ from shoal.engine.parallel.executor import Follower
 from shoal.engine.parallel.sampling_mirror import SamplingMirror
 from shoal.engine.parallel.setup import set_up_rank
 from shoal.engine.sampler import Sampler
+from shoal.tracing.steps import StepTracer
 
 log = logging.getLogger("shoal.parallel")
 
@@ -44,8 +45,9 @@ class FollowerEngine:
         mirror = None
         if parallel.sharding == "pipeline" and parallel.is_last:
             mirror = SamplingMirror(Sampler(eos_token_ids=setup.eos_token_ids), config.device)
+        self.tracer = StepTracer(rank=parallel.rank)  # the runner reads its spans
         self._follower = Follower(self.runner, setup.group, parallel, setup.hidden_wire(),
-                                  mirror)
+                                  mirror, self.tracer)
         report("ready", 1.0)
         log.info("rank %d of %d ready: %s layers %d-%d, %d KV blocks", parallel.rank,
                  parallel.world_size, self.model_id, parallel.layer_start, parallel.layer_end,

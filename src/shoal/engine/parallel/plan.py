@@ -4,7 +4,8 @@ Rank 0 owns the scheduler. Before each forward pass it sends every other rank a 
 the chunks to compute (token ids, positions, block tables), the requests the sampling rank
 must start tracking (prompt and sampling parameters) or forget, and the grammar masks of
 constrained rows. While idle it sends keep-alive plans, and a shutdown plan at the end.
-The last pipeline rank samples and answers with a SampledStep.
+The last pipeline rank samples and answers with a SampledStep. Each new request's trace
+travels once, so every rank records its own step spans in the request's trace.
 
 Both travel as msgpack (never pickle: a rank must not run code a peer sends it).
 """
@@ -22,6 +23,7 @@ import torch
 from shoal.engine.sampler import SampledLogprobs
 from shoal.engine.sampling import SamplingParams
 from shoal.engine.scheduler_output import ScheduledChunk
+from shoal.tracing.steps import RequestTrace
 
 PlanKind = Literal["step", "keepalive", "shutdown"]
 
@@ -41,6 +43,8 @@ class StepPlan:
     removed: tuple[str, ...] = ()
     # request id -> bool [vocab] of the tokens its grammar allows next
     allowed: dict[str, torch.Tensor] = field(default_factory=dict)
+    # new requests' traces (sent once; a removed id is forgotten): each rank's step spans
+    traced: dict[str, RequestTrace] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +69,7 @@ def encode_plan(plan: StepPlan) -> bytes:
         "removed": list(plan.removed),
         "allowed": {rid: [int(mask.numel()), np.packbits(mask.cpu().numpy()).tobytes()]
                     for rid, mask in plan.allowed.items()},
+        "traced": {rid: [trace.trace_id, trace.span_id] for rid, trace in plan.traced.items()},
     }, use_bin_type=True)
 
 
@@ -79,8 +84,10 @@ def decode_plan(data: bytes) -> StepPlan:
     allowed = {rid: torch.from_numpy(np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
                                                    count=size).astype(bool))
                for rid, (size, bits) in raw["allowed"].items()}
+    traced = {rid: RequestTrace(trace_id, span_id)
+              for rid, (trace_id, span_id) in raw["traced"].items()}
     return StepPlan(kind=raw["kind"], chunks=chunks, added=added,
-                    removed=tuple(raw["removed"]), allowed=allowed)
+                    removed=tuple(raw["removed"]), allowed=allowed, traced=traced)
 
 
 def encode_sampled(step: SampledStep) -> bytes:
