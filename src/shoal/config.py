@@ -78,8 +78,9 @@ class EngineDefaults:
         from shoal.catalog.cards import load_builtin_catalog
         from shoal.catalog.resolve import find_card
 
+        catalog = load_builtin_catalog() if self.speculative else ()
         for name, speculative in self.speculative:
-            card = find_card(name, load_builtin_catalog())
+            card = find_card(name, catalog)
             if name.lower() == model_id.lower() or (card is not None and any(
                     model_id.lower() == other.lower() for other in card.names)):
                 return speculative

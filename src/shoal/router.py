@@ -29,6 +29,7 @@ from shoal.cluster.service import ClusterService
 from shoal.engine.config import ModelSource, ModelTask
 from shoal.metrics import NodeMetrics
 from shoal.pool.cancellable import CancellableStream
+from shoal.pool.chooser import InstanceChooser
 from shoal.pool.clock import RequestClock
 from shoal.pool.ladders import Ladder, UnknownTask, task_name
 from shoal.pool.placer import Placer
@@ -59,6 +60,7 @@ class Router:
         self.queue = pool.queue
         self.ladders = dict(ladders or {})
         self.placer = Placer(pool, cluster, **placing)
+        self.chooser = InstanceChooser(pool, cluster)
         self._in_flight: dict[str, CancellableStream] = {}  # request id -> its stream
         self.metrics = NodeMetrics()  # GET /metrics
         self.spans = pool.spans  # the node process's spans (GET /v1/traces/{id})
@@ -105,7 +107,7 @@ class Router:
                 instance = await self._instance_for_request(request.model, ladder)
                 if instance.model != ticket.model:  # a ladder fell back to another rung
                     ticket = await self._requeue(ticket, instance.model)
-                if self._here(instance):
+                if self.chooser.here(instance):
                     await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
                 self._record_load(request, placing_ns, None)
@@ -129,7 +131,7 @@ class Router:
                             chunk = clock.explain(chunk)
                         yield chunk
             finally:
-                here = self._here(instance)
+                here = self.chooser.here(instance)
                 self.spans.record(request.trace, "generate" if here else "remote",
                                   delivered_ns, args={
                                       "instance": instance.instance_id,
@@ -140,7 +142,7 @@ class Router:
     def _deliver(self, instance: Instance, request: GenerationRequest) -> AsyncIterator[Any]:
         """The request's chunks from the instance's serving rank: through the pool when it
         runs here, as a cluster task otherwise."""
-        if self._here(instance):
+        if self.chooser.here(instance):
             return self.pool.submit(instance.instance_id, request, self._wanted(instance))
         return self.cluster.submit_remote(request, instance.instance_id)
 
@@ -221,7 +223,7 @@ class Router:
         try:
             model_id, _ = await self.pool.identify(name, task)
         except ModelNotFound:
-            model_id = self._cluster_model_named(name)
+            model_id = self.chooser.model_named(name)
             if model_id is None:
                 raise
         return model_id
@@ -232,15 +234,15 @@ class Router:
         afterwards (or unloading after its keep-alive)."""
         if keep_alive_s == 0:
             model_id, _ = await self.pool.identify(name)
-            instances = self._live_instances(model_id)
+            instances = self.chooser.live(model_id)
             for instance in instances:
-                if self._here(instance):
+                if self.chooser.here(instance):
                     self.pool.unload(instance.instance_id)
                 else:
                     self.cluster.delete(instance.instance_id, "unloaded by request")
             return bool(instances)
         instance = await self.instance_for(name, None)
-        if self._here(instance):
+        if self.chooser.here(instance):
             await self._local_runner(instance)
             self.pool.hold(instance.instance_id, keep_alive_s)
             self.pool.release(instance.instance_id)
@@ -253,14 +255,15 @@ class Router:
             model_id, source = await self.pool.identify(name)
             instance = await self.placer.place(model_id,
                                                source or await self.pool.resolve(name),
-                                         keep_alive_s=None, here_only=False, pinned=pinned)
-            if self._here(instance):
+                                               keep_alive_s=None, here_only=False,
+                                               pinned=pinned)
+            if self.chooser.here(instance):
                 await self._local_runner(instance)
 
     def canonical_id(self, name: str) -> str:
         canonical = self.pool.canonical_id(name)
         if canonical == name:
-            return self._cluster_model_named(name) or name
+            return self.chooser.model_named(name) or name
         return canonical
 
     def task_of(self, name: str) -> ModelTask | None:
@@ -321,7 +324,7 @@ class Router:
                     pinned: bool = False) -> Instance:
         instance = await self.instance_for(model, "generate", keep_alive_s=keep_alive_s,
                                            pinned=pinned)
-        if self._here(instance):
+        if self.chooser.here(instance):
             await self._local_runner(instance)
         return instance
 
@@ -343,10 +346,10 @@ class Router:
         except ModelNotFound:
             # Not resolvable here (a path on another machine, say): an instance of that
             # name elsewhere in the cluster can still serve it.
-            model_id = self._cluster_model_named(name)
+            model_id = self.chooser.model_named(name)
             if model_id is None or here_only:
                 raise
-        chosen = self._choose(model_id, here_only)
+        chosen = self.chooser.choose(model_id, here_only)
         if chosen is not None:
             return chosen
         if source is None:
@@ -356,44 +359,7 @@ class Router:
                                        here_only=here_only, pinned=pinned)
 
     def _ready_instance(self, name: str) -> Instance | None:
-        """A live instance of the model that serves now (a runner here that has loaded counts
-        before the state hears of it)."""
-        state = self.cluster.state
-        for instance in self._live_instances(self.canonical_id(name)):
-            if state.instance_status(instance.instance_id) == "ready":
-                return instance
-            runner = self.pool.registry.get((instance.instance_id, 0))
-            if runner is not None and runner.state == "ready":
-                return instance
-        return None
-
-    def _choose(self, model_id: str, here_only: bool) -> Instance | None:
-        state = self.cluster.state
-        candidates = []
-        for instance in self._live_instances(model_id):
-            here = self._here(instance)
-            if here_only and not (here and len(instance.ranks) == 1):
-                continue
-            status = state.instance_status(instance.instance_id)
-            candidates.append((status != "ready", not here,
-                               len(state.tasks_of(instance.instance_id)),
-                               instance.instance_id, instance))
-        return min(candidates, key=lambda c: c[:4])[4] if candidates else None
-
-    def _live_instances(self, model_id: str) -> list[Instance]:
-        """Instances of the model that may take a request: not failed, not retiring, their
-        serving node reachable."""
-        state, peers = self.cluster.state, self.cluster.peers
-        out = []
-        for instance in state.instances_of(model_id):
-            server = instance.ranks[0].node_id
-            if server != self.cluster.node_id and server not in peers:
-                continue
-            if (self.pool.is_retiring(instance.instance_id)
-                    or state.instance_status(instance.instance_id) == "failed"):
-                continue
-            out.append(instance)
-        return out
+        return self.chooser.ready(self.canonical_id(name))
 
     async def _local_runner(self, instance: Instance) -> RunnerSupervisor:
         """The instance's serving runner here, once loaded (ModelUnavailable if not)."""
@@ -406,14 +372,3 @@ class Router:
             reason = self.cluster.deletion_reason(instance.instance_id)
             return f"model {instance.model!r} cannot serve: {reason or 'it was unloaded'}"
         return gone
-
-    def _here(self, instance: Instance) -> bool:
-        return instance.ranks[0].node_id == self.cluster.node_id
-
-    def _cluster_model_named(self, name: str) -> str | None:
-        wanted = name.lower()
-        for instance in self.cluster.state.instances.values():
-            if instance.model.lower() == wanted:
-                return instance.model
-        return None
-

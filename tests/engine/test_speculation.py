@@ -128,7 +128,7 @@ def test_speculator_guesses_for_requests_that_ask_and_refuses_a_missing_draft_mo
     speculator.add("grammar", prompt, SamplingParams(speculative="ngram"), constrained=True)
     requests = [Request(rid, prompt, SamplingParams(max_tokens=5))
                 for rid in ("on", "off", "grammar")]
-    speculator.propose(requests)
+    speculator.propose(requests, max_rows=64)
     guessed, off, constrained = (r.draft_token_ids for r in requests)
     assert guessed and guessed == [3, 4, 1, 2][:len(guessed)]  # the length is adaptive
     assert off == constrained == []
@@ -142,8 +142,18 @@ def test_guesses_never_reach_past_max_tokens():
     speculator.add("r", [1, 2, 3, 4, 5, 1, 2], SamplingParams(), constrained=False)
     request = Request("r", [1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=3))
     request.output_token_ids = [3]
-    speculator.propose([request])
+    speculator.propose([request], max_rows=64)
     assert request.draft_token_ids == [4]  # 1 output + 1 kept guess + 1 own token = 3
+
+
+def test_guesses_keep_the_step_within_the_fused_kernel_s_rows():
+    speculator = Speculator(SpeculativeConfig("ngram", 8), "m")
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    requests = [Request(f"r{i}", prompt, SamplingParams()) for i in range(3)]
+    for request in requests:
+        speculator.add(request.request_id, prompt, SamplingParams(), constrained=False)
+    speculator.propose(requests, max_rows=8)  # 3 rows of their own leave 5 for guesses
+    assert sum(len(r.draft_token_ids) for r in requests) == 5
 
 
 def test_a_bad_per_request_choice_names_the_field():

@@ -25,6 +25,7 @@ from shoal.engine.outputs import FinishReason, RequestOutput, TokenLogprob, TopL
 from shoal.engine.parallel.executor import Executor, LeaderExecutor, LocalExecutor
 from shoal.engine.parallel.plan import NewRequest
 from shoal.engine.parallel.setup import set_up_rank
+from shoal.engine.kernels.decode import FUSED_MAX_ROWS
 from shoal.engine.request import Request
 from shoal.engine.sampler import Sampler, SamplingRow, position_generator
 from shoal.engine.sampling import InvalidParameter, SamplingParams
@@ -175,7 +176,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish_output(rid, "abort") for rid in self._drain_aborted()]
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.decoding())
+            self.speculator.propose(self.scheduler.decoding(), FUSED_MAX_ROWS)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self.idle()

@@ -1,11 +1,17 @@
-"""Stopping a runner process: the bounded cleanup chain join -> SIGTERM -> SIGKILL."""
+"""A runner process: starting it and its connection back, and stopping it (the bounded
+cleanup chain join -> SIGTERM -> SIGKILL)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("shoal.supervisor")
 
@@ -25,3 +31,45 @@ async def stop_process(proc: asyncio.subprocess.Process, grace_s: float,
                 await proc.wait()
     if proc.returncode is None:
         log.error("runner %d did not die after SIGKILL", proc.pid)
+
+
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def spawn_runner(env: Mapping[str, str], connect_timeout_s: float,
+                       terminate_grace_s: float,
+                       started: Callable[[asyncio.subprocess.Process], None]) -> Streams | None:
+    """Start `python -m shoal.runner.entrypoint` and wait up to connect_timeout_s for it to
+    dial back over a private unix socket. started(proc) is told of the process at once (so a
+    shutdown meanwhile can stop it). Returns its streams, or None when it exited or stayed
+    silent (it is then stopped)."""
+    socket_dir = tempfile.mkdtemp(prefix="shoal-runner-")
+    socket_path = os.path.join(socket_dir, "runner.sock")
+    connected: asyncio.Future[Streams] = asyncio.get_running_loop().create_future()
+
+    def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not connected.done():
+            connected.set_result((reader, writer))
+        else:
+            writer.close()
+
+    server = await asyncio.start_unix_server(on_connect, path=socket_path)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shoal.runner.entrypoint", "--socket", socket_path,
+            "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.DEVNULL, env=dict(env))
+        started(proc)
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            await asyncio.wait({connected, exited}, timeout=connect_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if not connected.done():
+            connected.cancel()
+            await stop_process(proc, 0.1, terminate_grace_s)
+            return None
+        return connected.result()
+    finally:
+        server.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)

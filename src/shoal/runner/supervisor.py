@@ -11,10 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
-import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -48,7 +44,7 @@ from shoal.runner.messages import (
     to_wire,
 )
 from shoal.runner.options import SupervisorOptions
-from shoal.runner.process import stop_process
+from shoal.runner.process import spawn_runner, stop_process
 from shoal.runner.process_env import runner_environment
 
 log = logging.getLogger("shoal.supervisor")
@@ -277,43 +273,21 @@ class RunnerSupervisor:
             self._set_state("failed")
 
     async def _spawn(self) -> None:
-        socket_dir = tempfile.mkdtemp(prefix="shoal-runner-")
-        socket_path = os.path.join(socket_dir, "runner.sock")
-        connected: asyncio.Future = asyncio.get_running_loop().create_future()
+        def started(proc: asyncio.subprocess.Process) -> None:
+            self._process = _Process(proc=proc)
 
-        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            if not connected.done():
-                connected.set_result((reader, writer))
-            else:
-                writer.close()
-
-        server = await asyncio.start_unix_server(on_connect, path=socket_path)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "shoal.runner.entrypoint", "--socket", socket_path,
-                "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.DEVNULL,
-                env=runner_environment(self.options.env))
-            process = _Process(proc=proc)
-            self._process = process
-            await self._connect(process, connected)
-        finally:
-            server.close()
-            shutil.rmtree(socket_dir, ignore_errors=True)
-
-    async def _connect(self, process: _Process, connected: asyncio.Future) -> None:
-        exited = asyncio.ensure_future(process.proc.wait())
-        try:
-            await asyncio.wait({connected, exited}, timeout=self.options.load_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            exited.cancel()
-        if not connected.done():
-            connected.cancel()
-            await stop_process(process.proc, 0.1, self.options.terminate_grace_s)
+        streams = await spawn_runner(runner_environment(self.options.env),
+                                     self.options.load_timeout_s,
+                                     self.options.terminate_grace_s, started)
+        process = self._process
+        if process is None:  # shut down meanwhile (shutdown stopped the process)
+            if streams is not None:
+                streams[1].close()
+            return
+        if streams is None:
             await self._on_exit(process, "it exited before connecting")
             return
-        reader, writer = connected.result()
-        process.writer = writer
+        reader, process.writer = streams
         self._send(Load(engine=self.config, engine_factory=self.options.engine_factory))
         process.reader_task = asyncio.get_running_loop().create_task(
             self._read_loop(process, reader))

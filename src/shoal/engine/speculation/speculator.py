@@ -7,7 +7,7 @@ position, verify.kept_tokens keeps the agreeing prefix, and record() adapts the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.engine.request import Request
@@ -52,8 +52,11 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self._guessing.pop(request_id, None)
 
-    def propose(self, decoding: Iterable[Request]) -> None:
-        """Set draft_token_ids on the decoding requests that guess this step."""
+    def propose(self, decoding: Sequence[Request], max_rows: int) -> None:
+        """Set draft_token_ids on the decoding requests that guess this step, keeping the
+        step's decode rows (one per generated token and guess) within max_rows, so that
+        they all run on the fused decode kernel and keep plain decoding's bits."""
+        spare = max_rows - len(decoding)
         for request in decoding:
             guessing = self._guessing.get(request.request_id)
             if guessing is None:
@@ -66,8 +69,10 @@ class Speculator:
             if max_tokens is not None:
                 # The step adds the kept guesses plus one token of the model's own.
                 count = min(count, max_tokens - len(outputs) - 1)
+            count = min(count, spare)
             if count > 0:
                 request.draft_token_ids = guessing.index.propose(count)
+                spare -= len(request.draft_token_ids)
 
     def record(self, request_id: str, proposed: int, kept: int) -> None:
         guessing = self._guessing.get(request_id)
