@@ -200,13 +200,35 @@ class NodeConfig:
             raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
 
     def engine_config(self, source: ModelSource) -> EngineConfig:
+        speculative = self.engine.speculation_for(source.model_id)
         return EngineConfig(source=source, dtype=self.engine.dtype,  # type: ignore[arg-type]
                             threads=self.engine.threads,
                             kv_cache_bytes=self.engine.kv_cache_bytes,
                             max_model_len=self.engine.max_model_len,
                             kv_cache_dtype=self.engine.kv_cache_dtype,  # type: ignore[arg-type]
-                            speculative=self.engine.speculation_for(source.model_id),
+                            speculative=speculative,
+                            draft_source=self._draft_source(speculative),
                             cache_dir=self.data_dir / "cache")
+
+    def _draft_source(self, speculative: SpeculativeConfig | None) -> ModelSource | None:
+        if speculative is None or speculative.method != "draft":
+            return None
+        from shoal.catalog.resolve import resolve_model
+
+        return resolve_model(speculative.draft_model, data_dir=self.data_dir)
+
+    def check_draft_models(self) -> None:
+        """Refuse, at start, a draft model that is missing or does not share its target's
+        tokenizer (ValueError naming both)."""
+        from shoal.catalog.resolve import resolve_model
+        from shoal.engine.speculation.draft import check_draft_pair
+
+        for name, speculative in self.engine.speculative:
+            if speculative.method != "draft":
+                continue
+            target = resolve_model(name, data_dir=self.data_dir)
+            draft = resolve_model(speculative.draft_model, data_dir=self.data_dir)
+            check_draft_pair(target, draft, self.data_dir / "cache")
 
 
 def _pick(flag, env: Mapping[str, str], name: str):
@@ -333,11 +355,6 @@ def _speculative(flags: Sequence[str], env: Mapping[str, str]
     """--speculative MODEL=SPEC values, else SHOAL_SPECULATIVE (comma-separated)."""
     values = list(flags) or [v for v in env.get("SHOAL_SPECULATIVE", "").split(",") if v.strip()]
     parsed = tuple(parse_assignment(value) for value in values)
-    for name, speculative in parsed:
-        if speculative.method == "draft":
-            # The engine verifies guesses; a draft model's runner is not wired to it yet.
-            raise ValueError(f"--speculative {name}=draft:{speculative.draft_model}: draft-model "
-                             f"speculation is not available yet; use {name}=ngram[:K]")
     names = [name.lower() for name, _ in parsed]
     if len(set(names)) != len(names):
         raise ValueError("--speculative names a model twice")

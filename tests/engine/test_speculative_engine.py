@@ -14,6 +14,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.sampling import SamplingParams
 from shoal.engine.speculation.config import SpeculativeConfig
+from shoal.engine.speculation.length import DraftLength
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +164,33 @@ def test_guessing_leaves_the_sampled_distribution_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_module, "kept_tokens", keep_every_guess)
     wrong = histogram(True, "w", honest=False)
     assert p_value(plain, wrong) < 1e-6
+
+
+@pytest.mark.parametrize("model, draft, dtype, max_tokens", [
+    ("smollm2-135m-instruct", "smollm2-135m-instruct", "float32", 100),
+    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "float32", 24),
+    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "auto", 60),
+])
+def test_greedy_output_is_the_same_with_a_draft_model(model, draft, dtype, max_tokens,
+                                                      tmp_path, monkeypatch):
+    """One engine with a draft model; its plain runs ask for x_speculative "off". Every
+    step guesses its most (whether or not that pays on this machine today)."""
+    monkeypatch.setattr(DraftLength, "wanted", lambda length: length.most)
+    engine = make_engine(model, dtype, SpeculativeConfig("draft", 6, draft), tmp_path)
+    plain = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative="off")
+    guessed = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    prompts = PROMPTS if dtype == "auto" or "smollm2" in model else \
+        {"chat": PROMPTS["chat"]}  # a 1.5B model in float32 decodes slowly
+    requests = {name: chat_ids(engine, text) for name, text in prompts.items()}
+    alone = {name: generate(engine, {name: (ids, plain)})[name]
+             for name, ids in requests.items()}
+    together = generate(engine, {name: (ids, guessed) for name, ids in requests.items()})
+    proposed = accepted = 0
+    for name in prompts:
+        assert together[name]["ids"] == alone[name]["ids"], name
+        assert alone[name]["last"].draft_tokens == 0
+        proposed += together[name]["last"].draft_tokens
+        accepted += together[name]["last"].accepted_draft_tokens
+    assert accepted > 0
+    if model != draft:
+        assert accepted < proposed  # a smaller model guesses wrong sometimes

@@ -139,6 +139,11 @@ def run_serve(args: argparse.Namespace) -> int:
                                    max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                    parallel=args.parallel, clients=args.clients,
                                    tasks=args.tasks))
+    try:
+        config.check_draft_models()
+    except (ValueError, LookupError) as error:
+        print(f"shoal: --speculative: {error}", file=sys.stderr)
+        return 1
     chosen = logs.configure("node", "%(asctime)s %(name)s %(levelname)s %(message)s",
                             args.log_format)
 

@@ -65,6 +65,8 @@ class EngineConfig:
     # Speculative decoding for every request of this model (--speculative); None: only
     # requests asking for it (x_speculative) speculate.
     speculative: SpeculativeConfig | None = None
+    # The draft model's files (speculative method "draft"); None: resolved by its name.
+    draft_source: ModelSource | None = None
 
     def __post_init__(self) -> None:
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:

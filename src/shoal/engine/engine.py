@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import check_context
 from shoal.engine.grammar import Constraint, GrammarCompiler
@@ -31,6 +32,7 @@ from shoal.engine.sampler import Sampler, SamplingRow, position_generator
 from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.engine.scheduler_output import ScheduledChunk
+from shoal.engine.speculation.draft import DraftModel, check_same_tokenizer
 from shoal.engine.speculation.speculator import Speculator
 from shoal.engine.speculation.verify import kept_tokens
 from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
@@ -101,8 +103,13 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
         # Guessed tokens are verified by this process's sampler: a model served whole only.
-        self.speculator = Speculator(config.speculative, self.model_id) \
-            if config.parallel is None else None
+        self.draft: DraftModel | None = None
+        self.speculator: Speculator | None = None
+        if config.parallel is None:
+            if config.speculative is not None and config.speculative.method == "draft":
+                report("draft", 0.0)
+                self.draft = self._load_draft(config, num_blocks)
+            self.speculator = Speculator(config.speculative, self.model_id, self.draft)
         self._requests: dict[str, Request] = {}
         self._states: dict[str, _OutputState] = {}
         self._aborted: list[str] = []
@@ -207,6 +214,11 @@ class Engine:
             removed, self._removed = self._removed, []
             self.executor.idle(removed)
 
+    def weight_bytes(self) -> int:
+        """The model's weights, and its draft model's."""
+        draft = self.draft.loaded.weight_bytes if self.draft is not None else 0
+        return self.loaded.weight_bytes + draft
+
     def close(self) -> None:
         """Release the engine's group: the other ranks of a parallel instance stop."""
         self.executor.shutdown()
@@ -220,6 +232,17 @@ class Engine:
         }
 
     # ---- helpers --------------------------------------------------------------------------
+
+    def _load_draft(self, config: EngineConfig, num_blocks: int) -> DraftModel:
+        """The draft model named by --speculative, refused unless it shares the tokenizer;
+        its KV cache holds as many tokens as the target's (at the draft's smaller size)."""
+        name = config.speculative.draft_model
+        source = config.draft_source or resolve_model(name)
+        check_weights_fit(source)
+        tokenizer = Tokenizer.load(source, cache_dir=config.cache_dir)
+        check_same_tokenizer(self.model_id, self.tokenizer, source.model_id, tokenizer)
+        return DraftModel.load(source, config.dtype, config.device, num_blocks,
+                               config.block_size, self.vocab_size)
 
     def _drain_aborted(self) -> list[str]:
         aborted, self._aborted = self._aborted, []

@@ -1,0 +1,160 @@
+"""A draft model: a smaller model with the target's tokenizer guesses the next k tokens.
+
+It runs in the target's runner process on a ModelRunner and KV cache of its own (the target
+waits for its guesses anyway; another process on the same cores would only add a hop). Per
+request it keeps the tokens whose KV it holds; each call cuts that copy back to where it
+agrees with the context (rejected guesses go), feeds the new tokens as one chunk, then
+decodes k tokens greedily. Greedy guesses are a deterministic function of the context, so
+verify.kept_tokens keeps the output exactly the target's, whatever the target samples with.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.engine.config import ModelSource
+from shoal.engine.kv.block_pool import BlockPool
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.models.loader import LoadedModel, load_model
+from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from shoal.engine.speculation.proposer import Proposal, common_prefix
+from shoal.engine.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# The most tokens fed to the draft in one forward pass (a long prompt is fed in pieces).
+CHUNK_TOKENS = 512
+
+
+class DraftMismatch(ValueError):
+    """The draft model cannot guess for the target: their tokenizers differ."""
+
+
+def check_same_tokenizer(target_id: str, target: Tokenizer, draft_id: str,
+                         draft: Tokenizer) -> None:
+    """Refuse a draft whose token ids mean other text than the target's: its guesses would
+    be other words (never wrong output, since the target verifies, but never kept)."""
+    target_vocab = target.backend.get_vocab(with_added_tokens=True)
+    draft_vocab = draft.backend.get_vocab(with_added_tokens=True)
+    if target_vocab == draft_vocab:
+        return
+    differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+    raise DraftMismatch(
+        f"draft model {draft_id!r} cannot guess for {target_id!r}: their tokenizers differ "
+        f"({len(draft_vocab)} and {len(target_vocab)} tokens, {differing} entries not shared)")
+
+
+def check_draft_pair(target: ModelSource, draft: ModelSource, cache_dir=None) -> None:
+    """check_same_tokenizer on two models' files (at start, before either loads)."""
+    check_same_tokenizer(target.model_id, Tokenizer.load(target, cache_dir=cache_dir),
+                         draft.model_id, Tokenizer.load(draft, cache_dir=cache_dir))
+
+
+@dataclass
+class _Session:
+    tokens: list[int] = field(default_factory=list)  # the tokens whose KV the draft holds
+    blocks: list[int] = field(default_factory=list)
+
+
+class DraftModel:
+    """A Proposer (proposer.py) on a local model. vocab_size: the target's; guesses are
+    drawn from the ids both models know."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 vocab_size: int, device: str | torch.device = "cpu") -> None:
+        self.loaded = loaded
+        self.block_size = block_size
+        self.vocab_size = min(vocab_size, loaded.config.vocab_size)
+        self.runner = ModelRunner(loaded, num_blocks, block_size, device)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
+        self.max_tokens = num_blocks * block_size
+        self._sessions: dict[str, _Session] = {}
+
+    @classmethod
+    def load(cls, source: ModelSource, dtype: str, device: str, num_blocks: int,
+             block_size: int, vocab_size: int) -> DraftModel:
+        loaded = load_model(source, dtype, device=device)
+        log.info("draft model %s loaded (%.0f MiB)", source.model_id,
+                 loaded.weight_bytes / 2**20)
+        return cls(loaded, num_blocks, block_size, vocab_size, device)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
+
+    @torch.inference_mode()
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal | None:
+        if k < 1 or not context:
+            return None
+        session = self._sessions.setdefault(request_id, _Session())
+        # Keep the shared prefix, less the context's last token: it is fed again, since
+        # its logits give the first guess.
+        keep = min(common_prefix(session.tokens, context), len(context) - 1)
+        k = min(k, self.max_tokens - len(context) + 1)
+        if k < 1:
+            return None
+        self._cut(session, keep)
+        # This call writes KV up to the last guess but one: context + k - 1 positions.
+        if not self._reserve(session, len(context) + k - 1):
+            return None
+        logits = self._feed(session, list(context[keep:]), keep)
+        tokens: list[int] = []
+        probs: list[float] = []
+        while True:
+            token, prob = self._pick(logits)
+            tokens.append(token)
+            probs.append(prob)
+            if len(tokens) == k:
+                break
+            logits = self._feed(session, [token], len(context) + len(tokens) - 1)
+        session.tokens = list(context) + tokens[:-1]
+        return Proposal(tokens, probs)
+
+    def forget(self, request_id: str) -> None:
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            self.pool.free(session.blocks)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _cut(self, session: _Session, keep: int) -> None:
+        """Hold KV for the first `keep` tokens only (later slots are simply overwritten)."""
+        del session.tokens[keep:]
+        needed = -(-keep // self.block_size)
+        if len(session.blocks) > needed:
+            self.pool.free(session.blocks[needed:])
+            del session.blocks[needed:]
+
+    def _reserve(self, session: _Session, positions: int) -> bool:
+        missing = -(-positions // self.block_size) - len(session.blocks)
+        if missing <= 0:
+            return True
+        if not self.pool.can_allocate(missing):
+            return False  # no room now: this step decodes without guesses
+        session.blocks.extend(self.pool.allocate(missing))
+        return True
+
+    def _feed(self, session: _Session, token_ids: list[int], start: int) -> torch.Tensor:
+        """Write KV for token_ids at positions start.. and return the logits after the last
+        one: float32 [vocab]."""
+        blocks = tuple(session.blocks)
+        logits = None
+        for offset in range(0, len(token_ids), CHUNK_TOKENS):
+            piece = tuple(token_ids[offset:offset + CHUNK_TOKENS])
+            last = offset + len(piece) == len(token_ids)
+            chunk = ScheduledChunk(request_id="draft", token_ids=piece,
+                                   start_position=start + offset, block_ids=blocks,
+                                   needs_sample=last, prompt=len(piece) > 1)
+            logits = self.runner.execute(SchedulerOutput(chunks=(chunk,)))
+        return logits[0]
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, float]:
+        """The greedy guess and the draft's probability of it."""
+        logits = logits[:self.vocab_size].float()
+        token = int(torch.argmax(logits))
+        prob = float(torch.exp(logits[token] - torch.logsumexp(logits, dim=0)))
+        return token, prob
