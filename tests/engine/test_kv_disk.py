@@ -216,3 +216,58 @@ def test_a_slow_disk_costs_the_step_one_bound_and_then_nothing(tmp_path, monkeyp
     assert time.monotonic() - started < 0.1
     release.set()
     tier.close()
+
+
+def run_prompt(scheduler, prefixes, request_id, prompt):
+    """Drive one request to its end with a fake model (token 7 each step)."""
+    from shoal.engine.request import Request
+    from shoal.engine.sampling import SamplingParams
+
+    scheduler.add(Request(request_id=request_id, prompt_token_ids=list(prompt),
+                          params=SamplingParams(max_tokens=2, ignore_eos=True)))
+    prefixes.arrived(request_id)
+    admitted_with = None
+    while scheduler.has_unfinished():
+        prefixes.before_schedule()
+        output = scheduler.schedule()
+        if admitted_with is None:
+            admitted_with = output.chunks[0].start_position
+        scheduler.update(output, {c.request_id: 7 for c in output.chunks if c.needs_sample})
+        prefixes.after_update()
+    return admitted_with
+
+
+def engine_side(directory, seed):
+    """A scheduler, a random 'computed' cache and the disk tier glue, as an engine has."""
+    from shoal.engine.kv.disk_prefixes import DiskPrefixes
+    from shoal.engine.kv.transfer import PrefixTransfer
+    from shoal.engine.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=BLOCK,
+                                          max_num_batched_tokens=8, max_num_seqs=4,
+                                          max_model_len=64, record_cached_blocks=True))
+    generator = torch.Generator().manual_seed(seed)
+    cache = [torch.randn((6, 16 * BLOCK, 8), generator=generator) for _ in range(2)]
+    transfer = PrefixTransfer(scheduler.pool, lambda: cache, BLOCK)
+    return scheduler, cache, DiskPrefixes(open_tier(directory), transfer, scheduler)
+
+
+def test_a_restarted_engine_admits_a_stored_prompt_with_its_blocks_computed(tmp_path):
+    prompt = list(range(60, 74))  # 3 full blocks and 2 tokens more
+    scheduler, cache, prefixes = engine_side(tmp_path, seed=1)
+    assert run_prompt(scheduler, prefixes, "first", prompt) == 0
+    hashes = extend_block_hashes([], prompt, BLOCK)
+    original = [[t[:, b * BLOCK:(b + 1) * BLOCK].clone() for t in cache]
+                for b in scheduler.pool.find_cached(hashes)]
+    assert len(original) == 3
+    prefixes.close()
+    assert len(list(tmp_path.glob("*.kv"))) == 3
+
+    scheduler, cache, prefixes = engine_side(tmp_path, seed=2)  # RAM empty, other values
+    assert run_prompt(scheduler, prefixes, "again", prompt) == 3 * BLOCK
+    assert prefixes.stats()["kv_disk_loaded_blocks"] == 3
+    restored = scheduler.pool.find_cached(hashes)
+    for block_id, tensors in zip(restored, original):
+        for layer, expected in zip(cache, tensors):
+            assert torch.equal(layer[:, block_id * BLOCK:(block_id + 1) * BLOCK], expected)
+    prefixes.close()
