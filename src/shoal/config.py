@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shoal.cluster.tls import ClusterTls, rank_key, read_cluster_tls
 from shoal.durations import parse_duration_s
-from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.config import EngineConfig, KvDiskConfig, ModelSource
 from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
 from shoal.pool.queue import QueueLimits
 
@@ -72,6 +72,9 @@ class EngineDefaults:
     kv_cache_dtype: str = "auto"
     # --speculative: (model name as given, how it speculates), applied by speculation_for.
     speculative: tuple[tuple[str, SpeculativeConfig], ...] = ()
+    # --kv-disk / --kv-disk-ttl: the SSD tier's bytes per model (None: off), entries' TTL.
+    kv_disk_bytes: int | None = None
+    kv_disk_ttl_s: float = 7 * 24 * 3600.0
 
     def speculation_for(self, model_id: str) -> SpeculativeConfig | None:
         """The speculation named for a model, by its id or any catalogue name of it."""
@@ -98,6 +101,8 @@ class EngineDefaults:
             raise ValueError("kv cache memory must be at least 1 MiB")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError("max model length must be >= 16")
+        if self.kv_disk_bytes is not None:  # the same checks as the engine's, at start
+            KvDiskConfig(Path("."), self.kv_disk_bytes, self.kv_disk_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,10 @@ class NodeConfig:
                             kv_cache_dtype=self.engine.kv_cache_dtype,  # type: ignore[arg-type]
                             speculative=speculative,
                             draft_source=self._draft_source(speculative),
-                            cache_dir=self.data_dir / "cache")
+                            cache_dir=self.data_dir / "cache",
+                            kv_disk=None if self.engine.kv_disk_bytes is None else KvDiskConfig(
+                                self.data_dir / "kv", self.engine.kv_disk_bytes,
+                                self.engine.kv_disk_ttl_s))
 
     def _draft_source(self, speculative: SpeculativeConfig | None) -> ModelSource | None:
         if speculative is None or speculative.method != "draft":
@@ -312,12 +320,15 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       pool: PoolSettings | None = None,
                       api_keys: Sequence[str] = (), api_keys_file: str | None = None,
                       speculative: Sequence[str] = (),
+                      kv_disk: str | None = None, kv_disk_ttl: str | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment.
     ValueError when a value is invalid or the API keys file cannot be read."""
     env = os.environ if env is None else env
     env_models = [m.strip() for m in env.get("SHOAL_MODELS", "").split(",") if m.strip()]
     size = _pick(kv_cache_memory, env, "SHOAL_KV_CACHE_MEMORY")
+    disk = _pick(kv_disk, env, "SHOAL_KV_DISK")
+    disk_ttl = _pick(kv_disk_ttl, env, "SHOAL_KV_DISK_TTL")
     directory = _pick(data_dir, env, "SHOAL_DATA_DIR")
     port_value = _as_int(_pick(port, env, "SHOAL_PORT"), "port")
     server = ServerConfig(host=_pick(host, env, "SHOAL_HOST") or DEFAULT_HOST,
@@ -330,7 +341,9 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
         max_model_len=_as_int(_pick(max_model_len, env, "SHOAL_MAX_MODEL_LEN"),
                               "max model length"),
         kv_cache_dtype=_pick(kv_cache_dtype, env, "SHOAL_KV_CACHE_DTYPE") or "auto",
-        speculative=_speculative(speculative, env))
+        speculative=_speculative(speculative, env),
+        kv_disk_bytes=None if disk in (None, "off", "0") else parse_size(disk),
+        kv_disk_ttl_s=7 * 24 * 3600.0 if disk_ttl is None else parse_duration_s(disk_ttl))
     runner = RunnerLimits(
         load_timeout_s=_as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
         or 600.0,

@@ -47,6 +47,10 @@ def test_flags_beat_env_beat_defaults(tmp_path):
     ({"threads": 0}, {}, "threads"),
     ({"dtype": "float8"}, {}, "dtype"),
     ({"kv_cache_memory": "12zz"}, {}, "invalid size"),
+    ({"kv_disk": "lots"}, {}, "invalid size"),
+    ({"kv_disk": "1KiB"}, {}, "at least 1 MiB"),
+    ({"kv_disk": "1GiB"}, {"SHOAL_KV_DISK_TTL": "-5m"}, "TTL must be positive"),
+    ({"kv_disk": "1GiB", "kv_disk_ttl": "soon"}, {}, "invalid duration"),
 ])
 def test_bad_values_raise_value_errors(kwargs, env, message):
     with pytest.raises(ValueError, match=message):
@@ -195,3 +199,19 @@ def test_a_rank_s_runner_gets_the_cluster_s_rank_key_and_never_shows_it(tmp_path
     # It reaches the runner process in its Load message (over the local socket only).
     arrived = parse_to_runner(to_wire(Load(engine=supervisor.config)))
     assert arrived.engine.parallel.rank_key == key
+
+
+def test_the_kv_disk_tier_is_off_by_default_and_sized_by_flag_or_env(tmp_path):
+    from pathlib import Path
+
+    from shoal.engine.config import ModelSource
+
+    source = ModelSource(model_id="m", format="gguf", path=Path(__file__))
+    assert build_node_config(env={}).engine_config(source).kv_disk is None
+    env = {"SHOAL_KV_DISK": "2GiB", "SHOAL_KV_DISK_TTL": "24h", "SHOAL_DATA_DIR": str(tmp_path)}
+    disk = build_node_config(env=env).engine_config(source).kv_disk
+    assert disk.max_bytes == 2 * 1024**3 and disk.ttl_s == 24 * 3600
+    assert disk.root == tmp_path / "kv"
+    flagged = build_node_config(kv_disk="512MiB", env=env).engine_config(source).kv_disk
+    assert flagged.max_bytes == 512 * 1024**2 and flagged.ttl_s == 24 * 3600
+    assert build_node_config(kv_disk="off", env=env).engine_config(source).kv_disk is None

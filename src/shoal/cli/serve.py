@@ -37,6 +37,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("serve", help="serve models over an OpenAI-compatible API")
+    parser.add_argument("--kv-disk", default=None, metavar="SIZE",
+                        help="keep prefix KV blocks on disk under the data dir, up to SIZE per "
+                             "model, e.g. 4GiB; they survive restarts (SHOAL_KV_DISK; off)")
+    parser.add_argument("--kv-disk-ttl", default=None, metavar="DURATION",
+                        help="drop a block kept on disk after this long unused, e.g. 24h "
+                             "(SHOAL_KV_DISK_TTL; 168h)")
     parser.add_argument("--host", default=None, help="bind address (SHOAL_HOST; 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None,
                         help=f"port (SHOAL_PORT; {DEFAULT_PORT})")
@@ -130,6 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
                                kv_cache_dtype=args.kv_cache_dtype,
                                kv_cache_memory=args.kv_cache_memory,
+                               kv_disk=args.kv_disk, kv_disk_ttl=args.kv_disk_ttl,
                                keep_alive=args.keep_alive, preload=args.preload,
                                api_keys=args.api_key, api_keys_file=args.api_keys_file,
                                speculative=args.speculative,

@@ -39,6 +39,26 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
+class KvDiskConfig:
+    """The SSD tier for prefix KV blocks (--kv-disk): under `root`, one directory per model
+    identity (kv/disk_prefixes.py), at most max_bytes each, entries kept ttl_s after last use."""
+
+    root: Path
+    max_bytes: int
+    ttl_s: float = 7 * 24 * 3600.0
+    # The longest a step waits for the disk when a prompt's blocks are read.
+    read_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1024 * 1024:
+            raise ValueError("the KV disk tier needs at least 1 MiB (--kv-disk)")
+        if not self.ttl_s > 0:
+            raise ValueError("the KV disk TTL must be positive (--kv-disk-ttl)")
+        if not self.read_timeout_s > 0:
+            raise ValueError("the KV disk read timeout must be positive")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     source: ModelSource
     dtype: DType = "auto"
@@ -67,6 +87,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # The draft model's files (speculative method "draft"); None: resolved by its name.
     draft_source: ModelSource | None = None
+    # Prefix KV blocks also kept on disk (--kv-disk); None: RAM only.
+    kv_disk: KvDiskConfig | None = None
 
     def __post_init__(self) -> None:
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:

@@ -19,6 +19,8 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.errors import check_context
 from shoal.engine.grammar import Constraint, GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
+from shoal.engine.kv.disk_prefixes import open_disk_prefixes
+from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer, TransferError
 from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
@@ -97,9 +99,13 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
+                record_cached_blocks=config.kv_disk is not None and config.parallel is None,
             ),
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
+        self.transfer = PrefixTransfer(self.scheduler.pool, self.runner.block_tensors,
+                                       config.block_size)
+        self.disk = open_disk_prefixes(config, self.loaded, self.transfer, self.scheduler)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
         # Guessed tokens are verified by this process's sampler: a model served whole only.
@@ -158,6 +164,8 @@ class Engine:
         except Exception:
             self._forget_guesses(request_id)
             raise
+        if self.disk is not None:
+            self.disk.arrived(request_id)
         if self._mirrors:
             self._added.append(NewRequest(request_id, tuple(prompt_token_ids), params))
         self._requests[request_id] = request
@@ -175,6 +183,22 @@ class Engine:
             self.scheduler.abort(request_id)
             self._aborted.append(request_id)
 
+    def export_prefix(self, token_ids: list[int],
+                      max_blocks: int | None = None) -> PrefixBlocks | None:
+        """The KV of the longest prefix of token_ids (read as a prompt) that this engine
+        holds in full blocks, copied to the CPU; None when it holds none. Between steps."""
+        return self.transfer.export(token_ids, max_blocks)
+
+    def import_prefix(self, blocks: PrefixBlocks) -> int:
+        """Verify prefix blocks (hash chain, shapes, dtypes, finite values) and store the
+        ones not cached yet, so a prompt starting with them skips computing them. Returns
+        how many were stored (0 when the pool is too full); TransferError when they fail
+        verification or this engine is one rank of a split model. Between steps."""
+        if self.config.parallel is not None:
+            raise TransferError("prefix blocks move only into a model served whole; every "
+                                "rank of a split model would need its own share")
+        return self.transfer.import_(blocks)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -184,6 +208,8 @@ class Engine:
         outputs = [self._finish_output(rid, "abort") for rid in self._drain_aborted()]
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.decoding(), FUSED_MAX_ROWS)
+        if self.disk is not None:
+            self.disk.before_schedule()  # stored prefixes become cached blocks
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self.idle()
@@ -201,6 +227,8 @@ class Engine:
         sampled = self._kept(sampled_chunks, result.token_ids, result.logprobs)
         self._advance_constraints(sampled)
         finished = {r.request_id for r in self.scheduler.update(scheduled, sampled)}
+        if self.disk is not None:
+            self.disk.after_update()  # new prompt blocks, copied before anything reuses them
         for request_id in sampled:
             output = self._emit(request_id, request_id in finished)
             if output is not None:
@@ -220,7 +248,10 @@ class Engine:
         return self.loaded.weight_bytes + draft
 
     def close(self) -> None:
-        """Release the engine's group: the other ranks of a parallel instance stop."""
+        """Release the engine's group (the other ranks of a parallel instance stop) and
+        write out the disk tier's queue."""
+        if self.disk is not None:
+            self.disk.close()
         self.executor.shutdown()
 
     def stats(self) -> dict:
@@ -229,6 +260,7 @@ class Engine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **self.scheduler.stats(),
+            **(self.disk.stats() if self.disk is not None else {}),
         }
 
     # ---- helpers --------------------------------------------------------------------------
