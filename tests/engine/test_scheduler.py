@@ -317,3 +317,26 @@ def test_bookkeeping_imports_no_torch():
     code = ("import sys, shoal.engine.scheduler, shoal.engine.kv.block_pool; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_newly_cached_prompt_blocks_are_listed_once_with_their_chain():
+    from shoal.engine.kv.prefix_cache import ROOT_HASH, extend_block_hashes
+
+    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=6,
+                                          max_num_seqs=4, max_model_len=512,
+                                          record_cached_blocks=True), eos_token_ids=[EOS])
+    prompt = list(range(1, 15))  # 3 full prompt blocks; generated tokens fill a 4th
+    scheduler.add(make_request("a", prompt, max_tokens=6, ignore_eos=True))
+    listed = []
+    while scheduler.has_unfinished():
+        step(scheduler)
+        listed += scheduler.drain_cached_blocks()
+    hashes = extend_block_hashes([], prompt, 4)
+    assert [b.block_hash for b in listed] == hashes
+    assert [b.parent_hash for b in listed] == [ROOT_HASH] + hashes[:2]
+    assert [b.token_ids for b in listed] == [tuple(prompt[i:i + 4]) for i in (0, 4, 8)]
+    # The same prompt again hits the cache: nothing new to list.
+    scheduler.add(make_request("b", prompt, max_tokens=1))
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert scheduler.drain_cached_blocks() == []

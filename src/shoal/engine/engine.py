@@ -18,6 +18,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.errors import check_context
 from shoal.engine.grammar import Constraint, GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
+from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer, TransferError
 from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
@@ -98,6 +99,8 @@ class Engine:
             ),
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
+        self.transfer = PrefixTransfer(self.scheduler.pool, self.runner.block_tensors,
+                                       config.block_size)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
         # Guessed tokens are verified by this process's sampler: a model served whole only.
@@ -167,6 +170,22 @@ class Engine:
         if request_id in self._requests:
             self.scheduler.abort(request_id)
             self._aborted.append(request_id)
+
+    def export_prefix(self, token_ids: list[int],
+                      max_blocks: int | None = None) -> PrefixBlocks | None:
+        """The KV of the longest prefix of token_ids (read as a prompt) that this engine
+        holds in full blocks, copied to the CPU; None when it holds none. Between steps."""
+        return self.transfer.export(token_ids, max_blocks)
+
+    def import_prefix(self, blocks: PrefixBlocks) -> int:
+        """Verify prefix blocks (hash chain, shapes, dtypes, finite values) and store the
+        ones not cached yet, so a prompt starting with them skips computing them. Returns
+        how many were stored (0 when the pool is too full); TransferError when they fail
+        verification or this engine is one rank of a split model. Between steps."""
+        if self.config.parallel is not None:
+            raise TransferError("prefix blocks move only into a model served whole; every "
+                                "rank of a split model would need its own share")
+        return self.transfer.import_(blocks)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -82,6 +82,12 @@ class ModelRunner:
         # attend_rows): its result does not depend on how its prompt was split.
         self._row_attention = self.model.plan.kernel is not None and self.device.type == "cpu"
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor whose axis 1 is the slot axis, layer by layer: what moving a
+        block's KV out of or into this cache copies (kv/transfer.py). A quantized cache
+        lists its scale tensors here too."""
+        return list(self.kv_caches)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shoal.engine.errors import ContextLengthExceeded
 from shoal.engine.kv.block_pool import BlockPool
-from shoal.engine.kv.prefix_cache import extend_block_hashes
+from shoal.engine.kv.prefix_cache import ROOT_HASH, CachedBlock, extend_block_hashes
 from shoal.engine.outputs import FinishReason
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -31,6 +31,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_model_len: int
     enable_prefix_caching: bool = True
+    # Keep a list of newly registered prompt blocks (drain_cached_blocks) for the disk tier.
+    record_cached_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -55,6 +57,7 @@ class Scheduler:
         self._running: list[Request] = []   # sorted by Request.sort_key
         self._next_arrival = 0
         self.num_preemptions = 0
+        self._cached_blocks: list[CachedBlock] = []
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -72,6 +75,12 @@ class Scheduler:
     def decoding(self) -> list[Request]:
         """Running requests whose next step computes one generated token."""
         return [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
+
+    def drain_cached_blocks(self) -> list[CachedBlock]:
+        """Prompt blocks registered since the last call (record_cached_blocks): their KV
+        is valid until the next schedule() may hand a freed one to another request."""
+        drained, self._cached_blocks = self._cached_blocks, []
+        return drained
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -322,6 +331,13 @@ class Scheduler:
         if num_full <= request.num_registered_blocks:
             return
         hashes = self._block_hashes(request)
+        prompt_blocks = len(request.prompt_token_ids) // self.block_size
         for index in range(request.num_registered_blocks, num_full):
-            self.pool.cache_block(hashes[index], request.block_ids[index])
+            cached = self.pool.cache_block(hashes[index], request.block_ids[index])
+            if cached and self.config.record_cached_blocks and index < prompt_blocks:
+                size = self.block_size
+                self._cached_blocks.append(CachedBlock(
+                    request.block_ids[index], hashes[index],
+                    hashes[index - 1] if index else ROOT_HASH,
+                    tuple(request.prompt_token_ids[index * size:(index + 1) * size])))
         request.num_registered_blocks = num_full

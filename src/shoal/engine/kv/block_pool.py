@@ -114,10 +114,10 @@ class BlockPool:
                     # Uncached content is worthless: reuse this block before evicting any.
                     self._free.move_to_end(block_id, last=False)
 
-    def cache_block(self, block_hash: bytes, block_id: int) -> None:
-        """Register a fully computed block under its chained hash."""
-        if self.enable_prefix_caching:
-            self.prefix_cache.insert(block_hash, block_id)
+    def cache_block(self, block_hash: bytes, block_id: int) -> bool:
+        """Register a fully computed block under its chained hash. False when it was not
+        (caching off, or the content is already cached in another block)."""
+        return self.enable_prefix_caching and self.prefix_cache.insert(block_hash, block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after weights change); in-use blocks stay valid."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 # The parent of a request's first block.
 ROOT_HASH = b"shoal-prefix-root"
@@ -53,6 +54,16 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
         parent = hash_block(parent, block, generated=(index + 1) * block_size > limit)
         hashes.append(parent)
     return hashes
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """A prompt block just registered: where its KV sits and the chain it belongs to."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
 
 
 class PrefixCache:
