@@ -90,6 +90,9 @@ class GenerationRequest(WireModel):
     # nothing: token counting, and loading a model (Ollama's empty prompt) through submit().
     count_only: bool = False
     trace: TraceRef | None = None  # None: nothing is recorded for it
+    # x_session_id: a conversation's turns go to the instance that served it last (its KV
+    # is there) while that instance lives; never reaches the model.
+    session_id: str | None = None
 
 
 class Usage(WireModel):

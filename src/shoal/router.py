@@ -104,7 +104,8 @@ class Router:
             ladder = self._ladder(request.model)
             placing_ns = time.time_ns()
             try:
-                instance = await self._instance_for_request(request.model, ladder)
+                instance = await self._instance_for_request(request, ladder)
+                self.chooser.pin_session(request, instance)
                 if instance.model != ticket.model:  # a ladder fell back to another rung
                     ticket = await self._requeue(ticket, instance.model)
                 if self.chooser.here(instance):
@@ -288,9 +289,10 @@ class Router:
             raise UnknownTask(f"task {task!r} not found; known tasks: {known}")
         return ladder
 
-    async def _instance_for_request(self, name: str, ladder: Ladder | None) -> Instance:
+    async def _instance_for_request(self, request: GenerationRequest,
+                                    ladder: Ladder | None) -> Instance:
         if ladder is None:
-            return await self.instance_for(name, "generate")
+            return await self.instance_for(request.model, "generate", request=request)
         return await self._climb(ladder)
 
     async def _climb(self, ladder: Ladder) -> Instance:
@@ -332,10 +334,12 @@ class Router:
 
     async def instance_for(self, name: str, task: ModelTask | None,
                            here_only: bool = False, keep_alive_s: float | None = None,
-                           pinned: bool = False) -> Instance:
+                           pinned: bool = False,
+                           request: GenerationRequest | None = None) -> Instance:
         """A live instance of the model name means, placed now if there is none
         (keep_alive_s: the placed instance's own, else the node default; pinned: never
-        evicted).
+        evicted; request: the generation request it is for, whose session and prompt prefix
+        prefer the instance holding its KV).
 
         Raises ModelNotFound, WrongModelTask (ValueError) or ModelUnavailable."""
         from shoal.catalog.resolve import ModelNotFound
@@ -349,7 +353,7 @@ class Router:
             model_id = self.chooser.model_named(name)
             if model_id is None or here_only:
                 raise
-        chosen = self.chooser.choose(model_id, here_only)
+        chosen = self.chooser.choose(model_id, here_only, request)
         if chosen is not None:
             return chosen
         if source is None:

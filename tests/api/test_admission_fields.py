@@ -178,3 +178,16 @@ def test_without_a_choice_the_model_decides(recorded, route):
 def test_a_bad_speculation_choice_is_refused_naming_the_field(recorded, route, bad):
     message = refused(recorded, route, {"x_speculative": bad})
     assert "x_speculative" in message and '"ngram"' in message
+
+
+@pytest.mark.parametrize("route", GENERATION)
+def test_a_session_id_reaches_the_router(recorded, route):
+    assert internal_request(recorded, route, {"x_session_id": "chat-42"}).session_id == "chat-42"
+    assert internal_request(recorded, route).session_id is None
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("bad", ["", "x" * 257, 7, True, ["chat"], {"id": "chat"}])
+def test_a_bad_session_id_is_refused_naming_the_field(recorded, route, bad):
+    message = refused(recorded, route, {"x_session_id": bad})
+    assert "x_session_id" in message and "256 characters" in message

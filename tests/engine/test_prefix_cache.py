@@ -66,3 +66,22 @@ def test_lookup_statistics():
     cache.record_lookup(20, 0)
     cache.record_lookup(20, 16)
     assert (cache.query_tokens, cache.hit_tokens, cache.hit_requests) == (40, 16, 1)
+
+
+def test_the_journal_reports_each_batch_of_gains_and_losses_netted_out():
+    cache = PrefixCache()
+    a, b, c = (hash_block(b"root", [i]) for i in range(3))
+    cache.insert(a, 0)
+    cache.insert(b, 1)
+    assert cache.has_changes
+    stored, removed = cache.drain_changes()
+    assert sorted(stored) == sorted([a, b]) and removed == []
+    assert not cache.has_changes
+    cache.insert(c, 2)
+    cache.forget(2)  # gained and lost in one batch: nothing to say about c
+    cache.forget(0)
+    cache.insert(a, 3)  # lost and regained: still held, nothing to say about a
+    cache.forget(1)
+    assert cache.drain_changes() == ([], [b])
+    cache.clear()
+    assert cache.drain_changes() == ([], [a])

@@ -7,6 +7,9 @@ order, per-client caps) and never reach the model.
 
 x_speculative ("off", "ngram" or "draft") chooses speculative decoding for one generation
 request; without it the model's own --speculative setting applies.
+
+x_session_id (a string of 1..256 characters) names a conversation: its turns go to the
+instance that served it last while that instance lives, where its prefix KV is.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ CLIENT_HEADER = "X-Shoal-Client"
 MOST_URGENT, LEAST_URGENT = 0, 9
 DEFAULT_PRIORITY = 5
 MAX_CLIENT_ID_LENGTH = 128
+MAX_SESSION_ID_LENGTH = 256
 _HEADER_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 InternalRequest = TypeVar("InternalRequest", GenerationRequest, EmbeddingRequest)
@@ -42,6 +46,7 @@ class AdmissionFields(BaseModel):
     x_priority: Any = None
     x_client_id: Any = None
     x_speculative: Any = None
+    x_session_id: Any = None
 
 
 def admission_fields(http_request: Request, x_priority: Any, x_client_id: Any
@@ -60,6 +65,10 @@ def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFi
     record_request_id(http_request, internal.request_id)
     record_model(http_request, internal.model)
     update = admission_fields(http_request, body.x_priority, body.x_client_id)
+    if body.x_session_id is not None:
+        session = _session_id(body.x_session_id)
+        if isinstance(internal, GenerationRequest):  # an embedding keeps no KV
+            update["session_id"] = session
     if body.x_speculative is not None:
         choice = _speculative(body.x_speculative)
         if isinstance(internal, GenerationRequest):  # embeddings have nothing to guess
@@ -68,6 +77,14 @@ def admitted(internal: InternalRequest, http_request: Request, body: AdmissionFi
     if span is not None:
         update["trace"] = TraceRef(trace_id=span.trace_id, span_id=span.span_id)
     return internal.model_copy(update=update)
+
+
+def _session_id(value: Any) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_SESSION_ID_LENGTH:
+        raise invalid_parameter("x_session_id", "x_session_id must be a non-empty string of "
+                                f"at most {MAX_SESSION_ID_LENGTH} characters, not "
+                                f"{json.dumps(value, default=repr)[:80]}")
+    return value
 
 
 def _speculative(value: Any) -> str:

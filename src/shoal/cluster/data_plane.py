@@ -17,6 +17,10 @@ import pydantic
 from pydantic import TypeAdapter
 
 from shoal.cluster.queries import ANSWER_FIELD
+
+# Prefix KV between nodes (prefix_share.py): a request to export, and a part of the answer.
+KV_FETCH_FIELD = "kv_fetch"
+KV_PART_FIELD = "kv_part"
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.ids import NodeId
 from shoal.protocol import Chunk, ErrorChunk, ErrorCode, chunk_to_wire
@@ -118,8 +122,10 @@ class RemoteStreams:
         return self._streams.get(request_id)
 
     def _on_data(self, message: Any) -> None:
-        if isinstance(message, dict) and ANSWER_FIELD in message:
-            return  # an answer to a cluster query (queries.py shares this key)
+        if isinstance(message, dict) and (ANSWER_FIELD in message
+                                          or KV_FETCH_FIELD in message
+                                          or KV_PART_FIELD in message):
+            return  # a query's answer, prefix KV (queries.py, prefix_share.py share this key)
         try:
             request_id, seq = str(message["request_id"]), int(message["seq"])
             chunk = _chunks.validate_python(message["chunk"])

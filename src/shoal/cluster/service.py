@@ -38,6 +38,7 @@ from shoal.cluster.events import (
 )
 from shoal.cluster.instances import Instance, PlacementRequest
 from shoal.cluster.node_budget import held_bytes, node_capacities, rank_bytes
+from shoal.cluster.prefix_share import PrefixShare
 from shoal.cluster.queries import ClusterQueries
 from shoal.cluster.placement import (
     NodeCapacity,
@@ -100,6 +101,8 @@ class ClusterService:
         self.queries.serve(traces.QUERY, lambda args: traces.own_part(
             pool, self.state, self.node_id, str(args["trace_id"])))
         self._pool = pool
+        # Which instance holds which prefix KV (the router reads prefixes.index).
+        self.prefixes = PrefixShare(plane.transport, pool.registry, lambda: self.state)
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
                                    **worker_options)
@@ -116,12 +119,14 @@ class ClusterService:
         self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
         self.streams.start()
         self.queries.start()
+        await self.prefixes.start()
         await self.plane.start()
         await self.worker.start()
 
     async def stop(self) -> None:
         await self.worker.stop()
         self.streams.stop()
+        await self.prefixes.stop()
         await self.queries.stop()
         await self.plane.stop()
         await self.plane.transport.close()

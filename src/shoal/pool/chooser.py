@@ -1,7 +1,9 @@
 """Which live instance of a model serves a request (pure reads of the cluster state).
 
 Live means not failed, not retiring, and served from a node that is present. Among them:
-ready ones first, then those served from this node, then the least busy.
+ready ones first; for a generation request, then the one its x_session_id went to last, then
+the one holding the longest prefix of its prompt (cluster/prefix_index.py); then those
+served from this node, then the least busy.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from shoal.cluster.instances import Instance
 from shoal.cluster.service import ClusterService
 from shoal.pool.pool import ModelPool
+from shoal.protocol import GenerationRequest
+from shoal.routing_keys import prefix_keys, session_key
 
 
 class InstanceChooser:
@@ -32,19 +36,44 @@ class InstanceChooser:
                 return instance
         return None
 
-    def choose(self, model_id: str, here_only: bool) -> Instance | None:
-        """The best live instance; here_only: only one served whole on this node."""
+    def choose(self, model_id: str, here_only: bool,
+               request: GenerationRequest | None = None) -> Instance | None:
+        """The best live instance; here_only: only one served whole on this node;
+        request: the generation request it is for (its session and prefix count)."""
         state = self.cluster.state
+        live = [i for i in self.live(model_id)
+                if not here_only or (self.here(i) and len(i.ranks) == 1)]
+        if not live:
+            return None
+        pinned, matched = self._affinity(request, live)
         candidates = []
-        for instance in self.live(model_id):
-            here = self.here(instance)
-            if here_only and not (here and len(instance.ranks) == 1):
-                continue
+        for instance in live:
             status = state.instance_status(instance.instance_id)
-            candidates.append((status != "ready", not here,
+            candidates.append((status != "ready", instance.instance_id != pinned,
+                               -matched.get(instance.instance_id, 0), not self.here(instance),
                                len(state.tasks_of(instance.instance_id)),
                                instance.instance_id, instance))
-        return min(candidates, key=lambda c: c[:4])[4] if candidates else None
+        return min(candidates, key=lambda c: c[:6])[6]
+
+    def _affinity(self, request: GenerationRequest | None, live: list[Instance]
+                  ) -> tuple[str | None, dict[str, int]]:
+        """(the instance the request's session went to last, routing keys of its prompt
+        matched per instance); nothing to go by for one candidate or no request."""
+        index = getattr(self.cluster, "prefixes", None)
+        if request is None or index is None or len(live) < 2:
+            return None, {}
+        index = index.index
+        pinned = None
+        if request.session_id is not None:
+            pinned = index.session_instance(session_key(request.session_id))
+        keys = prefix_keys(request)
+        return pinned, {i.instance_id: index.matched_keys(i.instance_id, keys) for i in live}
+
+    def pin_session(self, request: GenerationRequest, instance: Instance) -> None:
+        """The request's session (if it has one) goes to instance from now on."""
+        index = getattr(self.cluster, "prefixes", None)
+        if request.session_id is not None and index is not None:
+            index.index.pin(session_key(request.session_id), instance.instance_id)
 
     def live(self, model_id: str) -> list[Instance]:
         """Instances of the model that may take a request."""

@@ -38,6 +38,8 @@ from shoal.runner.messages import (
     Submit,
     parse_to_runner,
 )
+from shoal.runner.prefix_messages import PrefixExport, PrefixFetched, PrefixPart
+from shoal.runner.prefix_share import RunnerPrefixShare
 from shoal.runner.tool_stream import IndexedCall, ToolCallStream
 from shoal.tracing.steps import RequestTrace
 from shoal.runner.tool_use import (
@@ -82,6 +84,8 @@ class RunnerLoop:
         self._tool_support: TemplateToolSupport | None = None
         self._outbox: list[Any] | None = None  # chunks of the step being reported
         self._stepped = False  # steps ran since the heap was last trimmed
+        # Prefix KV between nodes (None: an engine without a prefix cache to share).
+        self.share = None if self.embeds else RunnerPrefixShare.for_engine(engine, channel.send)
 
     def run(self) -> None:
         # Rank 0 of a parallel instance wakes while idle to keep its ranks' waits alive.
@@ -92,6 +96,10 @@ class RunnerLoop:
             for raw in self.channel.receive(block, self._wait_s(tick_s)):
                 if not self.handle(raw):
                     return
+            if self.share is not None:
+                for held in self.share.overdue():
+                    self._admit(held.request, held.token_ids)
+                self.share.maybe_report()
             if self.has_work():
                 self.step()
             else:
@@ -102,10 +110,10 @@ class RunnerLoop:
     def _wait_s(self, tick_s: float | None) -> float | None:
         """How long an idle loop may wait for a message: until the next keep-alive or
         memory check, whichever comes first (None: until a message comes)."""
-        if self.memory is None:
-            return tick_s
-        due_s = self.memory.seconds_until_due()
-        return due_s if tick_s is None else min(tick_s, due_s)
+        waits = [tick_s, self.memory.seconds_until_due() if self.memory else None,
+                 self.share.wait_s() if self.share is not None else None]
+        waits = [w for w in waits if w is not None]
+        return min(waits) if waits else None
 
     def rest(self, keepalive: bool) -> None:
         """Nothing to step: after a burst of steps, hand their freed buffers back to the
@@ -140,8 +148,18 @@ class RunnerLoop:
         elif isinstance(message, Embed):
             self.embed(message.request)
         elif isinstance(message, Cancel):
+            if self.share is not None and self.share.cancel(message.request_id):
+                return True  # held for its prefix: never reached the engine nor was accepted
             if not self.embeds:  # embeddings finish within handle(): nothing to abort
                 self.engine.abort_request(message.request_id)
+        elif self.share is not None and isinstance(message, PrefixPart):
+            self.share.on_part(message)
+        elif self.share is not None and isinstance(message, PrefixFetched):
+            held = self.share.on_fetched(message)
+            if held is not None:
+                self._admit(held.request, held.token_ids)
+        elif self.share is not None and isinstance(message, PrefixExport):
+            self.share.export(message)
         elif isinstance(message, Shutdown):
             return False
         else:
@@ -175,19 +193,31 @@ class RunnerLoop:
         raise InvalidParameter("prompt", "one of prompt, messages or prompt_token_ids is needed")
 
     def submit(self, request: GenerationRequest) -> None:
-        request_id = request.request_id
         if self.embeds:
-            self._error(request_id, "invalid_request", f"model {self.engine.model_id!r} is an "
-                        f"embedding model; it cannot generate text", "model")
+            self._error(request.request_id, "invalid_request", f"model "
+                        f"{self.engine.model_id!r} is an embedding model; it cannot generate "
+                        f"text", "model")
             return
+        self._admit(request)
+
+    def _admit(self, request: GenerationRequest, ids: list[int] | None = None) -> None:
+        """Tokenize (unless ids are given: a request held for its prefix blocks) and queue
+        the request, or answer why not."""
+        request_id = request.request_id
         try:
-            check_tools(request)
-            ids = self.prompt_token_ids(request)
+            if ids is None:
+                check_tools(request)
+                ids = self.prompt_token_ids(request)
+                if (not request.count_only and self.share is not None
+                        and self.share.hold(request, ids)):
+                    return  # admitted when its fetch ends, within the share's bound
             if not request.count_only:
                 grammar = output_grammar(request, self.tool_support.call_format)
                 self.engine.add_request(request_id, ids, request.sampling, grammar=grammar,
                                         priority=request.priority,
                                         trace=request_trace(request.trace))
+                if self.share is not None:
+                    self.share.admitted(request, ids)
         except InvalidGrammar as error:
             param = grammar_param(request)
             self._error(request_id, "invalid_request",

@@ -2,6 +2,9 @@
 
 supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown
 runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed
+Prefix KV between nodes (prefix_messages.py) adds supervisor -> runner PrefixPart,
+PrefixFetched, PrefixExport and runner -> supervisor PrefixReport, PrefixWanted,
+PrefixExportPart.
 Each travels as one msgpack frame (see framing.py): model_dump() out, validate on arrival.
 """
 
@@ -9,14 +12,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from shoal.engine.config import EngineConfig
 from shoal.protocol import Chunk, EmbeddingRequest, GenerationRequest
-
-
-class RunnerMessage(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+from shoal.runner.prefix_messages import (
+    PrefixExport,
+    PrefixExportPart,
+    PrefixFetched,
+    PrefixMessage,
+    PrefixPart,
+    PrefixReport,
+    PrefixWanted,
+    RunnerMessage,
+)
 
 
 class Load(RunnerMessage):
@@ -136,25 +145,26 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown,
-                    Field(discriminator="type")]
-FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed,
-                      Field(discriminator="type")]
+ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | PrefixPart
+                     | PrefixFetched | PrefixExport, Field(discriminator="type")]
+FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed
+                       | PrefixReport | PrefixWanted | PrefixExportPart,
+                       Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)
 
 
-def parse_to_runner(raw: dict[str, Any]
-                    ) -> Load | Submit | Embed | Cancel | Inspect | Shutdown:
+def parse_to_runner(raw: dict[str, Any]) -> RunnerMessage:
     return _to_runner.validate_python(raw)
 
 
-def parse_from_runner(raw: dict[str, Any]) -> (
-        Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed):
+def parse_from_runner(raw: dict[str, Any]) -> RunnerMessage:
     return _from_runner.validate_python(raw)
 
 
 def to_wire(message: RunnerMessage) -> dict[str, Any]:
+    if isinstance(message, PrefixMessage):
+        return message.model_dump(mode="python")  # hashes and KV stay bytes
     # JSON mode turns paths into strings for msgpack; validation turns them back.
     return message.model_dump(mode="json")

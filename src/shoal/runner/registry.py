@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from shoal.engine.config import ModelSource
 from shoal.engine.parallel.config import ParallelConfig
@@ -36,6 +37,8 @@ class RunnerRegistry:
         self._starts: dict[RunnerKey, asyncio.Task] = {}
         self._stopping: set[asyncio.Task] = set()
         self._changed = asyncio.Condition()
+        # Every runner's prefix messages, with its key (cluster/prefix_share.py sets it).
+        self.on_prefix: Callable[[RunnerKey, Any], None] | None = None
 
     # ---- starting and stopping ----------------------------------------------------------------
 
@@ -48,6 +51,7 @@ class RunnerRegistry:
         if key in self._runners:
             raise ValueError(f"runner {key} is already registered")
         supervisor = self._make_supervisor(source, parallel)
+        supervisor.on_prefix = lambda message: self._prefix_message(key, message)
         if memory_limit is not None:
             supervisor.limit_memory(memory_limit)
         self._runners[key] = supervisor
@@ -59,6 +63,10 @@ class RunnerRegistry:
         finally:
             await self._notify()
         return supervisor
+
+    def _prefix_message(self, key: RunnerKey, message: Any) -> None:
+        if self.on_prefix is not None and self._runners.get(key) is not None:
+            self.on_prefix(key, message)
 
     def stop(self, key: RunnerKey) -> None:
         """Shut key's runner down in the background (bounded by its supervisor)."""

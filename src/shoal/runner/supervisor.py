@@ -44,6 +44,7 @@ from shoal.runner.messages import (
     to_wire,
 )
 from shoal.runner.options import SupervisorOptions
+from shoal.runner.prefix_messages import PrefixMessage
 from shoal.runner.process import spawn_runner, stop_process
 from shoal.runner.process_env import runner_environment
 
@@ -97,6 +98,8 @@ class RunnerSupervisor:
         self._stopping = False
         self._inspections: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_query = 0
+        # Where the runner's prefix messages go (cluster/prefix_share.py), if anywhere.
+        self.on_prefix: Callable[[PrefixMessage], None] | None = None
 
     # ---- public -----------------------------------------------------------------------
 
@@ -198,6 +201,10 @@ class RunnerSupervisor:
             return None
         finally:
             self._inspections.pop(query_id, None)
+
+    def tell(self, message: PrefixMessage) -> None:
+        """Pass a prefix message to the runner (dropped when no runner is up)."""
+        self._send(message)
 
     async def cancel(self, request_id: str) -> None:
         self._requests.cancel(request_id, "the request was cancelled by the server")
@@ -329,6 +336,9 @@ class RunnerSupervisor:
                 self._set_state("ready")
             if self.on_progress is not None:
                 self.on_progress(self.model_id, message.stage, message.progress)
+        elif isinstance(message, PrefixMessage):
+            if self.on_prefix is not None:
+                self.on_prefix(message)
         elif isinstance(message, Failed):
             self.last_error = message.message
             if not process.ready:

@@ -31,6 +31,7 @@ class Topic(StrEnum):
     TELEMETRY = "telemetry"            # all → all: last-writer-wins readings
     QUERIES = "queries"                # any → all: questions (traces, diagnostics); the
                                        # answers go to the asker's data key
+    PREFIXES = "prefixes"              # serving ranks' nodes → all: prefix KV blocks held
 
 
 def check_node_id(node: str) -> NodeId:

@@ -40,7 +40,8 @@ _DATA = "data"
 _PEERS = "peers"
 # Best-effort topics may drop under congestion; everything else blocks (bounded by
 # Zenoh's own link timeout) rather than lose a command or an indexed event.
-_DROPPABLE = {Topic.TELEMETRY.value}
+# Prefix updates are repaired by the next snapshot (cluster/prefix_share.py).
+_DROPPABLE = {Topic.TELEMETRY.value, Topic.PREFIXES.value}
 _OPEN_TIMEOUT_S = 10.0
 
 

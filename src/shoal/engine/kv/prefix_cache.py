@@ -4,6 +4,11 @@ A block's hash covers its parent's hash and its own token ids, so equal hashes m
 whole prefixes, not just equal blocks. Only full blocks are hashed: a partial block's content
 still changes. The cache maps hashes to block ids; which blocks are free and which get evicted
 is the block pool's business (it calls `forget` when it reuses a block).
+
+The cache also keeps a journal of the hashes it gained and lost since it was last drained
+(`drain_changes`), so the runner can tell the cluster which prefixes it holds in batches. The
+journal nets out (a hash stored then dropped in one batch is reported not at all), so it
+never holds more than twice the number of blocks.
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class PrefixCache:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.hit_requests = 0
+        # Since the last drain: hashes gained, and hashes lost that were held at that drain.
+        self._stored: set[bytes] = set()
+        self._removed: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -99,6 +107,10 @@ class PrefixCache:
             return False
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        if block_hash in self._removed:
+            self._removed.discard(block_hash)  # lost and regained: no change to report
+        else:
+            self._stored.add(block_hash)
         return True
 
     def block_ids(self):
@@ -113,7 +125,27 @@ class PrefixCache:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
             del self._block_of[block_hash]
+            self._journal_removal(block_hash)
 
     def clear(self) -> None:
+        for block_hash in self._block_of:
+            self._journal_removal(block_hash)
         self._block_of.clear()
         self._hash_of.clear()
+
+    def _journal_removal(self, block_hash: bytes) -> None:
+        if block_hash in self._stored:
+            self._stored.discard(block_hash)  # gained and lost within one batch
+        else:
+            self._removed.add(block_hash)
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self._stored or self._removed)
+
+    def drain_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes stored, hashes removed) since the last drain, and start a new batch."""
+        stored, removed = list(self._stored), list(self._removed)
+        self._stored.clear()
+        self._removed.clear()
+        return stored, removed
