@@ -3,9 +3,9 @@
     python bench/speculative.py [--model qwen2.5-coder-1.5b-instruct] [--threads 2]
                                 [--rounds 3] [--max-tokens 200]
 
-Prints JSON. For each case, a greedy request runs with guessing off and with n-gram guessing
-(the x_speculative choice, so both use the same loaded weights), turn about for `rounds`
-rounds, since this host's speed drifts within minutes; each side's median tokens/s is taken
+Prints JSON. For each case, a greedy request runs with guessing off, with n-gram guessing
+and with the draft model guessing (the x_speculative choice, so all use the same loaded
+weights), turn about for `rounds` rounds, since this host's speed drifts within minutes; each side's median tokens/s is taken
 and their ratio reported, with how many guesses were made and kept. The outputs of the two
 sides are compared token for token (greedy decoding must not change).
 
@@ -85,51 +85,56 @@ def run_one(engine: Engine, ids: list[int], params: SamplingParams, tag: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                        help="the draft model ('' for n-gram guessing only)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--num-drafts", type=int, default=None,
                         help="most tokens guessed per step (default: the engine's)")
+    parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
+    from shoal.engine.speculation import speculator
+    from shoal.engine.speculation.config import DEFAULT_NUM_DRAFTS, SpeculativeConfig
+    most = args.num_drafts or DEFAULT_NUM_DRAFTS
+    speculative = SpeculativeConfig("draft", most, args.draft) if args.draft else None
     engine = Engine(EngineConfig(source=resolve_model(args.model), threads=args.threads,
-                                 kv_cache_bytes=256 * 2**20, enable_prefix_caching=False))
-    if args.num_drafts is not None:
-        from shoal.engine.speculation.config import SpeculativeConfig
-        from shoal.engine.speculation import speculator
-        speculator.NGRAM = SpeculativeConfig("ngram", args.num_drafts)
+                                 kv_cache_bytes=256 * 2**20, enable_prefix_caching=False,
+                                 speculative=speculative))
+    speculator.NGRAM = SpeculativeConfig("ngram", most)
+    guessers = ["ngram", "draft"] if args.draft else ["ngram"]
     results = {}
     counter = 0
-    for name, text in CASES.items():
-        ids = engine.tokenizer.encode(
-            engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
-        sides = {"plain": SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                         speculative="off"),
-                 "ngram": SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                         speculative="ngram")}
+    for name in args.cases.split(","):
+        ids = engine.tokenizer.encode(engine.render_chat(
+            [{"role": "user", "content": CASES[name]}]), add_special_tokens=False)
+        sides = {side: SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                      speculative=side) for side in ["off"] + guessers}
         runs: dict[str, list[dict]] = {side: [] for side in sides}
-        run_one(engine, ids[:32], sides["plain"], f"warm-{name}")
+        for side in sides:  # warm each path (and the draft's KV pages) once
+            run_one(engine, ids[:32], sides[side], f"warm-{name}-{side}")
         for round_index in range(args.rounds):
             order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
             for side in order:
                 counter += 1
                 runs[side].append(run_one(engine, ids, sides[side], f"{side}-{counter}"))
-        plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
-        ngram = statistics.median(r["tokens_per_s"] for r in runs["ngram"])
+        speed = {side: statistics.median(r["tokens_per_s"] for r in runs[side])
+                 for side in sides}
         results[name] = {
             "prompt_tokens": len(ids),
-            "generated_tokens": len(runs["plain"][0]["tokens"]),
-            "plain_tokens_per_s": round(plain, 2),
-            "ngram_tokens_per_s": round(ngram, 2),
-            "speedup": round(ngram / plain, 3),
-            "proposed": runs["ngram"][0]["proposed"],
-            "accepted": runs["ngram"][0]["accepted"],
-            "same_tokens": all(r["tokens"] == runs["plain"][0]["tokens"]
-                               for r in runs["plain"] + runs["ngram"]),
+            "generated_tokens": len(runs["off"][0]["tokens"]),
+            "plain_tokens_per_s": round(speed["off"], 2),
+            **{f"{side}_tokens_per_s": round(speed[side], 2) for side in guessers},
+            **{f"{side}_speedup": round(speed[side] / speed["off"], 3) for side in guessers},
+            **{f"{side}_proposed_accepted": [runs[side][-1]["proposed"],
+                                             runs[side][-1]["accepted"]] for side in guessers},
+            "same_tokens": all(r["tokens"] == runs["off"][0]["tokens"]
+                               for side in runs for r in runs[side]),
             "rounds": {side: [round(r["tokens_per_s"], 2) for r in runs[side]]
                        for side in runs},
         }
-    print(json.dumps({"model": args.model, "threads": args.threads, "batch": 1,
-                      "cases": results}, indent=2))
+    print(json.dumps({"model": args.model, "draft": args.draft or None,
+                      "threads": args.threads, "batch": 1, "cases": results}, indent=2))
 
 
 if __name__ == "__main__":

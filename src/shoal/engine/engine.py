@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import check_context
 from shoal.engine.grammar import Constraint, GrammarCompiler
@@ -34,7 +33,7 @@ from shoal.engine.sampler import Sampler, SamplingRow, position_generator
 from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.engine.scheduler_output import ScheduledChunk
-from shoal.engine.speculation.draft import DraftModel, check_same_tokenizer
+from shoal.engine.speculation.draft import DraftModel
 from shoal.engine.speculation.speculator import Speculator
 from shoal.engine.speculation.verify import kept_tokens
 from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer, StopChecker
@@ -114,7 +113,8 @@ class Engine:
         if config.parallel is None:
             if config.speculative is not None and config.speculative.method == "draft":
                 report("draft", 0.0)
-                self.draft = self._load_draft(config, num_blocks)
+                self.draft = DraftModel.for_target(config, self.tokenizer, num_blocks,
+                                                   self.vocab_size)
             self.speculator = Speculator(config.speculative, self.model_id, self.draft)
         self._requests: dict[str, Request] = {}
         self._states: dict[str, _OutputState] = {}
@@ -264,17 +264,6 @@ class Engine:
         }
 
     # ---- helpers --------------------------------------------------------------------------
-
-    def _load_draft(self, config: EngineConfig, num_blocks: int) -> DraftModel:
-        """The draft model named by --speculative, refused unless it shares the tokenizer;
-        its KV cache holds as many tokens as the target's (at the draft's smaller size)."""
-        name = config.speculative.draft_model
-        source = config.draft_source or resolve_model(name)
-        check_weights_fit(source)
-        tokenizer = Tokenizer.load(source, cache_dir=config.cache_dir)
-        check_same_tokenizer(self.model_id, self.tokenizer, source.model_id, tokenizer)
-        return DraftModel.load(source, config.dtype, config.device, num_blocks,
-                               config.block_size, self.vocab_size)
 
     def _drain_aborted(self) -> list[str]:
         aborted, self._aborted = self._aborted, []

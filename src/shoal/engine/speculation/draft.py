@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.config import ModelSource
+from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.kv.block_pool import BlockPool
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import LoadedModel, load_model
@@ -81,6 +81,23 @@ class DraftModel:
         log.info("draft model %s loaded (%.0f MiB)", source.model_id,
                  loaded.weight_bytes / 2**20)
         return cls(loaded, num_blocks, block_size, vocab_size, device)
+
+    @classmethod
+    def for_target(cls, config: EngineConfig, target_tokenizer: Tokenizer, num_blocks: int,
+                   vocab_size: int) -> DraftModel:
+        """The draft model named by the target's --speculative, refused unless it shares
+        the target's tokenizer; its KV cache holds as many tokens as the target's (at the
+        draft's smaller size per token)."""
+        from shoal.catalog.resolve import resolve_model
+        from shoal.engine.kv_budget import check_weights_fit
+
+        source = config.draft_source or resolve_model(config.speculative.draft_model)
+        check_weights_fit(source)
+        tokenizer = Tokenizer.load(source, cache_dir=config.cache_dir)
+        check_same_tokenizer(config.source.model_id, target_tokenizer, source.model_id,
+                             tokenizer)
+        return cls.load(source, config.dtype, config.device, num_blocks, config.block_size,
+                        vocab_size)
 
     @property
     def kv_bytes(self) -> int:
