@@ -225,19 +225,6 @@ class NodeConfig:
 
         return resolve_model(speculative.draft_model, data_dir=self.data_dir)
 
-    def check_draft_models(self) -> None:
-        """Refuse, at start, a draft model that is missing or does not share its target's
-        tokenizer (ValueError naming both)."""
-        from shoal.catalog.resolve import resolve_model
-        from shoal.engine.speculation.draft import check_draft_pair
-
-        for name, speculative in self.engine.speculative:
-            if speculative.method != "draft":
-                continue
-            target = resolve_model(name, data_dir=self.data_dir)
-            draft = resolve_model(speculative.draft_model, data_dir=self.data_dir)
-            check_draft_pair(target, draft, self.data_dir / "cache")
-
 
 def _pick(flag, env: Mapping[str, str], name: str):
     if flag is not None:

@@ -215,3 +215,21 @@ def test_the_kv_disk_tier_is_off_by_default_and_sized_by_flag_or_env(tmp_path):
     flagged = build_node_config(kv_disk="512MiB", env=env).engine_config(source).kv_disk
     assert flagged.max_bytes == 512 * 1024**2 and flagged.ttl_s == 24 * 3600
     assert build_node_config(kv_disk="off", env=env).engine_config(source).kv_disk is None
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_draft_model_of_another_tokenizer_naming_both(tmp_path, capsys):
+    from shoal.catalog.resolve import ModelNotFound, resolve_model
+
+    try:
+        target, draft = resolve_model("gemma3-270m"), resolve_model("smollm2-135m-instruct")
+    except ModelNotFound as missing:
+        pytest.skip(str(missing))
+    code = main(["serve", "--standalone", "--data-dir", str(tmp_path), "--speculative",
+                 "gemma3-270m=draft:smollm2-135m-instruct"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert target.model_id in err and draft.model_id in err and "tokenizers differ" in err
+    code = main(["serve", "--standalone", "--data-dir", str(tmp_path), "--speculative",
+                 "gemma3-270m=draft:no-such-model"])
+    assert code == 1 and "no-such-model" in capsys.readouterr().err

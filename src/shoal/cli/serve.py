@@ -10,6 +10,7 @@ import sys
 from shoal import logs
 from shoal.config import (
     DEFAULT_PORT,
+    NodeConfig,
     build_cluster_settings,
     build_node_config,
     build_pool_settings,
@@ -127,6 +128,20 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                        help="this node's name in the cluster (SHOAL_NODE_NAME; host name)")
 
 
+def check_draft_models(config: NodeConfig) -> None:
+    """Refuse, at start, a draft model that is missing or does not share its target's
+    tokenizer (ValueError or ModelNotFound, naming both)."""
+    from shoal.catalog.resolve import resolve_model
+    from shoal.engine.speculation.draft import check_draft_pair
+
+    for name, speculative in config.engine.speculative:
+        if speculative.method != "draft":
+            continue
+        target = resolve_model(name, data_dir=config.data_dir)
+        draft = resolve_model(speculative.draft_model, data_dir=config.data_dir)
+        check_draft_pair(target, draft, config.data_dir / "cache")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     cluster = build_cluster_settings(
         standalone=args.standalone, listen=args.listen, peers=args.peers,
@@ -147,7 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                    parallel=args.parallel, clients=args.clients,
                                    tasks=args.tasks))
     try:
-        config.check_draft_models()
+        check_draft_models(config)
     except (ValueError, LookupError) as error:
         print(f"shoal: --speculative: {error}", file=sys.stderr)
         return 1
