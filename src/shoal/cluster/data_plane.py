@@ -16,6 +16,8 @@ from typing import Any
 import pydantic
 from pydantic import TypeAdapter
 
+from shoal.cluster.card_exchange import CARDS_FIELD
+from shoal.cluster.proposer_service import PROPOSAL_FIELD
 from shoal.cluster.queries import ANSWER_FIELD
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.ids import NodeId
@@ -25,6 +27,9 @@ log = logging.getLogger("shoal.cluster.data")
 
 _chunks: TypeAdapter[Chunk] = TypeAdapter(Chunk)
 TERMINAL_KINDS = ("finish", "error", "embedding")
+# Messages on the data key that are not token chunks (queries.py, card_exchange.py,
+# proposer_service.py) carry one of these fields.
+_OTHER_FIELDS = (ANSWER_FIELD, CARDS_FIELD, PROPOSAL_FIELD)
 
 
 def chunk_message(request_id: str, seq: int, chunk: Any) -> dict[str, Any]:
@@ -118,8 +123,8 @@ class RemoteStreams:
         return self._streams.get(request_id)
 
     def _on_data(self, message: Any) -> None:
-        if isinstance(message, dict) and ANSWER_FIELD in message:
-            return  # an answer to a cluster query (queries.py shares this key)
+        if isinstance(message, dict) and any(f in message for f in _OTHER_FIELDS):
+            return  # query answers, capability cards, proposals share this key
         try:
             request_id, seq = str(message["request_id"]), int(message["seq"])
             chunk = _chunks.validate_python(message["chunk"])

@@ -1,7 +1,8 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
-supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown
-runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed
+supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown, Proposed
+runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed,
+                      Propose, ForgetProposals
 Each travels as one msgpack frame (see framing.py): model_dump() out, validate on arrival.
 """
 
@@ -62,6 +63,37 @@ class Inspection(RunnerMessage):
     type: Literal["inspection"] = "inspection"
     query_id: int
     body: dict[str, Any]
+
+
+class Propose(RunnerMessage):
+    """Guesses wanted from a proposer node (runner/proposals.py): its session keeps the
+    first `cut` tokens it holds for the request, appends `tokens`, and guesses up to k."""
+
+    type: Literal["propose"] = "propose"
+    call_id: int
+    request_id: str
+    cut: int = Field(ge=0)
+    tokens: tuple[int, ...]
+    k: int = Field(ge=0)
+    timeout_s: float = Field(gt=0)
+
+
+class Proposed(RunnerMessage):
+    """The answer to Propose call_id, answered by the socket's reader thread: "ok" with the
+    guesses, "resync" (send the whole context next time) or "none"."""
+
+    type: Literal["proposed"] = "proposed"
+    call_id: int
+    outcome: Literal["ok", "resync", "none"]
+    tokens: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()
+
+
+class ForgetProposals(RunnerMessage):
+    """The request ended: its proposer node may drop its session."""
+
+    type: Literal["forget_proposals"] = "forget_proposals"
+    request_id: str
 
 
 class Shutdown(RunnerMessage):
@@ -136,22 +168,23 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown,
+ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | Proposed,
                     Field(discriminator="type")]
-FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed,
-                      Field(discriminator="type")]
+FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed
+                       | Propose | ForgetProposals, Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)
 
 
 def parse_to_runner(raw: dict[str, Any]
-                    ) -> Load | Submit | Embed | Cancel | Inspect | Shutdown:
+                    ) -> Load | Submit | Embed | Cancel | Inspect | Shutdown | Proposed:
     return _to_runner.validate_python(raw)
 
 
 def parse_from_runner(raw: dict[str, Any]) -> (
-        Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed):
+        Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed | Propose
+        | ForgetProposals):
     return _from_runner.validate_python(raw)
 
 

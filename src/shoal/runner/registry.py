@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from shoal.engine.config import ModelSource
 from shoal.engine.parallel.config import ParallelConfig
+from shoal.runner.proposals import ProposalHook
 from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 
 log = logging.getLogger("shoal.runner.registry")
@@ -36,6 +37,8 @@ class RunnerRegistry:
         self._starts: dict[RunnerKey, asyncio.Task] = {}
         self._stopping: set[asyncio.Task] = set()
         self._changed = asyncio.Condition()
+        # Every runner's asks for guesses from other nodes (the cluster sets its relay).
+        self.proposals = ProposalHook()
 
     # ---- starting and stopping ----------------------------------------------------------------
 
@@ -48,6 +51,7 @@ class RunnerRegistry:
         if key in self._runners:
             raise ValueError(f"runner {key} is already registered")
         supervisor = self._make_supervisor(source, parallel)
+        supervisor.proposals = self.proposals
         if memory_limit is not None:
             supervisor.limit_memory(memory_limit)
         self._runners[key] = supervisor

@@ -1,4 +1,5 @@
-"""The engine's guesser: per request, an n-gram index and an adaptive guess length.
+"""The engine's guesser: per request, an n-gram index (or a Proposer: a proposer node, for
+method "remote") and an adaptive guess length.
 
 Before each step the engine asks for guesses for its decoding requests; the scheduler gives
 them room in the step (scheduler._fit_drafts), the model computes logits at every guessed
@@ -15,15 +16,17 @@ from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.speculation.config import SpeculativeConfig
 from shoal.engine.speculation.length import DraftLength, StepCosts
 from shoal.engine.speculation.ngram import NgramIndex
+from shoal.engine.speculation.proposer import Proposer
 
 NGRAM = SpeculativeConfig("ngram")
 
 
 @dataclass
 class _Guessing:
-    index: NgramIndex
+    index: NgramIndex | None  # None: the Proposer guesses from `context`
     length: DraftLength
-    synced_outputs: int = 0  # output tokens already in the index
+    synced_outputs: int = 0  # output tokens already in the index (or context)
+    context: list[int] | None = None  # prompt + outputs, for the Proposer
 
 
 class Speculator:
@@ -35,6 +38,9 @@ class Speculator:
         self.model_id = model_id
         self._guessing: dict[str, _Guessing] = {}
         self.costs = StepCosts()
+        # Guesses for method "remote" (set by the runner: runner/proposals.py); without
+        # one such requests decode alone.
+        self.proposer: Proposer | None = None
 
     def add(self, request_id: str, prompt_token_ids: list[int],
             params: SamplingParams, constrained: bool) -> None:
@@ -45,12 +51,19 @@ class Speculator:
             # A grammar's mask would have to be advanced along the guesses; such requests
             # decode one token at a time.
             return
+        length = DraftLength(config.num_drafts, self.costs)
+        if config.method == "remote":
+            self._guessing[request_id] = _Guessing(None, length,
+                                                   context=list(prompt_token_ids))
+            return
         index = NgramIndex()
         index.extend(prompt_token_ids)
-        self._guessing[request_id] = _Guessing(index, DraftLength(config.num_drafts, self.costs))
+        self._guessing[request_id] = _Guessing(index, length)
 
     def forget(self, request_id: str) -> None:
-        self._guessing.pop(request_id, None)
+        guessing = self._guessing.pop(request_id, None)
+        if guessing is not None and guessing.index is None and self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def propose(self, decoding: Sequence[Request], max_rows: int) -> None:
         """Set draft_token_ids on the decoding requests that guess this step, keeping the
@@ -62,7 +75,11 @@ class Speculator:
             if guessing is None:
                 continue
             outputs = request.output_token_ids
-            guessing.index.extend(outputs[guessing.synced_outputs:])
+            fresh = outputs[guessing.synced_outputs:]
+            if guessing.index is not None:
+                guessing.index.extend(fresh)
+            else:
+                guessing.context.extend(fresh)
             guessing.synced_outputs = len(outputs)
             count = guessing.length.wanted()
             max_tokens = request.params.max_tokens
@@ -71,8 +88,16 @@ class Speculator:
                 count = min(count, max_tokens - len(outputs) - 1)
             count = min(count, spare)
             if count > 0:
-                request.draft_token_ids = guessing.index.propose(count)
+                request.draft_token_ids = self._guess(request.request_id, guessing, count)
                 spare -= len(request.draft_token_ids)
+
+    def _guess(self, request_id: str, guessing: _Guessing, count: int) -> list[int]:
+        if guessing.index is not None:
+            return guessing.index.propose(count)
+        if self.proposer is None:
+            return []
+        proposal = self.proposer.propose(request_id, guessing.context, count)
+        return [] if proposal is None else list(proposal.tokens[:count])
 
     def record(self, request_id: str, proposed: int, kept: int) -> None:
         guessing = self._guessing.get(request_id)
