@@ -1,0 +1,170 @@
+"""The engine's side of a proposer on another node: only new tokens travel (with the point
+to cut back to), the deadline follows the measured round trip within a floor and a
+ceiling, and late, missing, malformed or failing answers give None and a rest, never an
+exception; the runner's link delivers answers on the socket's reader thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from shoal.engine.speculation import remote
+from shoal.engine.speculation.config import SpeculativeConfig
+from shoal.engine.speculation.remote import LinkAnswer, RemoteProposer
+from shoal.engine.speculation.speculator import Speculator
+from shoal.runner.channel import Channel
+from shoal.runner.framing import recv_frame, send_frame
+from shoal.runner.messages import Proposed, parse_from_runner, to_wire
+from shoal.runner.proposals import ChannelProposalLink
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeLink:
+    """Answers from a script; each answer may take `seconds` of the fake clock."""
+
+    def __init__(self, clock: Clock, answers: list) -> None:
+        self.clock = clock
+        self.answers = answers
+        self.asks: list[tuple[str, int, list[int], int, float]] = []
+        self.forgotten: list[str] = []
+
+    def ask(self, request_id, cut, tokens, k, timeout_s):
+        self.asks.append((request_id, cut, list(tokens), k, timeout_s))
+        answer, seconds = self.answers.pop(0)
+        self.clock.now += seconds
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def forget(self, request_id):
+        self.forgotten.append(request_id)
+
+
+def ok(*tokens: int) -> LinkAnswer:
+    return LinkAnswer("ok", tokens, [1.0] * len(tokens))
+
+
+def test_only_new_tokens_travel_and_a_changed_context_is_cut_back():
+    clock = Clock()
+    link = FakeLink(clock, [(ok(7), 0.001), (ok(8, 9), 0.001), (ok(), 0.001),
+                            (LinkAnswer("resync"), 0.001), (ok(5), 0.001)])
+    proposer = RemoteProposer(link, vocab_size=100, clock=clock)
+    assert proposer.propose("r", [1, 2, 3], 2).tokens == [7]
+    assert proposer.propose("r", [1, 2, 3, 4, 5], 2).tokens == [8, 9]
+    assert proposer.propose("r", [1, 2, 9, 4, 5, 6], 2).tokens == []
+    assert proposer.propose("r", [1, 2, 9, 4, 5, 6, 7], 2) is None  # the far side lost it
+    assert proposer.propose("r", [1, 2, 9, 4, 5, 6, 7, 8], 2).tokens == [5]
+    assert [(cut, tokens) for _, cut, tokens, _, _ in link.asks] == [
+        (0, [1, 2, 3]), (3, [4, 5]), (2, [9, 4, 5, 6]), (6, [7]), (0, [1, 2, 9, 4, 5, 6, 7, 8])]
+    proposer.forget("r")
+    proposer.forget("never-asked")
+    assert link.forgotten == ["r"]
+
+
+def test_deadline_follows_the_round_trip_within_floor_and_ceiling():
+    clock = Clock()
+    link = FakeLink(clock, [(ok(1), 0.010)] * 30 + [(ok(1), 0.0001)] * 30)
+    proposer = RemoteProposer(link, vocab_size=100, clock=clock)
+    for step in range(60):
+        proposer.propose("r", list(range(step + 1)), 1)
+    deadlines = [timeout for *_, timeout in link.asks]
+    assert deadlines[0] == remote.CEILING_S  # nothing measured yet
+    assert abs(deadlines[29] - (1.5 * 0.010 + 0.002)) < 1e-3  # a little above 10 ms
+    assert deadlines[-1] == remote.FLOOR_S
+
+
+def test_failures_give_none_and_a_growing_rest_never_an_exception():
+    clock = Clock()
+    link = FakeLink(clock, [
+        (None, 0.06),                          # no answer in time
+        (RuntimeError("socket gone"), 0.0),    # the link itself fails
+        (LinkAnswer("none"), 0.0),             # no proposer node offers this model
+        (ok(1, 2, 3), 0.0),                    # more than asked for
+        (LinkAnswer("ok", [5], []), 0.0),      # probabilities missing
+        (ok(100), 0.0),                        # outside the vocabulary
+        (ok(4), 0.0)])
+    proposer = RemoteProposer(link, vocab_size=100, clock=clock)
+    rests = []
+    for _ in range(6):
+        assert proposer.propose("r", [1, 2], 2) is None
+        resting_until = proposer._resting_until
+        assert proposer.propose("r", [1, 2], 2) is None  # resting: the link is not asked
+        rests.append(round(resting_until - clock.now, 3))
+        clock.now = resting_until
+    assert len(link.asks) == 6
+    assert rests == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6]
+    assert proposer.latency.average_s >= 0.06  # the missed call widened the deadline
+    assert proposer.propose("r", [1, 2], 2).tokens == [4]
+    assert (proposer.calls, proposer.answered) == (7, 1)
+
+
+def test_speculator_guesses_through_the_proposer_for_remote_requests():
+    from shoal.engine.request import Request
+    from shoal.engine.sampling import SamplingParams
+
+    class Recording:
+        def __init__(self):
+            self.contexts, self.forgotten = [], []
+
+        def propose(self, request_id, context, k):
+            self.contexts.append(list(context))
+            return None if len(self.contexts) == 1 else remote.Proposal([42] * 9, [1.0] * 9)
+
+        def forget(self, request_id):
+            self.forgotten.append(request_id)
+
+    speculator = Speculator(SpeculativeConfig.parse("remote:3"), "m")
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0))
+    speculator.add("r", [1, 2, 3], request.params, constrained=False)
+    speculator.propose([request], max_rows=64)
+    assert request.draft_token_ids == []  # no proposer attached: decodes alone
+    speculator.proposer = proposer = Recording()
+    speculator.propose([request], max_rows=64)
+    assert request.draft_token_ids == []  # None: no guesses this step
+    request.output_token_ids.extend([4, 5])
+    speculator.propose([request], max_rows=64)
+    assert request.draft_token_ids == [42, 42, 42]  # capped at K
+    assert proposer.contexts == [[1, 2, 3], [1, 2, 3, 4, 5]]
+    speculator.forget("r")
+    assert proposer.forgotten == ["r"]
+
+
+def test_channel_link_delivers_answers_on_the_reader_thread_and_drops_late_ones():
+    runner_end, node_end = socket.socketpair()
+    channel = Channel(runner_end)
+    link = ChannelProposalLink(channel)
+    asked = []
+
+    def node() -> None:  # the supervisor's side: answer the first ask, ignore the second
+        for _ in range(2):
+            ask = parse_from_runner(recv_frame(node_end))
+            asked.append(ask)
+            if ask.call_id == 0:
+                send_frame(node_end, to_wire(Proposed(call_id=0, outcome="ok",
+                                                      tokens=(3, 4), probs=(1.0, 0.5))))
+        time.sleep(0.2)  # past the second ask's deadline
+        send_frame(node_end, to_wire(Proposed(call_id=1, outcome="ok", tokens=(9,),
+                                              probs=(1.0,))))  # too late
+        send_frame(node_end, {"type": "cancel", "request_id": "x"})
+
+    thread = threading.Thread(target=node)
+    thread.start()
+    answer = link.ask("r", 0, [1, 2], 2, timeout_s=5.0)
+    late = link.ask("r", 2, [5], 2, timeout_s=0.05)
+    thread.join(5)
+    inbox = channel.receive(block=True, timeout_s=5.0)
+    assert answer == LinkAnswer("ok", (3, 4), (1.0, 0.5))
+    assert late is None
+    assert [(a.request_id, a.cut, a.tokens, a.k) for a in asked] == [
+        ("r", 0, (1, 2), 2), ("r", 2, (5,), 2)]
+    assert inbox == [{"type": "cancel", "request_id": "x"}]  # answers never reach the loop
+    runner_end.close()
+    node_end.close()
