@@ -77,7 +77,10 @@ async def data_plane_latency(chunks: int) -> dict:
 
 # ---- real nodes -----------------------------------------------------------------------------
 
-def start_nodes(root: Path, count: int) -> list[tuple[subprocess.Popen, str]]:
+def start_nodes(root: Path, count: int, extra: dict[int, list[str]] | None = None,
+                threads: int = 2) -> list[tuple[subprocess.Popen, str]]:
+    """count `shoal serve` processes dialling each other on loopback; extra: more flags
+    for the node of that index."""
     ports = [free_port() for _ in range(count)]
     nodes = []
     for index in range(count):
@@ -88,7 +91,8 @@ def start_nodes(root: Path, count: int) -> list[tuple[subprocess.Popen, str]]:
         cmd = [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(api),
                "--data-dir", str(data), "--listen", f"tcp/127.0.0.1:{ports[index]}",
                "--peers", peers, "--no-discovery", "--no-preload", "--cluster-secret", "bench",
-               "--threads", "2", "--kv-cache-memory", "256MiB"]
+               "--threads", str(threads), "--kv-cache-memory", "256MiB",
+               *(extra or {}).get(index, [])]
         log = open(data / "serve.log", "w")  # noqa: SIM115 - closed with the process
         nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
                       f"http://127.0.0.1:{api}"))

@@ -123,3 +123,23 @@ def test_push_pull_exchange_converges_and_a_silent_nodes_card_expires():
     assert joined == {name: ["n1", "n2", "n3"] for name in ("n1", "n2", "n3")}
     assert before_ttl == ["n1", "n2", "n3"]
     assert after_ttl == {"n1": ["n1", "n2"], "n2": ["n1", "n2"]}
+
+
+def test_propose_for_names_the_target_by_its_catalogue_id_and_checks_the_source():
+    from shoal.cluster.proposer_service import ProposerConfig
+    from shoal.config import build_cluster_settings
+
+    settings = build_cluster_settings(propose_for=["smollm2", "my-model=ngram"], env={})
+    assert settings.propose_for == (("smollm2-135m-instruct", "ngram"), ("my-model", "ngram"))
+    from_env = build_cluster_settings(env={"SHOAL_PROPOSE_FOR": "smollm2",
+                                           "SHOAL_CARD_INTERVAL": "1", "SHOAL_CARD_TTL": "3"})
+    assert from_env.propose_for == (("smollm2-135m-instruct", "ngram"),)
+    assert (from_env.card_interval_s, from_env.card_ttl_s) == (1.0, 3.0)
+    with pytest.raises(ValueError, match="twice"):
+        build_cluster_settings(propose_for=["smollm2", "SmolLM2-135M-Instruct"], env={})
+    with pytest.raises(ValueError, match="name the target"):
+        build_cluster_settings(propose_for=["=ngram"], env={})
+    with pytest.raises(ValueError, match="two exchange intervals"):
+        build_cluster_settings(env={"SHOAL_CARD_INTERVAL": "5", "SHOAL_CARD_TTL": "6"})
+    with pytest.raises(ValueError, match="must be one of ngram"):
+        ProposerConfig(offers={"smollm2-135m-instruct": "crystal-ball"})

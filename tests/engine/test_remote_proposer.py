@@ -168,3 +168,19 @@ def test_channel_link_delivers_answers_on_the_reader_thread_and_drops_late_ones(
     assert inbox == [{"type": "cancel", "request_id": "x"}]  # answers never reach the loop
     runner_end.close()
     node_end.close()
+
+
+def test_remote_speculation_is_named_like_ngram():
+    import pytest
+
+    from shoal.config import build_node_config
+
+    assert SpeculativeConfig.parse("remote") == SpeculativeConfig("remote", 10)
+    assert SpeculativeConfig.parse("remote:4") == SpeculativeConfig("remote", 4)
+    with pytest.raises(ValueError, match="remote\\[:K\\]"):
+        SpeculativeConfig.parse("remotely")
+    with pytest.raises(ValueError, match="1..16"):
+        SpeculativeConfig.parse("remote:40")
+    config = build_node_config(speculative=["smollm2=remote:6"], env={})
+    assert config.engine.speculation_for("smollm2-135m-instruct") == \
+        SpeculativeConfig("remote", 6)

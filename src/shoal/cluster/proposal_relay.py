@@ -24,8 +24,10 @@ from shoal.ids import NodeId
 
 log = logging.getLogger("shoal.cluster.proposals")
 
-FIRST_AVOID_S = 0.5
+FIRST_AVOID_S = 0.1
 MAX_AVOID_S = 30.0
+# Requests whose runner never said they ended (it crashed) are forgotten past this many.
+MAX_ASSIGNED = 10_000
 NONE: dict[str, Any] = {"outcome": "none", "tokens": [], "probs": []}
 
 
@@ -74,6 +76,8 @@ class ProposalRelay:
             self._assigned.pop(key, None)
         else:
             self._assigned[key] = chosen
+            if len(self._assigned) > MAX_ASSIGNED:
+                del self._assigned[next(iter(self._assigned))]  # the oldest
         return chosen
 
     async def ask(self, model_id: str, request_id: str, cut: int, tokens: Sequence[int],

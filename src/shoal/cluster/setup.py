@@ -99,12 +99,14 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     def usable_memory() -> int:
         return read().capacity().usable_bytes
 
+    # Built first: a bad --propose-for source fails before any port is opened.
+    service_config = ServiceConfig(
+        cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
+        proposer=ProposerConfig(offers=dict(settings.propose_for)))
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir), read)
-    service = ClusterService(plane, pool, usable_memory, ServiceConfig(
-        cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
-        proposer=ProposerConfig(offers=dict(settings.propose_for))),
-        group_connect_s=group_connect_s)
+    service = ClusterService(plane, pool, usable_memory, service_config,
+                             group_connect_s=group_connect_s)
     try:
         await service.start()
     except BaseException:
