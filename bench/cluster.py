@@ -99,6 +99,18 @@ def start_nodes(root: Path, count: int, extra: dict[int, list[str]] | None = Non
     return nodes
 
 
+def stop_nodes(nodes: list[tuple[subprocess.Popen, str]]) -> None:
+    """SIGTERM every node still running, then wait (SIGKILL after 30 s)."""
+    for proc, _ in nodes:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc, _ in nodes:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def cluster_view(url: str) -> dict | None:
     try:
         response = httpx.get(url + "/cluster", timeout=2)
@@ -163,14 +175,7 @@ def bench_nodes(count: int) -> dict:
             wait_agreed(rest, count - 1, 30, not_master=master)
             failover_s = time.monotonic() - killed
         finally:
-            for proc, _ in nodes:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc, _ in nodes:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_nodes(nodes)
     return {"nodes": count, "formation_s": formation_s, "direct": direct, "remote": remote,
             "remote_ttft_overhead_s": remote["ttft_s"] - direct["ttft_s"],
             "failover_s": failover_s}

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from cluster import cluster_view, start_nodes, wait_agreed
+from cluster import cluster_view, start_nodes, stop_nodes, wait_agreed
 from speculative import CASES
 
 
@@ -85,13 +84,7 @@ def bench(args: argparse.Namespace) -> dict:
                        == ["ready"], 600, "the model ready on the verifier")
             return run_cases(verifier, args)
         finally:
-            for proc, _ in nodes:
-                proc.terminate()
-            for proc, _ in nodes:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_nodes(nodes)
 
 
 def run_cases(url: str, args: argparse.Namespace) -> dict:

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from prompts import EDIT
 from serve_process import free_port, start_serve
 from test_multinode import agreed_master, cluster_of, start_nodes, wait_for
 
@@ -19,22 +20,7 @@ SECRET = "cards-test-secret"
 TARGET = "smollm2-135m-instruct"
 # Short card lifetimes so that a killed node's card expires within the test.
 FAST_CARDS = {"SHOAL_CARD_INTERVAL": "0.5", "SHOAL_CARD_TTL": "3"}
-FUNCTION = '''def moving_average(values, window):
-    """Average of each run of `window` consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    result = []
-    total = 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        if index >= window - 1:
-            result.append(total / window)
-    return result
-'''
-EDIT = [{"role": "user", "content": "Rename the function to rolling_mean and change nothing "
-         "else. Reply with the code only.\n\n" + FUNCTION}]
+EDIT_CHAT = [{"role": "user", "content": EDIT}]
 
 
 def cards_of(node) -> dict[str, dict] | None:
@@ -75,7 +61,8 @@ def test_every_node_holds_every_card_and_a_killed_nodes_card_expires(tmp_path, m
 
 
 def chat(url: str, speculative: str | None, max_tokens: int = 150) -> dict:
-    body = {"model": "smollm2", "messages": EDIT, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": "smollm2", "messages": EDIT_CHAT, "max_tokens": max_tokens,
+            "temperature": 0}
     if speculative is not None:
         body["x_speculative"] = speculative
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
@@ -119,7 +106,7 @@ def test_remote_proposer_killed_mid_stream_the_stream_completes_identical(tmp_pa
         # Again, streamed, and the proposer node dies a few chunks in.
         streamed, usage, killed_after = [], None, None
         with httpx.stream("POST", verifier.url + "/v1/chat/completions", timeout=300, json={
-                "model": "smollm2", "messages": EDIT, "max_tokens": 150, "temperature": 0,
+                "model": "smollm2", "messages": EDIT_CHAT, "max_tokens": 150, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fakes import FakeClock
 
 from shoal.cluster.cards import CapabilityCard, ModelRole
 from shoal.cluster.proposal_relay import ProposalRelay
@@ -22,14 +23,6 @@ CONTEXT = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4]
 def proposer_card(node: str) -> CapabilityCard:
     return CapabilityCard(node_id=node, announced_at=0.0, ttl_s=1e12, models=(
         ModelRole(model=TARGET, role="proposer", source="ngram"),))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_asks_go_to_the_chosen_node_with_only_new_tokens():
@@ -77,7 +70,7 @@ def test_unknown_session_asks_for_resync_and_cut_back_is_idempotent():
 
 
 def test_idle_sessions_expire():
-    clock = Clock()
+    clock = FakeClock()
     service = ProposerService(MemoryHub().connect("p"), ProposerConfig(
         offers={TARGET: "ngram"}, session_idle_s=10.0), clock=clock)
     ask = {"from": "v", "target": TARGET, "k": 2, "call": 1, "cut": 0, "tokens": CONTEXT}
@@ -97,7 +90,7 @@ def test_a_silent_proposer_costs_one_deadline_then_is_avoided():
         working = hub.connect("p")
         service = ProposerService(working, ProposerConfig(offers={TARGET: "ngram"}))
         service.start()
-        clock = Clock()
+        clock = FakeClock()
         # "p" is busier, so the cards prefer "silent" until it misses a deadline.
         cards = [proposer_card("silent"), proposer_card("p").model_copy(
             update={"load": proposer_card("p").load.model_copy(update={"in_flight": 5})})]

@@ -9,6 +9,10 @@ import socket
 import threading
 import time
 
+import pytest
+from fakes import FakeClock
+
+from shoal.config import build_node_config
 from shoal.engine.speculation import remote
 from shoal.engine.speculation.config import SpeculativeConfig
 from shoal.engine.speculation.remote import LinkAnswer, RemoteProposer
@@ -19,18 +23,10 @@ from shoal.runner.messages import Proposed, parse_from_runner, to_wire
 from shoal.runner.proposals import ChannelProposalLink
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class FakeLink:
     """Answers from a script; each answer may take `seconds` of the fake clock."""
 
-    def __init__(self, clock: Clock, answers: list) -> None:
+    def __init__(self, clock: FakeClock, answers: list) -> None:
         self.clock = clock
         self.answers = answers
         self.asks: list[tuple[str, int, list[int], int, float]] = []
@@ -53,7 +49,7 @@ def ok(*tokens: int) -> LinkAnswer:
 
 
 def test_only_new_tokens_travel_and_a_changed_context_is_cut_back():
-    clock = Clock()
+    clock = FakeClock()
     link = FakeLink(clock, [(ok(7), 0.001), (ok(8, 9), 0.001), (ok(), 0.001),
                             (LinkAnswer("resync"), 0.001), (ok(5), 0.001)])
     proposer = RemoteProposer(link, vocab_size=100, clock=clock)
@@ -70,7 +66,7 @@ def test_only_new_tokens_travel_and_a_changed_context_is_cut_back():
 
 
 def test_deadline_follows_the_round_trip_within_floor_and_ceiling():
-    clock = Clock()
+    clock = FakeClock()
     link = FakeLink(clock, [(ok(1), 0.010)] * 30 + [(ok(1), 0.0001)] * 30)
     proposer = RemoteProposer(link, vocab_size=100, clock=clock)
     for step in range(60):
@@ -82,7 +78,7 @@ def test_deadline_follows_the_round_trip_within_floor_and_ceiling():
 
 
 def test_failures_give_none_and_a_growing_rest_never_an_exception():
-    clock = Clock()
+    clock = FakeClock()
     link = FakeLink(clock, [
         (None, 0.06),                          # no answer in time
         (RuntimeError("socket gone"), 0.0),    # the link itself fails
@@ -171,10 +167,6 @@ def test_channel_link_delivers_answers_on_the_reader_thread_and_drops_late_ones(
 
 
 def test_remote_speculation_is_named_like_ngram():
-    import pytest
-
-    from shoal.config import build_node_config
-
     assert SpeculativeConfig.parse("remote") == SpeculativeConfig("remote", 10)
     assert SpeculativeConfig.parse("remote:4") == SpeculativeConfig("remote", 4)
     with pytest.raises(ValueError, match="remote\\[:K\\]"):
