@@ -56,6 +56,7 @@ def test_only_new_tokens_travel_and_a_changed_context_is_cut_back():
     assert proposer.propose("r", [1, 2, 3], 2).tokens == [7]
     assert proposer.propose("r", [1, 2, 3, 4, 5], 2).tokens == [8, 9]
     assert proposer.propose("r", [1, 2, 9, 4, 5, 6], 2).tokens == []
+    assert proposer.propose("r", [1, 2, 9, 4, 5, 6], 2) is None  # quiet after an empty one
     assert proposer.propose("r", [1, 2, 9, 4, 5, 6, 7], 2) is None  # the far side lost it
     assert proposer.propose("r", [1, 2, 9, 4, 5, 6, 7, 8], 2).tokens == [5]
     assert [(cut, tokens) for _, cut, tokens, _, _ in link.asks] == [
@@ -63,6 +64,20 @@ def test_only_new_tokens_travel_and_a_changed_context_is_cut_back():
     proposer.forget("r")
     proposer.forget("never-asked")
     assert link.forgotten == ["r"]
+
+
+def test_empty_answers_space_out_the_asks():
+    clock = FakeClock()
+    link = FakeLink(clock, [(ok(), 0.001)] * 5 + [(ok(3), 0.001)] * 6)
+    proposer = RemoteProposer(link, vocab_size=100, clock=clock)
+    asked_at = []
+    for length in range(1, 30):
+        before = len(link.asks)
+        proposer.propose("r", list(range(length)), 2)
+        if len(link.asks) > before:
+            asked_at.append(length)
+    # After 1, 2, 4, 8, 8 tokens; then answers with guesses: every token again.
+    assert asked_at == [1, 2, 4, 8, 16, 24, 25, 26, 27, 28, 29]
 
 
 def test_deadline_follows_the_round_trip_within_floor_and_ceiling():

@@ -7,6 +7,10 @@ ceiling); a late, missing, malformed or out-of-vocabulary answer returns None, a
 proposer then rests (twice as long after each failure in a row, up to MAX_REST_S), so a
 dead proposer costs the verifier one deadline now and then, never an error or a wrong
 token: the verifier decodes alone and checks every guess it does get.
+
+An empty answer (nothing to guess from yet) is cheap to give but costs a round trip to
+get, so a request that got one asks again only after 1, 2, 4, ... (up to MAX_QUIET)
+more tokens of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ DEADLINE_FACTOR = 1.5  # deadline = factor * average round trip + slack
 DEADLINE_SLACK_S = 0.002
 FIRST_REST_S = 0.05
 MAX_REST_S = 5.0
+MAX_QUIET = 8  # tokens a request decodes alone after empty answers, at most
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class RemoteProposer:
         self._vocab_size = vocab_size
         self._clock = clock
         self._held: dict[str, list[int]] = {}  # request -> tokens the far side holds
+        # request -> (empty answers in a row, context length to reach before asking again)
+        self._quiet: dict[str, tuple[int, int]] = {}
         self.latency = LatencyEstimate()
         self._failures = 0
         self._resting_until = 0.0
@@ -80,6 +87,8 @@ class RemoteProposer:
 
     def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal | None:
         if k <= 0 or self._clock() < self._resting_until:
+            return None
+        if len(context) < self._quiet.get(request_id, (0, 0))[1]:
             return None
         try:
             return self._propose(request_id, context, k)
@@ -89,6 +98,7 @@ class RemoteProposer:
             return None
 
     def forget(self, request_id: str) -> None:
+        self._quiet.pop(request_id, None)
         if self._held.pop(request_id, None) is not None:
             try:
                 self._link.forget(request_id)
@@ -126,6 +136,12 @@ class RemoteProposer:
             return None
         self._failures = 0
         self.answered += 1
+        if tokens:
+            self._quiet.pop(request_id, None)
+        else:
+            empties = self._quiet.get(request_id, (0, 0))[0] + 1
+            self._quiet[request_id] = (empties, len(context)
+                                       + min(MAX_QUIET, 2 ** (empties - 1)))
         return Proposal(tokens=tokens, probs=probs)
 
     def _failed(self) -> None:
