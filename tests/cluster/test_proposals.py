@@ -6,14 +6,17 @@ avoided; a forgotten request's session goes; idle sessions expire."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from fakes import FakeClock
 
 from shoal.cluster.cards import CapabilityCard, ModelRole
 from shoal.cluster.proposal_relay import ProposalRelay
-from shoal.cluster.proposer_service import ProposerConfig, ProposerService
+from shoal.cluster.proposer_service import SOURCES, ProposerConfig, ProposerService
 from shoal.cluster.transport import MemoryHub
+from shoal.engine.speculation.proposer import Proposal
 
 TARGET = "smollm2-135m-instruct"
 # An n-gram source guesses that "1 2 3 4" goes on as it did: 5 6 7.
@@ -113,3 +116,79 @@ def test_a_silent_proposer_costs_one_deadline_then_is_avoided():
     assert moved["outcome"] == "resync"  # the new node has none of the context
     assert fresh["outcome"] == "ok" and fresh["tokens"] == [5, 6, 7]
     assert back == "silent" and gone == "p"
+
+
+def test_a_blocking_source_guesses_on_one_worker_thread_off_the_loop(monkeypatch):
+    class SlowDraft:
+        """A stand-in for a draft model: slow, not reentrant, guesses with probabilities."""
+
+        blocking = True
+
+        def __init__(self) -> None:
+            self.active = self.most_active = 0
+            self.threads: set[str] = set()
+            self.forgotten: list[str] = []
+
+        def propose(self, key, context, k):
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            self.threads.add(threading.current_thread().name)
+            time.sleep(0.05)
+            self.active -= 1
+            return Proposal([context[-1]] * k, [0.5] * k)
+
+        def forget(self, key):
+            self.forgotten.append(key)
+
+    draft = SlowDraft()
+    monkeypatch.setitem(SOURCES, "draft", lambda target, source: draft)
+
+    async def main():
+        hub = MemoryHub()
+        verifier, proposer_node = hub.connect("v"), hub.connect("p")
+        service = ProposerService(proposer_node, ProposerConfig(
+            offers={TARGET: "draft:tiny-draft"}))
+        service.start()
+        relay = ProposalRelay(verifier, lambda: [proposer_card("p")])
+        relay.start()
+        await asyncio.sleep(0)
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        ticking = asyncio.get_running_loop().create_task(ticker())
+        answers = await asyncio.gather(*(relay.ask(TARGET, f"r{i}", 0, [1, 2, 3 + i], 2, 5.0)
+                                         for i in range(3)))
+        ticking.cancel()
+        relay.forget(TARGET, "r0")
+        await asyncio.sleep(0.05)
+        await service.stop()
+        return answers, ticks
+
+    answers, ticks = asyncio.run(main())
+    assert [(a["outcome"], a["tokens"], a["probs"]) for a in answers] == [
+        ("ok", [3 + i] * 2, [0.5, 0.5]) for i in range(3)]
+    assert draft.most_active == 1 and all(t.startswith("proposer") for t in draft.threads)
+    assert ticks >= 10  # the loop went on while the draft guessed (3 x 50 ms)
+    assert draft.forgotten == ["v/r0"]
+
+
+def test_a_node_proposing_for_its_own_verifier_answers_without_the_transport():
+    async def main():
+        alone = MemoryHub().connect("solo")
+        service = ProposerService(alone, ProposerConfig(offers={TARGET: "ngram"}))
+        relay = ProposalRelay(alone, lambda: [proposer_card("solo")], local=service)
+        sent = []
+        alone.send_data = lambda node, payload: sent.append(payload)  # must not be used
+        answer = await relay.ask(TARGET, "r", 0, CONTEXT, 3, timeout_s=1.0)
+        sessions = service.active_sessions()
+        relay.forget(TARGET, "r")
+        return answer, sessions, service.active_sessions(), sent
+
+    answer, sessions, after_forget, sent = asyncio.run(main())
+    assert answer["outcome"] == "ok" and answer["tokens"] == [5, 6, 7]
+    assert (sessions, after_forget, sent) == (1, 0, [])

@@ -92,8 +92,9 @@ class ProposalRelay:
                "request_id": request_id, "cut": cut, "tokens": list(tokens), "k": k}
         if node == self._transport.node_id and self._local is not None:
             try:
-                return self._local.answer(ask)
-            except (KeyError, TypeError, ValueError):
+                async with asyncio.timeout(timeout_s):
+                    return await self._local.answer_here(ask)
+            except (TimeoutError, KeyError, TypeError, ValueError):
                 return NONE
         call = ask["call"] = next(self._calls)
         future = self._waiting[call] = asyncio.get_running_loop().create_future()
