@@ -104,7 +104,7 @@ def test_remote_proposer_killed_mid_stream_the_stream_completes_identical(tmp_pa
         guessed_s = time.monotonic() - started
         assert guessed["choices"][0]["message"]["content"] == plain_text
         usage = guessed["usage"]["x_speculative"]
-        assert usage["accepted_tokens"] > 0.3 * guessed["usage"]["completion_tokens"], usage
+        assert usage["accepted_tokens"] > 0.2 * guessed["usage"]["completion_tokens"], usage
         assert (cards_of(proposer) or {})[proposer_id]["load"]["proposer_sessions"] <= 1
 
         # Again, streamed, and the proposer node dies a few chunks in.

@@ -191,3 +191,41 @@ def test_remote_speculation_is_named_like_ngram():
     config = build_node_config(speculative=["smollm2=remote:6"], env={})
     assert config.engine.speculation_for("smollm2-135m-instruct") == \
         SpeculativeConfig("remote", 6)
+
+
+def test_the_nodes_hook_always_answers_the_runner():
+    import asyncio
+
+    from shoal.runner.messages import Propose
+    from shoal.runner.proposals import ProposalHook
+
+    class Relay:
+        def __init__(self, answer):
+            self.answer, self.forgotten = answer, []
+
+        async def ask(self, model_id, request_id, cut, tokens, k, timeout_s):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+        def forget(self, model_id, request_id):
+            self.forgotten.append((model_id, request_id))
+
+    ask = Propose(call_id=7, request_id="r", cut=0, tokens=(1, 2), k=2, timeout_s=0.01)
+    hook = ProposalHook()
+
+    def answered(relay):
+        hook.relay = relay
+        reply = asyncio.run(hook.ask("m", ask))
+        return reply.call_id, reply.outcome, reply.tokens, reply.probs
+
+    assert answered(None) == (7, "none", (), ())  # not in a cluster yet
+    assert answered(Relay({"outcome": "ok", "tokens": [3], "probs": [1.0]})) == (
+        7, "ok", (3,), (1.0,))
+    assert answered(Relay({"outcome": "maybe"})) == (7, "none", (), ())
+    assert answered(Relay(["not", "a", "dict"])) == (7, "none", (), ())
+    assert answered(Relay(RuntimeError("relay bug"))) == (7, "none", (), ())
+    relay = Relay({})
+    hook.relay = relay
+    hook.forget("m", "r")
+    assert relay.forgotten == [("m", "r")]

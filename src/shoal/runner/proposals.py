@@ -97,15 +97,17 @@ class ProposalHook:
         none = Proposed(call_id=ask.call_id, outcome="none")
         if self.relay is None:
             return none
-        answer = await self.relay.ask(model_id, ask.request_id, ask.cut, ask.tokens, ask.k,
-                                      ask.timeout_s)
         try:
+            answer = await self.relay.ask(model_id, ask.request_id, ask.cut, ask.tokens,
+                                          ask.k, ask.timeout_s)
             return Proposed(call_id=ask.call_id, outcome=answer.get("outcome", "none"),
                             tokens=tuple(answer.get("tokens", ())),
                             probs=tuple(answer.get("probs", ())))
-        except (ValidationError, TypeError) as error:
+        except (ValidationError, TypeError, AttributeError) as error:
             log.warning("malformed proposal from the cluster dropped: %s", error)
-            return none
+        except Exception:  # noqa: BLE001 - the runner gets its answer whatever happens
+            log.exception("relaying a proposal ask failed")
+        return none
 
     def forget(self, model_id: str, request_id: str) -> None:
         if self.relay is not None:
