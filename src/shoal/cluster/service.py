@@ -41,7 +41,6 @@ from shoal.cluster.events import (
 from shoal.cluster.instances import Instance, PlacementRequest
 from shoal.cluster.node_budget import held_bytes, node_capacities, rank_bytes
 from shoal.cluster.queries import ClusterQueries
-from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.placement import (
     NodeCapacity,
     Placement,
@@ -50,6 +49,7 @@ from shoal.cluster.placement import (
     place,
     previews,
 )
+from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
