@@ -229,3 +229,26 @@ def test_the_nodes_hook_always_answers_the_runner():
     hook.relay = relay
     hook.forget("m", "r")
     assert relay.forgotten == [("m", "r")]
+
+
+def test_waiting_for_remote_guesses_counts_in_what_guessing_costs():
+    from shoal.engine.request import Request
+    from shoal.engine.sampling import SamplingParams
+
+    class Slow:
+        def propose(self, request_id, context, k):
+            time.sleep(0.02)
+            return remote.Proposal([7] * k, [1.0] * k)
+
+        def forget(self, request_id):
+            pass
+
+    speculator = Speculator(SpeculativeConfig.parse("remote:3"), "m")
+    speculator.proposer = Slow()
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0))
+    speculator.add("r", [1, 2, 3], request.params, constrained=False)
+    speculator.observe_step(0, 0.010)  # a plain step: nothing asked
+    speculator.propose([request], max_rows=64)
+    assert len(request.draft_token_ids) == 3
+    speculator.observe_step(3, 0.010)  # verifying took as long as a plain step...
+    assert speculator.costs.relative(3) >= 2.5  # ...but the guesses took 20 ms to come

@@ -8,6 +8,7 @@ position, verify.kept_tokens keeps the agreeing prefix, and record() adapts the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class Speculator:
         # Guesses for method "remote" (set by the runner: runner/proposals.py); without
         # one such requests decode alone.
         self.proposer: Proposer | None = None
+        self._asked_s = 0.0  # this step's wait for the Proposer's guesses
 
     def add(self, request_id: str, prompt_token_ids: list[int],
             params: SamplingParams, constrained: bool) -> None:
@@ -70,6 +72,7 @@ class Speculator:
         step's decode rows (one per generated token and guess) within max_rows, so that
         they all run on the fused decode kernel and keep plain decoding's bits."""
         spare = max_rows - len(decoding)
+        self._asked_s = 0.0
         for request in decoding:
             guessing = self._guessing.get(request.request_id)
             if guessing is None:
@@ -96,8 +99,15 @@ class Speculator:
             return guessing.index.propose(count)
         if self.proposer is None:
             return []
+        started = time.perf_counter()
         proposal = self.proposer.propose(request_id, guessing.context, count)
+        self._asked_s += time.perf_counter() - started
         return [] if proposal is None else list(proposal.tokens[:count])
+
+    def observe_step(self, guesses: int, seconds: float) -> None:
+        """A step of one request took `seconds` to verify `guesses` guesses; getting them
+        from a Proposer is part of what they cost."""
+        self.costs.observe(guesses, seconds + (self._asked_s if guesses else 0.0))
 
     def record(self, request_id: str, proposed: int, kept: int) -> None:
         guessing = self._guessing.get(request_id)
