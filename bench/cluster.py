@@ -77,8 +77,10 @@ async def data_plane_latency(chunks: int) -> dict:
 
 # ---- real nodes -----------------------------------------------------------------------------
 
-def start_nodes(root: Path, count: int, extra: tuple[str, ...] = ()
-                ) -> list[tuple[subprocess.Popen, str]]:
+def start_nodes(root: Path, count: int, extra: dict[int, list[str]] | None = None,
+                threads: int = 2) -> list[tuple[subprocess.Popen, str]]:
+    """count `shoal serve` processes dialling each other on loopback; extra: more flags
+    for the node of that index."""
     ports = [free_port() for _ in range(count)]
     nodes = []
     for index in range(count):
@@ -89,11 +91,24 @@ def start_nodes(root: Path, count: int, extra: tuple[str, ...] = ()
         cmd = [sys.executable, "-m", "shoal.cli.app", "serve", "--port", str(api),
                "--data-dir", str(data), "--listen", f"tcp/127.0.0.1:{ports[index]}",
                "--peers", peers, "--no-discovery", "--no-preload", "--cluster-secret", "bench",
-               "--threads", "2", "--kv-cache-memory", "256MiB", *extra]
+               "--threads", str(threads), "--kv-cache-memory", "256MiB",
+               *(extra or {}).get(index, [])]
         log = open(data / "serve.log", "w")  # noqa: SIM115 - closed with the process
         nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
                       f"http://127.0.0.1:{api}"))
     return nodes
+
+
+def stop_nodes(nodes: list[tuple[subprocess.Popen, str]]) -> None:
+    """SIGTERM every node still running, then wait (SIGKILL after 30 s)."""
+    for proc, _ in nodes:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc, _ in nodes:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def cluster_view(url: str) -> dict | None:
@@ -160,14 +175,7 @@ def bench_nodes(count: int) -> dict:
             wait_agreed(rest, count - 1, 30, not_master=master)
             failover_s = time.monotonic() - killed
         finally:
-            for proc, _ in nodes:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc, _ in nodes:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_nodes(nodes)
     return {"nodes": count, "formation_s": formation_s, "direct": direct, "remote": remote,
             "remote_ttft_overhead_s": remote["ttft_s"] - direct["ttft_s"],
             "failover_s": failover_s}

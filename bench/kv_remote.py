@@ -72,7 +72,7 @@ def place_on_each(urls: list[str]) -> None:
 
 def bench(tokens: int, rounds: int, dtype: str) -> dict:
     with tempfile.TemporaryDirectory() as root:
-        nodes = start_nodes(Path(root), 2, extra=("--dtype", dtype))
+        nodes = start_nodes(Path(root), 2, extra={0: ["--dtype", dtype], 1: ["--dtype", dtype]})
         try:
             urls = [url for _proc, url in nodes]
             wait_agreed(urls, 2, 120)

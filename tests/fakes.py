@@ -297,3 +297,13 @@ def scripted_reply(request, pieces, tool_calls=(), finish_reason=None, prompt_to
                               usage=Usage(prompt_tokens=prompt_tokens,
                                           completion_tokens=len(pieces) + len(tool_calls))))
     return chunks
+
+
+class FakeClock:
+    """A clock tests move by hand: clock() is `now`."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -162,8 +162,17 @@ class ClusterSettings:
     name: str = ""  # shown in GET /cluster; the host name when empty
     tls: ClusterTls | None = None
     discovery_interface: str = ""  # the interface multicast scouting uses; Zenoh picks
+    # --propose-for TARGET[=SOURCE]: (target model id, proposal source) this node guesses
+    # tokens for, for verifiers on other nodes (cluster/proposer_service.py).
+    propose_for: tuple[tuple[str, str], ...] = ()
+    # Capability cards: exchanged with every peer each interval, expired after the TTL.
+    card_interval_s: float = 5.0
+    card_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.card_interval_s <= 0 or self.card_ttl_s <= 2 * self.card_interval_s:
+            raise ValueError("a capability card's TTL must exceed two exchange intervals "
+                             f"({self.card_ttl_s:g} s, interval {self.card_interval_s:g} s)")
         if self.standalone and (self.listen or self.peers or self.discovery or self.tls):
             raise ValueError("a standalone node neither listens, dials peers, discovers nor "
                              "uses --cluster-tls")
@@ -278,6 +287,7 @@ def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers
                            secret: str | None = None, force_master: bool | None = None,
                            discovery: bool | None = None, name: str | None = None,
                            tls_dir: str | None = None, discovery_interface: str | None = None,
+                           propose_for: Sequence[str] = (),
                            env: Mapping[str, str] | None = None) -> ClusterSettings:
     """Cluster settings from flags (None = not given) and SHOAL_* variables; ValueError
     naming the file when a --cluster-tls file is missing or unreadable."""
@@ -294,7 +304,35 @@ def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers
         discovery=_as_bool(_pick(discovery, env, "SHOAL_DISCOVERY"), "SHOAL_DISCOVERY"),
         name=_pick(name, env, "SHOAL_NODE_NAME") or "",
         tls=read_cluster_tls(Path(tls_path)) if tls_path else None,
-        discovery_interface=_pick(discovery_interface, env, "SHOAL_DISCOVERY_INTERFACE") or "")
+        discovery_interface=_pick(discovery_interface, env, "SHOAL_DISCOVERY_INTERFACE") or "",
+        propose_for=_propose_for(propose_for, env),
+        card_interval_s=_as_float(env.get("SHOAL_CARD_INTERVAL") or None,
+                                  "SHOAL_CARD_INTERVAL") or 5.0,
+        card_ttl_s=_as_float(env.get("SHOAL_CARD_TTL") or None, "SHOAL_CARD_TTL") or 30.0)
+
+
+def _propose_for(flags: Sequence[str], env: Mapping[str, str]
+                 ) -> tuple[tuple[str, str], ...]:
+    """--propose-for TARGET[=SOURCE] values (else SHOAL_PROPOSE_FOR, comma-separated), the
+    target named by its catalogue id when it has one; SOURCE defaults to ngram."""
+    from shoal.catalog.cards import load_builtin_catalog
+    from shoal.catalog.resolve import find_card
+
+    values = list(flags) or [v for v in env.get("SHOAL_PROPOSE_FOR", "").split(",") if v.strip()]
+    if not values:
+        return ()
+    offers = []
+    for value in values:
+        target, _, source = value.partition("=")
+        target, source = target.strip(), source.strip() or "ngram"
+        if not target:
+            raise ValueError(f"--propose-for {value!r}: name the target model, as "
+                             f"TARGET[=SOURCE]")
+        card = find_card(target, load_builtin_catalog())
+        offers.append((card.id if card is not None else target, source))
+    if len({target.lower() for target, _ in offers}) != len(offers):
+        raise ValueError("--propose-for names a target model twice")
+    return tuple(offers)
 
 
 def build_node_config(*, host: str | None = None, port: int | None = None,

@@ -4,12 +4,19 @@ tokenizer differs from the target's is refused, naming both."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.engine.config import ModelSource
-from shoal.engine.speculation.draft import DraftMismatch, DraftModel, check_draft_pair
+from shoal.engine.speculation.draft import (
+    DraftMismatch,
+    DraftModel,
+    DraftSource,
+    check_draft_pair,
+)
 from shoal.engine.speculation.proposer import common_prefix
 from tests.engine import tiny_models
 
@@ -90,3 +97,37 @@ def test_a_draft_with_another_tokenizer_is_refused_naming_both():
         check_draft_pair(target, draft)
     assert target.model_id in str(refused.value) and draft.model_id in str(refused.value)
     check_draft_pair(other, same)  # the Qwen2.5-Coder pair shares one tokenizer
+
+
+def test_a_proposer_node_s_draft_loads_on_the_first_ask_and_guesses_greedily(tiny_source):
+    """--propose-for TARGET=draft:MODEL: the service's source, asked through the relay as
+    a verifier on the same node would be, guesses what the draft model guesses."""
+    from shoal.cluster.cards import CapabilityCard, ModelRole
+    from shoal.cluster.proposal_relay import ProposalRelay
+    from shoal.cluster.proposer_service import ProposerConfig, ProposerService
+    from shoal.cluster.transport import MemoryHub
+
+    source = f"draft:{tiny_source.path}"
+    context = [5, 17, 3, 99, 42, 8, 61]
+    reference = DraftModel.load(tiny_source, "auto", "cpu", num_blocks=16, block_size=4,
+                                vocab_size=tiny_models.VOCAB).propose("x", context, 3)
+
+    async def ask():
+        alone = MemoryHub().connect("solo")
+        service = ProposerService(alone, ProposerConfig(offers={"tiny": source}))
+        card = CapabilityCard(node_id="solo", announced_at=0.0, ttl_s=1e12, models=(
+            ModelRole(model="tiny", role="proposer", source=source),))
+        relay = ProposalRelay(alone, lambda: [card], local=service)
+        answer = await relay.ask("tiny", "r", 0, context, 3, timeout_s=60.0)
+        await service.stop()
+        return answer
+
+    answer = asyncio.run(ask())
+    assert answer["outcome"] == "ok"
+    assert answer["tokens"] == reference.tokens
+    assert answer["probs"] == pytest.approx(reference.probs, rel=1e-3)
+
+
+def test_a_draft_source_needs_a_model_name():
+    with pytest.raises(ValueError, match="draft:MODEL"):
+        DraftSource("")

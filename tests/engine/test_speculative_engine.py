@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+from prompts import EDIT
 from scipy.stats import chi2_contingency
 
 from shoal.catalog.resolve import ModelNotFound, resolve_model
@@ -18,24 +19,9 @@ from shoal.engine.speculation.length import DraftLength
 
 pytestmark = pytest.mark.slow
 
-FUNCTION = '''def moving_average(values, window):
-    """Average of each run of `window` consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    result = []
-    total = 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        if index >= window - 1:
-            result.append(total / window)
-    return result
-'''
 PROMPTS = {
     # Guesses mostly right: the answer copies the prompt.
-    "edit": "Rename the function to rolling_mean and change nothing else. Reply with the "
-            "code only.\n\n" + FUNCTION,
+    "edit": EDIT,
     # Guesses sometimes right: lists repeat their own phrasing.
     "list": "List the planets of the solar system, one per line, each as 'Planet N: NAME "
             "is planet number N from the sun.'",

@@ -69,6 +69,12 @@ async def cluster(request: Request) -> dict[str, Any]:
     return _cluster(request).describe()
 
 
+@router.get("/cluster/cards")
+async def cluster_cards(request: Request) -> dict[str, Any]:
+    """Every node's live capability card (cluster/cards.py)."""
+    return {"cards": _cluster(request).capabilities.describe()}
+
+
 @router.post("/instances", status_code=201)
 async def place_instance(body: PlaceBody, request: Request) -> JSONResponse:
     service = _cluster(request)

@@ -28,7 +28,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", action="append", default=[],
                         metavar="MODEL=ngram[:K]",
                         help="speculative decoding for MODEL: ngram[:K] guesses up to K "
-                             "tokens from the request's own text; repeat per model "
+                             "tokens from the request's own text, remote[:K] asks a node "
+                             "that offers --propose-for MODEL; repeat per model "
                              "(SHOAL_SPECULATIVE, comma-separated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per runner (SHOAL_THREADS)")
@@ -122,6 +123,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--discovery-interface", default=None, metavar="NAME",
                        help="network interface to scout on, e.g. eth0 or lo "
                             "(SHOAL_DISCOVERY_INTERFACE; Zenoh picks)")
+    group.add_argument("--propose-for", action="append", default=[],
+                       metavar="TARGET[=SOURCE]",
+                       help="guess tokens for verifiers of TARGET on other nodes (their "
+                            "--speculative TARGET=remote); SOURCE: ngram (the default) or "
+                            "draft:MODEL (a smaller model of the same tokenizer); "
+                            "repeat per target (SHOAL_PROPOSE_FOR, comma-separated)")
     group.add_argument("--standalone", action="store_true", default=None,
                        help="join no cluster and open no cluster port (SHOAL_STANDALONE)")
     group.add_argument("--name", default=None,
@@ -134,11 +141,14 @@ def check_draft_models(config: NodeConfig) -> None:
     from shoal.catalog.resolve import resolve_model
     from shoal.engine.speculation.draft import check_draft_pair
 
-    for name, speculative in config.engine.speculative:
-        if speculative.method != "draft":
-            continue
+    pairs = [(name, speculative.draft_model) for name, speculative in config.engine.speculative
+             if speculative.method == "draft"]
+    # A proposer node's draft (--propose-for TARGET=draft:MODEL) guesses for TARGET too.
+    pairs += [(target, source.partition(":")[2]) for target, source in config.cluster.propose_for
+              if source.startswith("draft:")]
+    for name, draft_name in pairs:
         target = resolve_model(name, data_dir=config.data_dir)
-        draft = resolve_model(speculative.draft_model, data_dir=config.data_dir)
+        draft = resolve_model(draft_name, data_dir=config.data_dir)
         check_draft_pair(target, draft, config.data_dir / "cache")
 
 
@@ -146,7 +156,8 @@ def run_serve(args: argparse.Namespace) -> int:
     cluster = build_cluster_settings(
         standalone=args.standalone, listen=args.listen, peers=args.peers,
         secret=args.cluster_secret, force_master=args.force_master, discovery=args.discovery,
-        name=args.name, tls_dir=args.cluster_tls, discovery_interface=args.discovery_interface)
+        name=args.name, tls_dir=args.cluster_tls, discovery_interface=args.discovery_interface,
+        propose_for=args.propose_for)
     config = build_node_config(host=args.host, port=args.port, models=args.model,
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
                                kv_cache_dtype=args.kv_cache_dtype,

@@ -16,11 +16,9 @@ from typing import Any
 import pydantic
 from pydantic import TypeAdapter
 
+from shoal.cluster.card_exchange import CARDS_FIELD
+from shoal.cluster.proposer_service import PROPOSAL_FIELD
 from shoal.cluster.queries import ANSWER_FIELD
-
-# Prefix KV between nodes (prefix_share.py): a request to export, and a part of the answer.
-KV_FETCH_FIELD = "kv_fetch"
-KV_PART_FIELD = "kv_part"
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.ids import NodeId
 from shoal.protocol import Chunk, ErrorChunk, ErrorCode, chunk_to_wire
@@ -29,6 +27,13 @@ log = logging.getLogger("shoal.cluster.data")
 
 _chunks: TypeAdapter[Chunk] = TypeAdapter(Chunk)
 TERMINAL_KINDS = ("finish", "error", "embedding")
+# Prefix KV between nodes (prefix_share.py): a request to export, and a part of the answer.
+KV_FETCH_FIELD = "kv_fetch"
+KV_PART_FIELD = "kv_part"
+# Messages on the data key that are not token chunks (queries.py, card_exchange.py,
+# proposer_service.py, prefix_share.py) carry one of these fields.
+_OTHER_FIELDS = (ANSWER_FIELD, CARDS_FIELD, PROPOSAL_FIELD, KV_FETCH_FIELD,
+                 KV_PART_FIELD)
 
 
 def chunk_message(request_id: str, seq: int, chunk: Any) -> dict[str, Any]:
@@ -122,10 +127,8 @@ class RemoteStreams:
         return self._streams.get(request_id)
 
     def _on_data(self, message: Any) -> None:
-        if isinstance(message, dict) and (ANSWER_FIELD in message
-                                          or KV_FETCH_FIELD in message
-                                          or KV_PART_FIELD in message):
-            return  # a query's answer, prefix KV (queries.py, prefix_share.py share this key)
+        if isinstance(message, dict) and any(f in message for f in _OTHER_FIELDS):
+            return  # query answers, capability cards, proposals share this key
         try:
             request_id, seq = str(message["request_id"]), int(message["seq"])
             chunk = _chunks.validate_python(message["chunk"])

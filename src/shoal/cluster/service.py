@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.cluster import traces
+from shoal.cluster.capabilities import Capabilities
+from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ControlPlane
 from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
@@ -48,6 +50,7 @@ from shoal.cluster.placement import (
     place,
     previews,
 )
+from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
@@ -81,6 +84,8 @@ class ServiceConfig:
     place_timeout_s: float = 10.0
     recent_events: int = 1000
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    cards: CardConfig = field(default_factory=CardConfig)
+    proposer: ProposerConfig = field(default_factory=ProposerConfig)
 
     def __post_init__(self) -> None:
         for name in ("accept_timeout_s", "resend_s", "first_chunk_timeout_s",
@@ -107,6 +112,9 @@ class ClusterService:
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
                                    **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
+        # Capability cards and the proposer roles (guessing tokens for other nodes).
+        self.capabilities = Capabilities(plane.transport, pool, plane.telemetry.table,
+                                         self.config.cards, self.config.proposer)
         self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
@@ -121,10 +129,12 @@ class ClusterService:
         self.queries.start()
         await self.prefixes.start()
         await self.plane.start()
+        await self.capabilities.start()
         await self.worker.start()
 
     async def stop(self) -> None:
         await self.worker.stop()
+        await self.capabilities.stop()
         self.streams.stop()
         await self.prefixes.stop()
         await self.queries.stop()
@@ -367,7 +377,8 @@ class ClusterService:
                 "backends": list(reading.backends) if reading else [],
                 "last_seen": reading.taken_at if reading else None})
         return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
-                "instances": self.describe_instances()}
+                "instances": self.describe_instances(),
+                "cards": self.capabilities.describe()}
 
     def describe_instances(self) -> list[dict[str, Any]]:
         readings = self.readings()

@@ -12,10 +12,12 @@ import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
 from shoal.cluster.master import MasterConfig
-from shoal.cluster.service import ClusterService
+from shoal.cluster.proposer_service import ProposerConfig
+from shoal.cluster.service import ClusterService, ServiceConfig
 from shoal.cluster.telemetry import NodeReading, read_node
 from shoal.cluster.transport.base import Transport
 from shoal.cluster.transport.memory import MemoryHub
@@ -97,9 +99,14 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     def usable_memory() -> int:
         return read().capacity().usable_bytes
 
+    # Built first: a bad --propose-for source fails before any port is opened.
+    service_config = ServiceConfig(
+        cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
+        proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir))
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir), read)
-    service = ClusterService(plane, pool, usable_memory, group_connect_s=group_connect_s)
+    service = ClusterService(plane, pool, usable_memory, service_config,
+                             group_connect_s=group_connect_s)
     try:
         await service.start()
     except BaseException:

@@ -331,7 +331,7 @@ class Engine:
         chunks = scheduled.chunks
         if self.speculator is not None and len(chunks) == 1 and chunks[0].needs_sample \
                 and not chunks[0].prompt:
-            self.speculator.costs.observe(chunks[0].num_drafts, seconds)
+            self.speculator.observe_step(chunks[0].num_drafts, seconds)
 
     def _forget_guesses(self, request_id: str) -> None:
         if self.speculator is not None:

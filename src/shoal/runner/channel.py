@@ -27,13 +27,15 @@ Answerer = Callable[[dict[str, Any]], RunnerMessage | None]
 class Channel:
     """The runner's end of the socket: a reader thread fills an inbox; sends are locked.
     Inspect messages never reach the inbox: the reader thread answers them with answer(),
-    so they are answered while the loop is busy (loading, stepping)."""
+    so they are answered while the loop is busy (loading, stepping). Nor do the types given
+    to intercept(): their handler takes them on the reader thread (answers a step awaits)."""
 
     def __init__(self, sock: socket.socket, answer: Answerer | None = None) -> None:
         self._sock = sock
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._send_lock = threading.Lock()
         self._answer = answer
+        self._intercepts: dict[str, Callable[[dict[str, Any]], None]] = {}
         threading.Thread(target=self._read_loop, name="runner-reader", daemon=True).start()
 
     def _read_loop(self) -> None:
@@ -50,7 +52,18 @@ class Channel:
                     and raw.get("type") == "inspect":
                 self._reply(raw)
                 continue
+            handler = self._intercepts.get(raw.get("type")) if isinstance(raw, dict) else None
+            if handler is not None:
+                try:
+                    handler(raw)
+                except Exception:  # noqa: BLE001 - a failing handler must not stop the reader
+                    log.exception("handling a %s message failed", raw.get("type"))
+                continue
             self._inbox.put(raw)
+
+    def intercept(self, message_type: str, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Hand raw messages of message_type to handler on the reader thread."""
+        self._intercepts[message_type] = handler
 
     def _reply(self, raw: dict[str, Any]) -> None:
         try:

@@ -28,6 +28,7 @@ from shoal.diagnostics.flight import FlightLogHandler
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
 from shoal.runner.memory import MemoryReporter, loading_heap
+from shoal.runner.proposals import attach_remote_proposer
 from shoal.runner.records import RunnerRecords
 from shoal.runner.messages import (
     Failed,
@@ -130,6 +131,7 @@ def serve(sock: socket.socket, records: RunnerRecords | None = None) -> int:
                                 error_type=type(error).__name__))
             return 2
         records.watch(engine)
+        attach_remote_proposer(engine, channel)
         with exporting_spans(engine, load):
             return serve_engine(engine, channel, first[1:])
     except SupervisorGone:

@@ -1,7 +1,8 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
-supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown
-runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed
+supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown, Proposed
+runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed,
+                      Propose, ForgetProposals
 Prefix KV between nodes (prefix_messages.py) adds supervisor -> runner PrefixPart,
 PrefixFetched, PrefixExport and runner -> supervisor PrefixReport, PrefixWanted,
 PrefixExportPart.
@@ -71,6 +72,37 @@ class Inspection(RunnerMessage):
     type: Literal["inspection"] = "inspection"
     query_id: int
     body: dict[str, Any]
+
+
+class Propose(RunnerMessage):
+    """Guesses wanted from a proposer node (runner/proposals.py): its session keeps the
+    first `cut` tokens it holds for the request, appends `tokens`, and guesses up to k."""
+
+    type: Literal["propose"] = "propose"
+    call_id: int
+    request_id: str
+    cut: int = Field(ge=0)
+    tokens: tuple[int, ...]
+    k: int = Field(ge=0)
+    timeout_s: float = Field(gt=0)
+
+
+class Proposed(RunnerMessage):
+    """The answer to Propose call_id, answered by the socket's reader thread: "ok" with the
+    guesses, "resync" (send the whole context next time) or "none"."""
+
+    type: Literal["proposed"] = "proposed"
+    call_id: int
+    outcome: Literal["ok", "resync", "none"]
+    tokens: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()
+
+
+class ForgetProposals(RunnerMessage):
+    """The request ended: its proposer node may drop its session."""
+
+    type: Literal["forget_proposals"] = "forget_proposals"
+    request_id: str
 
 
 class Shutdown(RunnerMessage):
@@ -145,11 +177,11 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | PrefixPart
-                     | PrefixFetched | PrefixExport, Field(discriminator="type")]
+ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | Proposed
+                     | PrefixPart | PrefixFetched | PrefixExport, Field(discriminator="type")]
 FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed
-                       | PrefixReport | PrefixWanted | PrefixExportPart,
-                       Field(discriminator="type")]
+                       | Propose | ForgetProposals | PrefixReport | PrefixWanted
+                       | PrefixExportPart, Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)

@@ -16,6 +16,7 @@ from typing import Any
 
 from shoal.engine.config import ModelSource
 from shoal.engine.parallel.config import ParallelConfig
+from shoal.runner.proposals import ProposalHook
 from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 
 log = logging.getLogger("shoal.runner.registry")
@@ -39,6 +40,8 @@ class RunnerRegistry:
         self._changed = asyncio.Condition()
         # Every runner's prefix messages, with its key (cluster/prefix_share.py sets it).
         self.on_prefix: Callable[[RunnerKey, Any], None] | None = None
+        # Every runner's asks for guesses from other nodes (the cluster sets its relay).
+        self.proposals = ProposalHook()
 
     # ---- starting and stopping ----------------------------------------------------------------
 
@@ -52,6 +55,7 @@ class RunnerRegistry:
             raise ValueError(f"runner {key} is already registered")
         supervisor = self._make_supervisor(source, parallel)
         supervisor.on_prefix = lambda message: self._prefix_message(key, message)
+        supervisor.proposals = self.proposals
         if memory_limit is not None:
             supervisor.limit_memory(memory_limit)
         self._runners[key] = supervisor

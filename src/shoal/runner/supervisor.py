@@ -31,11 +31,13 @@ from shoal.runner.messages import (
     ChunkMessage,
     Embed,
     Failed,
+    ForgetProposals,
     Inspect,
     Inspection,
     Load,
     MemoryUsage,
     ModelInfo,
+    Propose,
     RunnerMessage,
     Shutdown,
     Status,
@@ -47,6 +49,7 @@ from shoal.runner.options import SupervisorOptions
 from shoal.runner.prefix_messages import PrefixMessage
 from shoal.runner.process import spawn_runner, stop_process
 from shoal.runner.process_env import runner_environment
+from shoal.runner.proposals import ProposalHook
 
 log = logging.getLogger("shoal.supervisor")
 
@@ -100,6 +103,9 @@ class RunnerSupervisor:
         self._next_query = 0
         # Where the runner's prefix messages go (cluster/prefix_share.py), if anywhere.
         self.on_prefix: Callable[[PrefixMessage], None] | None = None
+        # Where the runner's asks for guesses go (set by the registry); None: answered "none".
+        self.proposals: ProposalHook | None = None
+        self.generated_tokens = 0  # tokens streamed back over the runner's life (throughput)
 
     # ---- public -----------------------------------------------------------------------
 
@@ -317,10 +323,15 @@ class RunnerSupervisor:
 
     def _dispatch(self, process: _Process, message: Any) -> None:
         if isinstance(message, ChunkMessage):
-            self._requests.deliver(message.chunk)
+            self._deliver(message.chunk)
         elif isinstance(message, ChunkBatch):
             for chunk in message.chunks:
-                self._requests.deliver(chunk)
+                self._deliver(chunk)
+        elif isinstance(message, Propose):
+            self._own(self._relay_proposal(message))
+        elif isinstance(message, ForgetProposals):
+            if self.proposals is not None:
+                self.proposals.forget(self.model_id, message.request_id)
         elif isinstance(message, MemoryUsage):
             self.memory = message
         elif isinstance(message, Inspection):
@@ -343,6 +354,16 @@ class RunnerSupervisor:
             self.last_error = message.message
             if not process.ready:
                 process.load_failed = message.message
+
+    def _deliver(self, chunk: Any) -> None:
+        if chunk.kind == "token":
+            self.generated_tokens += len(chunk.token_ids)
+        self._requests.deliver(chunk)
+
+    async def _relay_proposal(self, ask: Propose) -> None:
+        """Answer the runner's ask for guesses; the relay bounds its own wait."""
+        hook = self.proposals or ProposalHook()
+        self._send(await hook.ask(self.model_id, ask))
 
     async def _load_deadline(self, process: _Process) -> None:
         await asyncio.sleep(self.options.load_timeout_s)

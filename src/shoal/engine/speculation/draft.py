@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # The most tokens fed to the draft in one forward pass (a long prompt is fed in pieces).
 CHUNK_TOKENS = 512
+BLOCK_SIZE = 16  # KV block size of a proposer node's draft model
 
 
 class DraftMismatch(ValueError):
@@ -175,3 +176,41 @@ class DraftModel:
         token = int(torch.argmax(logits))
         prob = float(torch.exp(logits[token] - torch.logsumexp(logits, dim=0)))
         return token, prob
+
+
+# A proposer node's draft model holds this much KV for all the sessions it guesses for.
+SOURCE_KV_BYTES = 256 * 2**20
+
+
+class DraftSource:
+    """A draft model guessing for verifiers on other nodes (--propose-for TARGET=draft:MODEL,
+    cluster/proposer_service.py): loaded on the first ask, on the service's worker thread."""
+
+    blocking = True  # its forward passes run off the node's event loop
+
+    def __init__(self, model: str, data_dir=None) -> None:
+        if not model:
+            raise ValueError("name the draft model, as draft:MODEL")
+        self.model = model
+        self._data_dir = data_dir
+        self._draft: DraftModel | None = None
+
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal | None:
+        return self._loaded().propose(request_id, context, k)
+
+    def forget(self, request_id: str) -> None:
+        if self._draft is not None:
+            self._draft.forget(request_id)
+
+    def _loaded(self) -> DraftModel:
+        if self._draft is None:
+            from shoal.catalog.resolve import resolve_model
+            from shoal.engine.models.loader import kv_bytes_per_token, read_model_config
+
+            source = resolve_model(self.model, data_dir=self._data_dir)
+            config = read_model_config(source)
+            per_block = kv_bytes_per_token(config, "auto") * BLOCK_SIZE
+            self._draft = DraftModel.load(source, "auto", "cpu",
+                                          max(1, SOURCE_KV_BYTES // per_block), BLOCK_SIZE,
+                                          config.vocab_size)
+        return self._draft

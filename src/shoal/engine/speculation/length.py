@@ -6,7 +6,9 @@ engine, relative to a plain step. If each guess is kept with probability a (give
 before it were), a step with k guesses yields (1 - a^(k+1)) / (1 - a) tokens on average;
 DraftLength estimates a from the request's recent verifications and picks the k with the
 best tokens per unit of cost. When no k beats a plain step, speculation rests for a while
-(twice as long after each failed try, up to MAX_REST steps), then tries again.
+(twice as long after each failed try, up to MAX_REST steps), then tries again. Guesses from
+a Proposer (a draft model, a proposer node) count their wait in the step's cost
+(Speculator.observe_step), so dear guesses buy fewer of them.
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ from __future__ import annotations
 # steps (this CPU measured 1.4x for one guess, 2.3x for four, 2.9x for twelve on a 1.5B
 # model).
 PRIOR_ROW_COST = 0.35
-# Until measured, a draft model's guess is taken to cost this share of a plain step (a model
-# about a third of the target's size).
-PRIOR_GUESS_COST = 0.35
 COST_MEMORY = 0.8      # weight of the previous estimate in each new cost average
 KEPT_MEMORY = 0.7      # how fast a request's acceptance estimate forgets old steps
 PRIOR_KEPT, PRIOR_MISSED = 3.0, 0.5  # a fresh (or rested) request's hopeful start
@@ -36,10 +35,6 @@ class StepCosts:
         self._seconds[guesses] = seconds if old is None else \
             COST_MEMORY * old + (1 - COST_MEMORY) * seconds
 
-    @property
-    def plain_seconds(self) -> float | None:
-        return self._seconds.get(0)
-
     def relative(self, guesses: int) -> float:
         """Cost of a step verifying `guesses` guesses, in plain decode steps."""
         plain = self._seconds.get(0)
@@ -51,28 +46,6 @@ class StepCosts:
         return seconds / plain
 
 
-class GuessCost:
-    """Seconds a proposer (a draft model) spends per guessed token, relative to a plain
-    step of the target: guesses that are not free make each step dearer."""
-
-    def __init__(self, steps: StepCosts) -> None:
-        self._steps = steps
-        self._seconds: float | None = None
-
-    def observe(self, guesses: int, seconds: float) -> None:
-        if guesses < 1:
-            return
-        per_guess = seconds / guesses
-        self._seconds = per_guess if self._seconds is None else \
-            COST_MEMORY * self._seconds + (1 - COST_MEMORY) * per_guess
-
-    def relative(self) -> float:
-        plain = self._steps.plain_seconds
-        if plain is None or self._seconds is None:
-            return PRIOR_GUESS_COST
-        return self._seconds / plain
-
-
 def expected_tokens(kept_rate: float, guesses: int) -> float:
     """Mean tokens a step yields: the kept run of guesses plus the model's own token."""
     if kept_rate >= 1.0:
@@ -81,13 +54,9 @@ def expected_tokens(kept_rate: float, guesses: int) -> float:
 
 
 class DraftLength:
-    """guess_cost: what each guess costs to make (a draft model's forward pass); None for
-    guesses that are free (n-grams)."""
-
-    def __init__(self, most: int, costs: StepCosts, guess_cost: GuessCost | None = None) -> None:
+    def __init__(self, most: int, costs: StepCosts) -> None:
         self.most = most
         self._costs = costs
-        self._guess_cost = guess_cost
         self._kept = PRIOR_KEPT
         self._missed = PRIOR_MISSED
         self._rest = FIRST_REST
@@ -105,11 +74,9 @@ class DraftLength:
                 self._kept, self._missed = PRIOR_KEPT, PRIOR_MISSED
             return 0
         rate = self.kept_rate
-        per_guess = self._guess_cost.relative() if self._guess_cost is not None else 0.0
         best, best_value = 0, 1.0
         for guesses in range(1, self.most + 1):
-            cost = self._costs.relative(guesses) + per_guess * guesses
-            value = expected_tokens(rate, guesses) / cost
+            value = expected_tokens(rate, guesses) / self._costs.relative(guesses)
             if value > best_value:
                 best, best_value = guesses, value
         if best == 0:

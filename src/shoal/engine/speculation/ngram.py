@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shoal.engine.speculation.proposer import Proposal
+
 MIN_N = 2
 MAX_N = 4
 
@@ -56,3 +58,29 @@ class NgramIndex:
                 if n <= stop:
                     ends[tuple(tokens[stop - n:stop])] = stop
         self._indexed = max(self._indexed, last_end)
+
+
+class NgramProposer:
+    """A Proposer over one NgramIndex per request, fed only the tokens it has not seen (a
+    context that no longer extends what it saw rebuilds that request's index)."""
+
+    def __init__(self) -> None:
+        self._indexes: dict[str, tuple[NgramIndex, list[int]]] = {}
+
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal:
+        entry = self._indexes.get(request_id)
+        if entry is None or len(context) < len(entry[1]) \
+                or list(context[:len(entry[1])]) != entry[1]:
+            entry = self._indexes[request_id] = (NgramIndex(), [])
+        index, seen = entry
+        fresh = list(context[len(seen):])
+        index.extend(fresh)
+        seen.extend(fresh)
+        tokens = index.propose(k) if k > 0 else []
+        return Proposal(tokens=tokens, probs=[1.0] * len(tokens))
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._indexes)

@@ -1,7 +1,5 @@
-"""Where guesses come from when they are not the request's own n-grams: a draft model in
-this process, or a proposer on another node. The engine's Speculator asks a Proposer for up
-to k tokens before each step and verifies whatever comes back, so a proposer can only make
-guessing pay less, never change a token."""
+"""What the engine asks of a source of guesses that is not its own n-gram index: a
+Proposer (a draft model in this process, or a proposer on another node: remote.py)."""
 
 from __future__ import annotations
 
@@ -12,19 +10,17 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: list[int]   # the guessed continuation (k tokens, or fewer, or none)
-    probs: list[float]  # the proposer's probability of each guessed token (1.0 for n-grams)
+    tokens: list[int]          # k guessed tokens (may be fewer, or empty)
+    probs: list[float]         # the proposer's probability of each token (1.0 for n-gram)
 
 
 class Proposer(Protocol):
     def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal | None:
         """context: the request's whole token sequence so far (prompt + kept outputs).
-        Implementations hand on only what the far side lacks (the new suffix, and the
-        point to cut back to where earlier guesses were rejected). None: no proposal in
-        time."""
+        Implementations send only what the far side lacks (the new suffix, and the point
+        to cut back to if earlier tokens changed). None: no proposal in time."""
 
-    def forget(self, request_id: str) -> None:
-        """The request is over: drop its state."""
+    def forget(self, request_id: str) -> None: ...
 
 
 def common_prefix(held: Sequence[int], context: Sequence[int]) -> int:

@@ -1,5 +1,5 @@
-"""The engine's guesser: per request, where guesses come from (its n-gram index, or a
-proposer: the model's draft model) and an adaptive guess length.
+"""The engine's guesser: per request, an n-gram index (or a Proposer: the model's draft
+model for method "draft", a proposer node for method "remote") and an adaptive guess length.
 
 Before each step the engine asks for guesses for its decoding requests; the scheduler gives
 them room in the step (scheduler._fit_drafts), the model computes logits at every guessed
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shoal.engine.request import Request
 from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.speculation.config import SpeculativeConfig
-from shoal.engine.speculation.length import DraftLength, GuessCost, StepCosts
+from shoal.engine.speculation.length import DraftLength, StepCosts
 from shoal.engine.speculation.ngram import NgramIndex
 from shoal.engine.speculation.proposer import Proposer
 
@@ -24,26 +24,26 @@ NGRAM = SpeculativeConfig("ngram")
 
 @dataclass
 class _Guessing:
+    index: NgramIndex | None  # None: the Proposer guesses from `context`
     length: DraftLength
-    index: NgramIndex | None  # None: the proposer guesses
-    synced_outputs: int = 0  # output tokens already in the index
-    prompt: list[int] = field(default_factory=list)  # the proposer's context starts here
-    # The proposer guessed last step too: its time now is guessing only, not catching up.
-    warm: bool = False
+    synced_outputs: int = 0  # output tokens already in the index (or context)
+    context: list[int] | None = None  # prompt + outputs, for the Proposer
 
 
 class Speculator:
     """config: the model's own speculation (--speculative), or None: only requests that
-    ask for it (x_speculative) speculate. proposer: the draft model, for config "draft"."""
+    ask for it (x_speculative) speculate. proposer: the draft model, for method "draft"."""
 
     def __init__(self, config: SpeculativeConfig | None, model_id: str,
                  proposer: Proposer | None = None) -> None:
         self.config = config
         self.model_id = model_id
-        self.proposer = proposer
         self._guessing: dict[str, _Guessing] = {}
         self.costs = StepCosts()
-        self.guess_cost = GuessCost(self.costs)
+        # Guesses for methods "draft" and "remote" (for "remote" the runner sets it:
+        # runner/proposals.py); without one such requests decode alone.
+        self.proposer = proposer
+        self._asked_s = 0.0  # this step's wait for the Proposer's guesses
 
     def add(self, request_id: str, prompt_token_ids: list[int],
             params: SamplingParams, constrained: bool) -> None:
@@ -54,19 +54,18 @@ class Speculator:
             # A grammar's mask would have to be advanced along the guesses; such requests
             # decode one token at a time.
             return
-        if config.method == "draft":
-            self._guessing[request_id] = _Guessing(
-                DraftLength(config.num_drafts, self.costs, self.guess_cost), None,
-                prompt=list(prompt_token_ids))
+        length = DraftLength(config.num_drafts, self.costs)
+        if config.method in ("draft", "remote"):
+            self._guessing[request_id] = _Guessing(None, length,
+                                                   context=list(prompt_token_ids))
             return
         index = NgramIndex()
         index.extend(prompt_token_ids)
-        self._guessing[request_id] = _Guessing(DraftLength(config.num_drafts, self.costs),
-                                               index)
+        self._guessing[request_id] = _Guessing(index, length)
 
     def forget(self, request_id: str) -> None:
         guessing = self._guessing.pop(request_id, None)
-        if guessing is not None and guessing.index is None:
+        if guessing is not None and guessing.index is None and self.proposer is not None:
             self.proposer.forget(request_id)
 
     def propose(self, decoding: Sequence[Request], max_rows: int) -> None:
@@ -74,39 +73,42 @@ class Speculator:
         step's decode rows (one per generated token and guess) within max_rows, so that
         they all run on the fused decode kernel and keep plain decoding's bits."""
         spare = max_rows - len(decoding)
+        self._asked_s = 0.0
         for request in decoding:
             guessing = self._guessing.get(request.request_id)
             if guessing is None:
                 continue
             outputs = request.output_token_ids
+            fresh = outputs[guessing.synced_outputs:]
             if guessing.index is not None:
-                guessing.index.extend(outputs[guessing.synced_outputs:])
-                guessing.synced_outputs = len(outputs)
+                guessing.index.extend(fresh)
+            else:
+                guessing.context.extend(fresh)
+            guessing.synced_outputs = len(outputs)
             count = guessing.length.wanted()
             max_tokens = request.params.max_tokens
             if max_tokens is not None:
                 # The step adds the kept guesses plus one token of the model's own.
                 count = min(count, max_tokens - len(outputs) - 1)
             count = min(count, spare)
-            if count <= 0:
-                guessing.warm = False
-                continue
-            if guessing.index is not None:
-                request.draft_token_ids = guessing.index.propose(count)
-            else:
-                request.draft_token_ids = self._ask_proposer(guessing, request, count)
-            spare -= len(request.draft_token_ids)
+            if count > 0:
+                request.draft_token_ids = self._guess(request.request_id, guessing, count)
+                spare -= len(request.draft_token_ids)
 
-    def _ask_proposer(self, guessing: _Guessing, request: Request, count: int) -> list[int]:
+    def _guess(self, request_id: str, guessing: _Guessing, count: int) -> list[int]:
+        if guessing.index is not None:
+            return guessing.index.propose(count)
+        if self.proposer is None:
+            return []
         started = time.perf_counter()
-        proposal = self.proposer.propose(request.request_id,
-                                         guessing.prompt + request.output_token_ids, count)
-        seconds = time.perf_counter() - started
-        tokens = list(proposal.tokens[:count]) if proposal is not None else []
-        if guessing.warm and tokens:
-            self.guess_cost.observe(len(tokens), seconds)
-        guessing.warm = bool(tokens)
-        return tokens
+        proposal = self.proposer.propose(request_id, guessing.context, count)
+        self._asked_s += time.perf_counter() - started
+        return [] if proposal is None else list(proposal.tokens[:count])
+
+    def observe_step(self, guesses: int, seconds: float) -> None:
+        """A step of one request took `seconds` to verify `guesses` guesses; getting them
+        from a Proposer is part of what they cost."""
+        self.costs.observe(guesses, seconds + (self._asked_s if guesses else 0.0))
 
     def record(self, request_id: str, proposed: int, kept: int) -> None:
         guessing = self._guessing.get(request_id)
