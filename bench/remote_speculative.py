@@ -2,10 +2,11 @@
 
     python bench/remote_speculative.py [--model qwen2.5-coder-1.5b-instruct] [--threads 2]
                                        [--rounds 3] [--max-tokens 200] [--num-drafts 10]
+                                       [--source ngram|draft:MODEL] [--cases chat,...]
 
 Prints JSON. Two `shoal serve` processes dial each other on 127.0.0.1: the verifier serves
-the model with --speculative MODEL=remote:K, the proposer offers --propose-for MODEL
-(n-gram guesses, from the context the verifier streams to it). For each case of
+the model with --speculative MODEL=remote:K, the proposer offers --propose-for MODEL=SOURCE
+(--source: n-gram guesses, or a draft model's, from the context the verifier streams to it). For each case of
 bench/speculative.py a greedy streamed request runs on the verifier with guessing off, with
 the remote proposer (the model's setting) and with local n-gram guessing (x_speculative
 "ngram"), turn about for `rounds` rounds; each side's median decode tokens/s (first token
@@ -68,7 +69,7 @@ def bench(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as root:
         nodes = start_nodes(Path(root), 2, threads=args.threads, extra={
             0: ["--force-master", "--speculative", f"{args.model}=remote:{args.num_drafts}"],
-            1: ["--propose-for", args.model]})
+            1: ["--propose-for", f"{args.model}={args.source}"]})
         urls = [url for _, url in nodes]
         try:
             wait_agreed(urls, 2, 60)
@@ -90,7 +91,8 @@ def bench(args: argparse.Namespace) -> dict:
 def run_cases(url: str, args: argparse.Namespace) -> dict:
     sides = {"plain": "off", "remote": None, "ngram": "ngram"}
     results = {}
-    for name, text in CASES.items():
+    for name in args.cases.split(","):
+        text = CASES[name]
         streamed(url, args.model, text, 8, "off")  # warm-up (and the prompt's prefix cached)
         runs: dict[str, list[dict]] = {side: [] for side in sides}
         for round_index in range(args.rounds):
@@ -120,9 +122,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--num-drafts", type=int, default=10)
+    parser.add_argument("--source", default="ngram",
+                        help="the proposer's source: ngram, or draft:MODEL")
+    parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
     print(json.dumps({"model": args.model, "threads": args.threads, "batch": 1,
-                      "proposer": "another node over loopback (n-gram source)",
+                      "proposer": f"another node over loopback ({args.source})",
                       "cases": bench(args)}, indent=2))
 
 

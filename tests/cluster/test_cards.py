@@ -141,5 +141,5 @@ def test_propose_for_names_the_target_by_its_catalogue_id_and_checks_the_source(
         build_cluster_settings(propose_for=["=ngram"], env={})
     with pytest.raises(ValueError, match="two exchange intervals"):
         build_cluster_settings(env={"SHOAL_CARD_INTERVAL": "5", "SHOAL_CARD_TTL": "6"})
-    with pytest.raises(ValueError, match="must be one of ngram"):
+    with pytest.raises(ValueError, match="must be one of draft, ngram"):
         ProposerConfig(offers={"smollm2-135m-instruct": "crystal-ball"})
