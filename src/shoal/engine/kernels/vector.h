@@ -21,6 +21,7 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 constexpr int64_t kLanes = 16;
 
@@ -42,6 +43,13 @@ inline f32x16 load(const bf16* p) {
   f32x16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+}
+
+// int8 values (an int8 KV cache row) as floats, exactly.
+inline f32x16 load(const int8_t* p) {
+  i8x16 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, f32x16);
 }
 
 // The bits of bf16(v) in the top half of each lane, the bottom half zero: round to nearest

@@ -1,0 +1,139 @@
+"""The int8 KV cache (--kv-cache-dtype int8) on tiny random models: its row layout, the
+same bits from the compiled kernel and the Python path, every attention path reading it,
+and the memory it saves. Quality on real models: test_kv_int8_quality.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from forward_helpers import all_position_logits, chunk, greedy_batch, step
+from test_fused_decode import BLOCKS_PER_ROW, PROMPTS, assert_decode_matches, decode_step
+from test_fused_decode import prefill as prefill_rows
+from test_models import BLOCK, PROMPT, load, shuffled_blocks
+
+from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.kv.quant import dequantize, quantize, row_bytes
+from shoal.engine.kv.tensors import allocate_kv_cache
+from shoal.engine.kv_budget import plan_kv_cache
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.models.loader import kv_bytes_per_token
+
+
+def test_a_row_is_its_values_then_its_scale():
+    x = torch.randn(5, 6, 64) * torch.linspace(0.01, 10, 6)[:, None]  # [T, 2 H_kv, D]
+    x[0, 0] = 0.0  # a row of zeros
+    rows = quantize(x)
+    assert rows.dtype == torch.int8 and rows.shape == (5, 6, 68)
+    scale = rows[..., 64:].contiguous().view(torch.float32)  # [5, 6, 1]
+    torch.testing.assert_close(scale, x.abs().amax(-1, keepdim=True) / 127)
+    assert rows[..., :64].abs().max() == 127  # absmax reaches the last level
+    back = dequantize(rows)
+    assert back.shape == x.shape and torch.equal(back[0, 0], torch.zeros(64))
+    # Each value within half a step of its row's scale.
+    assert ((back - x).abs() <= scale / 2 + 1e-7).all()
+
+
+def test_int8_rows_take_about_half_of_bf16s_bytes(tiny_checkpoints):
+    config = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16").config
+    caches = {dtype: allocate_kv_cache(config, 2, 8, BLOCK, dtype)
+              for dtype in (torch.bfloat16, torch.int8)}
+    per_token = {dtype: sum(c.nbytes for c in cache) / (8 * BLOCK)
+                 for dtype, cache in caches.items()}
+    for dtype, measured in per_token.items():
+        assert measured == kv_bytes_per_token(config, dtype, num_layers=2)
+    d = config.head_dim
+    assert per_token[torch.int8] / per_token[torch.bfloat16] == (d + 4) / (2 * d)
+    assert row_bytes(64, torch.int8) / row_bytes(64, torch.bfloat16) == 68 / 128
+
+
+def test_the_same_memory_holds_about_twice_the_tokens(tiny_checkpoints):
+    checkpoint = tiny_checkpoints["llama"]
+    source = ModelSource("llama", "gguf", checkpoint.gguf_path)
+    tokens = {}
+    for kv_dtype in ("bfloat16", "int8"):
+        loaded = load(checkpoint, "gguf", dtype="bfloat16", kv_cache_dtype=kv_dtype)
+        config = EngineConfig(source=source, kv_cache_bytes=4 * 2**20, kv_cache_dtype=kv_dtype)
+        plan = plan_kv_cache(config, loaded.config, loaded)
+        tokens[kv_dtype] = plan.num_blocks * config.block_size + plan.stage_tokens
+    d = loaded.config.head_dim
+    assert tokens["int8"] / tokens["bfloat16"] == pytest.approx(2 * d / (d + 4), rel=0.01)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "qwen3"])
+def test_kernel_decode_over_int8_matches_the_python_path(kernel, tiny_checkpoints, family):
+    assert_decode_matches(tiny_checkpoints[family], PROMPTS, kv_cache_dtype="int8")
+
+
+def test_kernel_and_python_path_write_the_same_int8_rows(kernel, tiny_checkpoints):
+    runners = {}
+    for fused in (True, False):
+        loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16", kv_cache_dtype="int8")
+        loaded.module.fused_decode_allowed = fused
+        runners[fused] = ModelRunner(loaded, BLOCKS_PER_ROW * 3, BLOCK)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    for runner in runners.values():
+        prefill_rows(runner, tables, PROMPTS[:3])
+    lengths = [len(p) for p in PROMPTS[:3]]
+    (_, on_kernel), (_, on_python) = (decode_step(runners[f], [1, 2, 3], tables, lengths)
+                                      for f in (True, False))
+    assert on_kernel and not on_python
+    for row, n in enumerate(lengths):
+        slot = tables[row][n // BLOCK] * BLOCK + n % BLOCK
+        for ours, theirs in zip(runners[True].kv_caches, runners[False].kv_caches):
+            assert ours.dtype == torch.int8 and ours[:, slot, :-4].abs().max() == 127
+            assert torch.equal(ours[:, slot], theirs[:, slot])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_int8_logits_stay_close_to_bf16s(kernel, tiny_checkpoints, family):
+    """Prompt rows (the prompt kernel) and decode rows (the fused kernel) over int8."""
+    logits = {}
+    for kv_dtype in ("bfloat16", "int8"):
+        loaded = load(tiny_checkpoints[family], "gguf", dtype="bfloat16", kv_cache_dtype=kv_dtype)
+        runner = ModelRunner(loaded, 16, BLOCK)
+        prompt = all_position_logits(runner, PROMPT, shuffled_blocks())
+        decoded = greedy_batch(ModelRunner(loaded, 32, BLOCK), [PROMPT, PROMPT[4:]], 6, 16)
+        logits[kv_dtype] = (prompt, decoded)
+    ours, theirs = logits["int8"][0], logits["bfloat16"][0]
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.995
+    assert logits["int8"][1] == logits["bfloat16"][1]  # the same greedy tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, family):
+    """float32 compute has no kernels: attention gathers, slices or stages int8 rows and
+    dequantizes only those. Its logits follow a float32 cache's closely."""
+    checkpoint = tiny_checkpoints[family]
+    results = {}
+    for kv_dtype in ("float32", "int8"):
+        loaded = load(checkpoint, "gguf", kv_cache_dtype=kv_dtype)  # float32 compute
+        assert loaded.module.plan.kernel is None and loaded.cache_dtype == getattr(torch, kv_dtype)
+        runner = ModelRunner(loaded, 40, BLOCK, stage_tokens=64)
+        blocks = [shuffled_blocks(20, seed=1), list(range(20, 40))]
+        # Request a: prefill in two chunks over scattered blocks (a gather); request b: one
+        # prefill over consecutive blocks (a slice); then decodes of both (the stage).
+        step(runner, chunk("a", PROMPT[:6], 0, blocks[0], sample=False))
+        first = [step(runner, chunk("a", PROMPT[6:], 6, blocks[0])),
+                 step(runner, chunk("b", PROMPT, 0, blocks[1]))]
+        rows = []
+        lengths = [len(PROMPT)] * 2
+        tokens = [int(first[0][0].argmax()), int(first[1][0].argmax())]
+        for _ in range(4):
+            out = step(runner, *(chunk(r, [t], n, b) for r, t, n, b
+                                 in zip("ab", tokens, lengths, blocks)))
+            rows.append(out)
+            lengths = [n + 1 for n in lengths]
+        assert runner.stage is not None and runner.kv_caches[0].shape[-1] == (
+            loaded.config.head_dim + (4 if kv_dtype == "int8" else 0))
+        results[kv_dtype] = torch.cat(first + rows)
+    ours, theirs = results["int8"], results["float32"]
+    assert torch.isfinite(ours).all()
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.995
+
+
+def test_an_unknown_kv_cache_dtype_names_the_choices(tiny_checkpoints):
+    source = ModelSource("llama", "gguf", tiny_checkpoints["llama"].gguf_path)
+    with pytest.raises(ValueError, match="auto, bfloat16, float32, int8, not 'int4'"):
+        EngineConfig(source=source, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="auto, bfloat16, float32, int8"):
+        load(tiny_checkpoints["llama"], "gguf", kv_cache_dtype="fp8")
