@@ -1,0 +1,106 @@
+"""The int8 KV cache against bf16's: bytes per token and batch-1 decode speed at long contexts.
+
+    python bench/kv_int8.py [--model qwen2.5-coder-1.5b-instruct] [--contexts 1000,2000]
+                            [--new-tokens 32] [--rounds 3] [--threads 2]
+
+Prints JSON. Two engines of the same model are loaded, one with a bf16 KV cache and one with
+int8. KV bytes per token are measured from the tensors each one allocated (every layer's
+cache over its slots). For each context length a greedy request with a prompt of that many
+tokens decodes new_tokens tokens on each engine, turn about for `rounds` rounds (this host's
+speed drifts within minutes); decode tokens/s is timed from the first token (the prompt's
+blocks come from the prefix cache after the first round) and each side's median is taken.
+The greedy tokens of the two sides are reported as equal or not (they may differ: int8
+rounds the keys and values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from shoal.catalog.resolve import resolve_model
+from shoal.engine.config import EngineConfig
+from shoal.engine.engine import Engine
+from shoal.engine.sampling import SamplingParams
+
+DTYPES = ("bfloat16", "int8")
+PARAGRAPH = (
+    "The harbour master kept a ledger of every ship that came in: its name, its cargo, the "
+    "weather on the day it docked and how long it stayed. Over the years the ledger grew "
+    "into a history of the town, the fishing fleets of the good years and the empty quays "
+    "of the bad ones. def tally(ships):\n    return sum(ship.tons for ship in ships)\n")
+
+
+def kv_bytes_per_token(engine: Engine) -> float:
+    """Bytes of every layer's allocated cache over its slots (paged blocks and stage)."""
+    caches = engine.runner.kv_caches
+    return sum(cache.nbytes for cache in caches) / caches[0].shape[1]
+
+
+def prompt_ids(engine: Engine, length: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += engine.tokenizer.encode(PARAGRAPH)
+    return ids[:length]
+
+
+def decode(engine: Engine, ids: list[int], new_tokens: int, tag: str) -> tuple[float, list[int]]:
+    """(decode tokens/s timed from the first token, the tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request(tag, ids, params)
+    tokens: list[int] = []
+    first = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if first is None and output.token_ids:
+                first = time.perf_counter()
+            tokens.extend(output.token_ids)
+    elapsed = time.perf_counter() - first
+    return (len(tokens) - 1) / elapsed, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--contexts", default="1000,2000")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    source = resolve_model(args.model)
+    engines = {kv: Engine(EngineConfig(source=source, threads=args.threads,
+                                       kv_cache_bytes=512 * 2**20, kv_cache_dtype=kv))
+               for kv in DTYPES}
+    bytes_per_token = {kv: kv_bytes_per_token(engine) for kv, engine in engines.items()}
+    results = []
+    for context in contexts:
+        ids = prompt_ids(engines["bfloat16"], context)
+        speeds: dict[str, list[float]] = {kv: [] for kv in DTYPES}
+        outputs: dict[str, list[int]] = {}
+        for round_index in range(args.rounds):
+            for kv, engine in engines.items():
+                speed, tokens = decode(engine, ids, args.new_tokens, f"{context}-{round_index}")
+                speeds[kv].append(speed)
+                outputs[kv] = tokens
+        median = {kv: statistics.median(values) for kv, values in speeds.items()}
+        results.append({
+            "context_tokens": context,
+            "decode_tok_s": {kv: round(median[kv], 2) for kv in DTYPES},
+            "decode_tok_s_rounds": {kv: [round(v, 2) for v in speeds[kv]] for kv in DTYPES},
+            "int8_over_bf16": round(median["int8"] / median["bfloat16"], 3),
+            "same_greedy_tokens": outputs["int8"] == outputs["bfloat16"],
+        })
+    print(json.dumps({
+        "model": args.model, "threads": args.threads, "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "kv_bytes_per_token": {kv: round(b, 1) for kv, b in bytes_per_token.items()},
+        "int8_bytes_over_bf16": round(bytes_per_token["int8"] / bytes_per_token["bfloat16"], 4),
+        "contexts": results,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
