@@ -10,7 +10,9 @@ tokens decodes new_tokens tokens on each engine, turn about for `rounds` rounds 
 speed drifts within minutes); decode tokens/s is timed from the first token (the prompt's
 blocks come from the prefix cache after the first round) and each side's median is taken.
 The greedy tokens of the two sides are reported as equal or not (they may differ: int8
-rounds the keys and values).
+rounds the keys and values). Beside the whole step, the decode attention alone (the compiled
+kernel's arithmetic for one generated row of this model's heads, over blocks of 16 keys
+scattered over the cache) is timed per layer for each context: the part int8 changes.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import json
 import statistics
 import time
 
+import torch
+
 from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine
+from shoal.engine.kernels.build import KERNEL
+from shoal.engine.kv.quant import quantize
 from shoal.engine.sampling import SamplingParams
 
 DTYPES = ("bfloat16", "int8")
@@ -61,6 +67,33 @@ def decode(engine: Engine, ids: list[int], new_tokens: int, tag: str) -> tuple[f
     return (len(tokens) - 1) / elapsed, tokens
 
 
+def attention_us(config, context: int, rounds: int) -> dict[str, float]:
+    """Median microseconds of one layer's decode attention for one row over `context` keys,
+    bf16 against int8 rows (kernels attend_rows, generated rows: the fused decoder's code)."""
+    kernel = KERNEL.load()
+    # One thread: on a shared host, waking a second one costs more than the work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    slots = 4 * context
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(2 * config.num_kv_heads, slots, config.head_dim, generator=generator)
+    caches = {"bfloat16": values.to(torch.bfloat16), "int8": quantize(values)}
+    # The context's blocks of 16 slots, in a shuffled order (as a block table leaves them).
+    blocks = torch.randperm(slots // 16, generator=generator)[:-(-context // 16)]
+    key_slots = (blocks[:, None] * 16 + torch.arange(16)).flatten()[:context]
+    q = torch.randn(1, config.num_heads, config.head_dim, generator=generator)
+    row = (torch.tensor([0]), torch.tensor([context - 1]), torch.tensor([0]))
+    times: dict[str, list[float]] = {kv: [] for kv in caches}
+    for _ in range(rounds):
+        for kv, cache in caches.items():
+            started = time.perf_counter()
+            for _ in range(20):
+                kernel.attend_rows(q, cache, key_slots, *row, config.scale, False)
+            times[kv].append((time.perf_counter() - started) / 20 * 1e6)
+    torch.set_num_threads(threads)
+    return {kv: round(statistics.median(values), 1) for kv, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -92,6 +125,8 @@ def main() -> None:
             "decode_tok_s_rounds": {kv: [round(v, 2) for v in speeds[kv]] for kv in DTYPES},
             "int8_over_bf16": round(median["int8"] / median["bfloat16"], 3),
             "same_greedy_tokens": outputs["int8"] == outputs["bfloat16"],
+            "attention_us_per_layer": attention_us(engines["int8"].loaded.config, context,
+                                                   max(args.rounds, 5)),
         })
     print(json.dumps({
         "model": args.model, "threads": args.threads, "new_tokens": args.new_tokens,

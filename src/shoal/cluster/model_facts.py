@@ -47,10 +47,12 @@ class ModelFacts(BaseModel):
             raise ValueError("intermediate_size must be >= 1")
         return self
 
-    def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None) -> int:
-        """K and V of one token in one layer: 2 * kv_heads * head_dim * element_bytes."""
+    def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None,
+                                     scale_bytes: int = 0) -> int:
+        """K and V of one token in one layer: 2 * kv_heads * (head_dim * element_bytes +
+        scale_bytes), scale_bytes being what each row holds beside (int8's scale)."""
         heads = self.n_kv_heads if kv_heads is None else kv_heads
-        return 2 * heads * self.head_dim * element_bytes
+        return 2 * heads * (self.head_dim * element_bytes + scale_bytes)
 
 
 def model_facts_from_source(source: ModelSource) -> ModelFacts:
