@@ -5,6 +5,7 @@ and the memory it saves. Quality on real models: test_kv_int8_quality.py."""
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 from forward_helpers import all_position_logits, chunk, greedy_batch, step
 from test_fused_decode import BLOCKS_PER_ROW, PROMPTS, assert_decode_matches, decode_step
@@ -12,25 +13,39 @@ from test_fused_decode import prefill as prefill_rows
 from test_models import BLOCK, PROMPT, load, shuffled_blocks
 
 from shoal.engine.config import EngineConfig, ModelSource
-from shoal.engine.kv.quant import dequantize, quantize, row_bytes
+from shoal.engine.kv.quant import dequantize, quantize, row_bytes, row_width
 from shoal.engine.kv.tensors import allocate_kv_cache
 from shoal.engine.kv_budget import plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import kv_bytes_per_token
 
 
-def test_a_row_is_its_values_then_its_scale():
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A llama of head size 64: rows of two scale groups (the tiny families' heads of 16
+    and 32 take one)."""
+    return tiny_models.build("llama", tmp_path_factory.mktemp("wide"), num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=64)
+
+
+def test_a_row_is_its_values_then_a_scale_per_32_channels():
     x = torch.randn(5, 6, 64) * torch.linspace(0.01, 10, 6)[:, None]  # [T, 2 H_kv, D]
+    x[..., 7] = 50 * x.abs().amax(-1)  # an outlier channel: only its group's scale grows
     x[0, 0] = 0.0  # a row of zeros
     rows = quantize(x)
-    assert rows.dtype == torch.int8 and rows.shape == (5, 6, 68)
-    scale = rows[..., 64:].contiguous().view(torch.float32)  # [5, 6, 1]
-    torch.testing.assert_close(scale, x.abs().amax(-1, keepdim=True) / 127)
+    assert rows.dtype == torch.int8 and rows.shape == (5, 6, 72)
+    scale = rows[..., 64:].contiguous().view(torch.float32)  # [5, 6, 2]
+    torch.testing.assert_close(scale, x.unflatten(-1, (2, 32)).abs().amax(-1) / 127)
+    assert (scale[1:, :, 0] > 10 * scale[1:, :, 1]).all()
     assert rows[..., :64].abs().max() == 127  # absmax reaches the last level
-    back = dequantize(rows)
+    back = dequantize(rows, 64)
     assert back.shape == x.shape and torch.equal(back[0, 0], torch.zeros(64))
-    # Each value within half a step of its row's scale.
-    assert ((back - x).abs() <= scale / 2 + 1e-7).all()
+    # Each value within half a step of its group's scale.
+    step = scale.repeat_interleave(32, dim=-1)
+    assert ((back - x).abs() <= step / 2 + 1e-6).all()
+    # Head sizes that are not a multiple of 32 take one scale per row.
+    assert quantize(torch.randn(3, 40)).shape == (3, 44)
+    assert row_bytes(40, torch.int8) == 44 and row_bytes(256, torch.int8) == 288
 
 
 def test_int8_rows_take_about_half_of_bf16s_bytes(tiny_checkpoints):
@@ -41,9 +56,9 @@ def test_int8_rows_take_about_half_of_bf16s_bytes(tiny_checkpoints):
                  for dtype, cache in caches.items()}
     for dtype, measured in per_token.items():
         assert measured == kv_bytes_per_token(config, dtype, num_layers=2)
-    d = config.head_dim
+    d = config.head_dim  # 16: one scale per row
     assert per_token[torch.int8] / per_token[torch.bfloat16] == (d + 4) / (2 * d)
-    assert row_bytes(64, torch.int8) / row_bytes(64, torch.bfloat16) == 68 / 128
+    assert row_bytes(64, torch.int8) / row_bytes(64, torch.bfloat16) == 72 / 128
 
 
 def test_the_same_memory_holds_about_twice_the_tokens(tiny_checkpoints):
@@ -59,15 +74,20 @@ def test_the_same_memory_holds_about_twice_the_tokens(tiny_checkpoints):
     assert tokens["int8"] / tokens["bfloat16"] == pytest.approx(2 * d / (d + 4), rel=0.01)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "qwen3"])
-def test_kernel_decode_over_int8_matches_the_python_path(kernel, tiny_checkpoints, family):
-    assert_decode_matches(tiny_checkpoints[family], PROMPTS, kv_cache_dtype="int8")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "qwen3", "wide-heads"])
+def test_kernel_decode_over_int8_matches_the_python_path(kernel, tiny_checkpoints, wide_heads,
+                                                         family):
+    checkpoint = wide_heads if family == "wide-heads" else tiny_checkpoints[family]
+    assert_decode_matches(checkpoint, PROMPTS, kv_cache_dtype="int8")
 
 
-def test_kernel_and_python_path_write_the_same_int8_rows(kernel, tiny_checkpoints):
+@pytest.mark.parametrize("family", ["llama", "wide-heads"])
+def test_kernel_and_python_path_write_the_same_int8_rows(kernel, tiny_checkpoints, wide_heads,
+                                                         family):
+    checkpoint = wide_heads if family == "wide-heads" else tiny_checkpoints[family]
     runners = {}
     for fused in (True, False):
-        loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16", kv_cache_dtype="int8")
+        loaded = load(checkpoint, "gguf", dtype="bfloat16", kv_cache_dtype="int8")
         loaded.module.fused_decode_allowed = fused
         runners[fused] = ModelRunner(loaded, BLOCKS_PER_ROW * 3, BLOCK)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
@@ -80,7 +100,8 @@ def test_kernel_and_python_path_write_the_same_int8_rows(kernel, tiny_checkpoint
     for row, n in enumerate(lengths):
         slot = tables[row][n // BLOCK] * BLOCK + n % BLOCK
         for ours, theirs in zip(runners[True].kv_caches, runners[False].kv_caches):
-            assert ours.dtype == torch.int8 and ours[:, slot, :-4].abs().max() == 127
+            values = ours[:, slot, :runners[True].config.head_dim]
+            assert ours.dtype == torch.int8 and values.abs().max() == 127
             assert torch.equal(ours[:, slot], theirs[:, slot])
 
 
@@ -99,11 +120,11 @@ def test_int8_logits_stay_close_to_bf16s(kernel, tiny_checkpoints, family):
     assert logits["int8"][1] == logits["bfloat16"][1]  # the same greedy tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, family):
+@pytest.mark.parametrize("family", ["llama", "gemma3", "wide-heads"])
+def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, wide_heads, family):
     """float32 compute has no kernels: attention gathers, slices or stages int8 rows and
     dequantizes only those. Its logits follow a float32 cache's closely."""
-    checkpoint = tiny_checkpoints[family]
+    checkpoint = wide_heads if family == "wide-heads" else tiny_checkpoints[family]
     results = {}
     for kv_dtype in ("float32", "int8"):
         loaded = load(checkpoint, "gguf", kv_cache_dtype=kv_dtype)  # float32 compute
@@ -123,8 +144,8 @@ def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, family):
                                  in zip("ab", tokens, lengths, blocks)))
             rows.append(out)
             lengths = [n + 1 for n in lengths]
-        assert runner.stage is not None and runner.kv_caches[0].shape[-1] == (
-            loaded.config.head_dim + (4 if kv_dtype == "int8" else 0))
+        assert runner.stage is not None and runner.kv_caches[0].shape[-1] == row_width(
+            loaded.config.head_dim, loaded.cache_dtype)
         results[kv_dtype] = torch.cat(first + rows)
     ours, theirs = results["int8"], results["float32"]
     assert torch.isfinite(ours).all()

@@ -53,7 +53,7 @@ class Case:
         rows, heads, dim = self.q.shape
         group = heads // self.kv_heads
         out = torch.empty(rows, heads, dim, dtype=torch.float64)
-        cache = dequantize(self.cache) if self.cache.dtype == torch.int8 else self.cache
+        cache = dequantize(self.cache, dim) if self.cache.dtype == torch.int8 else self.cache
         for r in range(rows):
             keys = self.key_slots[self.base[r] + torch.arange(self.lo[r], self.position[r] + 1)]
             for h in range(heads):

@@ -1,6 +1,6 @@
 // Decode attention over the paged KV cache (float32, bf16 or int8 elements, E below): one
-// query token per row, its keys read through the row's block table (no gather). An int8
-// row's scale (kv_layout.h) multiplies its score and its weight, never each element.
+// query token per row, its keys read through the row's block table (no gather). int8 rows
+// (kv_layout.h) are dequantized in registers as they are loaded.
 //
 // Work items are (row, KV head) pairs; the query heads that share a KV head read each key
 // and value once. For head sizes that are multiples of 16 (32, 64, 128, ...) an item runs
@@ -35,7 +35,7 @@ using shoal_vec::kLanes;
 constexpr int64_t kPrefetchKeys = 8;
 
 // Brings a row of NV * 16 elements toward the cache, one prefetch per 64-byte line (an
-// int8 row's 4 scale bytes may start or spill onto one more line).
+// int8 row's scales may start or spill onto one more line).
 template <int NV, typename E>
 inline void prefetch_row(const E* row) {
   constexpr int kPerLine = 64 / sizeof(E);
@@ -45,20 +45,22 @@ inline void prefetch_row(const E* row) {
 }
 
 // Position p's row of a key or value plane ([slots, W]) into float vectors, prefetching the
-// row kPrefetchKeys positions ahead (rows lie wherever the block table put them); returns
-// the row's scale (int8; 1 otherwise).
+// row kPrefetchKeys positions ahead (rows lie wherever the block table put them).
 template <int NV, typename E>
-inline float load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_t length,
-                      f32x16 (&row)[NV]) {
+inline void load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_t length,
+                     f32x16 (&row)[NV]) {
   constexpr int64_t D = kLanes * NV, W = shoal_kv::row_width<E>(D);
   if (p + kPrefetchKeys < length) prefetch_row<NV>(plane + key_slots[p + kPrefetchKeys] * W);
   const E* r = plane + key_slots[p] * W;
   for (int c = 0; c < NV; ++c) row[c] = shoal_vec::load(r + kLanes * c);
-  return shoal_kv::row_scale<E>(r, D);
+  if constexpr (shoal_kv::kQuantized<E>) {
+    constexpr int kPerScale = shoal_kv::group_size(D) / kLanes;  // vectors per group
+    for (int c = 0; c < NV; ++c) row[c] *= shoal_kv::group_scale(r, D, c / kPerScale);
+  }
 }
 
 // The shape of one layer's attention and where its cache lies.
-// cache: [2 * kv_heads, slots, W] of E (W = dim, or dim + 4 for int8 rows), keys of KV head g in plane g, values in plane
+// cache: [2 * kv_heads, slots, W] of E (W = dim; for int8, dim values and their scales), keys of KV head g in plane g, values in plane
 // kv_heads + g. q: [B, heads, dim] float32 (rotated). out: [B, heads * dim] bf16.
 struct Layout {
   int64_t heads, kv_heads, dim, slots;
@@ -99,12 +101,11 @@ void attend_vector(const float* q, const E* keys, const E* values,
     for (int c = 0; c < NV; ++c) qv[j][c] = shoal_vec::load(q + j * D + kLanes * c);
   for (int64_t p = 0; p < length; ++p) {
     f32x16 kv[NV];
-    const float key_scale = load_row<NV>(keys, key_slots, p, length, kv);
-    const float factor = shoal_kv::kQuantized<E> ? key_scale * scale : scale;
+    load_row<NV>(keys, key_slots, p, length, kv);
     for (int j = 0; j < G; ++j) {
       f32x16 dot = qv[j][0] * kv[0];
       for (int c = 1; c < NV; ++c) dot += qv[j][c] * kv[c];
-      scores[j * length + p] = shoal_vec::hsum(dot) * factor;
+      scores[j * length + p] = shoal_vec::hsum(dot) * scale;
     }
   }
   float inverse_total[G];
@@ -112,10 +113,9 @@ void attend_vector(const float* q, const E* keys, const E* values,
   f32x16 acc[G][NV] = {};
   for (int64_t p = 0; p < length; ++p) {
     f32x16 vv[NV];
-    const float value_scale = load_row<NV>(values, key_slots, p, length, vv);
+    load_row<NV>(values, key_slots, p, length, vv);
     for (int j = 0; j < G; ++j) {
-      const float weight = shoal_kv::kQuantized<E> ? scores[j * length + p] * value_scale
-                                                   : scores[j * length + p];
+      const float weight = scores[j * length + p];
       for (int c = 0; c < NV; ++c) acc[j][c] += weight * vv[c];
     }
   }
@@ -133,24 +133,21 @@ void attend_scalar(const float* q, const E* keys, const E* values,
   const int64_t width = shoal_kv::row_width<E>(dim);
   for (int64_t p = 0; p < length; ++p) {
     const E* k = keys + key_slots[p] * width;
-    const float factor = shoal_kv::kQuantized<E> ? shoal_kv::row_scale(k, dim) * scale : scale;
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = q + j * dim;
       float dot = 0.f;
-      for (int64_t i = 0; i < dim; ++i) dot += qj[i] * static_cast<float>(k[i]);
-      scores[j * length + p] = dot * factor;
+      for (int64_t i = 0; i < dim; ++i) dot += qj[i] * shoal_kv::element(k, dim, i);
+      scores[j * length + p] = dot * scale;
     }
   }
   std::vector<float> inverse_total(group), acc(group * dim, 0.f);
   softmax_rows(scores, group, length, inverse_total.data());
   for (int64_t p = 0; p < length; ++p) {
     const E* v = values + key_slots[p] * width;
-    const float value_scale = shoal_kv::row_scale(v, dim);
     for (int64_t j = 0; j < group; ++j) {
-      const float weight = shoal_kv::kQuantized<E> ? scores[j * length + p] * value_scale
-                                                   : scores[j * length + p];
+      const float weight = scores[j * length + p];
       float* a = acc.data() + j * dim;
-      for (int64_t i = 0; i < dim; ++i) a[i] += weight * static_cast<float>(v[i]);
+      for (int64_t i = 0; i < dim; ++i) a[i] += weight * shoal_kv::element(v, dim, i);
     }
   }
   for (int64_t j = 0; j < group; ++j)

@@ -1,6 +1,6 @@
 // Fused decode on CPU: every block of a llama-family or Gemma 3 model for a batch of
 // single-token rows in one call, bf16 activations, packed weights (quant.h), a paged KV
-// cache of float32, bf16 or int8 (rows with a scale, kv_layout.h).
+// cache of float32, bf16 or int8 (rows with their scales, kv_layout.h).
 //
 // A batch-1 decode step in Python calls ~35 torch ops per block (~1,000 per step); at a few
 // microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
@@ -88,8 +88,8 @@ class Decoder {
   }
 
   // hidden: [B, hidden] bf16 -> [B, hidden] bf16 after every block.
-  // caches: per block [2 * H_kv, slots, W] float32 or bf16 (W = D), or int8 (W = D + 4:
-  // each row's values, then its float32 scale) -- keys, then values.
+  // caches: per block [2 * H_kv, slots, W] float32 or bf16 (W = D), or int8 (each row's D
+  // values, then its groups' float32 scales, kv_layout.h) -- keys, then values.
   // rope: (cos, signed sin) [B, D] float32 for full layers, then for sliding layers (the
   // same pair again where a model has one table); slots: [B] int64, each row's new KV slot;
   // tables: [B, W] int64 block ids; context: [B] int64, each row's keys (new one included).
@@ -341,7 +341,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
                   (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16 ||
                    int8_cache),
               "attend_rows: the cache must be [2 * H_kv, slots, D] float32 or bfloat16, or "
-              "[2 * H_kv, slots, D + 4] int8");
+              "int8 rows of D values and their scales");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = cache.size(0) / 2, slots = cache.size(1);
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "attend_rows: heads and KV heads differ");

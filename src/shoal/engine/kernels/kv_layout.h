@@ -1,8 +1,9 @@
 // Rows of the paged KV cache as the kernels read and write them. A row is one token's key
 // or value of one KV head: D elements of float32 or bf16, or, in an int8 cache, D int8
-// values followed by their float32 scale (4 bytes), value = q * scale. The layout and the
-// quantization are kv/quant.py's; both use the same float32 operations, so a row written
-// here has the bits the Python path writes.
+// values followed by one float32 scale per group of 32 channels (one group when D is not a
+// multiple of 32), value = q * scale. The layout and the quantization are kv/quant.py's;
+// both use the same float32 operations, so a row written here has the bits the Python path
+// writes, and a value read here is the float the Python path reads.
 
 #pragma once
 
@@ -17,40 +18,52 @@ namespace shoal_kv {
 template <typename E>
 constexpr bool kQuantized = std::is_same_v<E, int8_t>;
 
+constexpr int64_t kGroup = 32;
 constexpr int64_t kScaleBytes = 4;
+
+// Channels per scale.
+constexpr int64_t group_size(int64_t dim) { return dim % kGroup == 0 ? kGroup : dim; }
 
 // Elements of E from one row to the next.
 template <typename E>
 constexpr int64_t row_width(int64_t dim) {
-  return kQuantized<E> ? dim + kScaleBytes : dim;
+  return kQuantized<E> ? dim + kScaleBytes * (dim / group_size(dim)) : dim;
 }
 
-// The factor a row's elements take to become its values: its scale, or 1 (never used).
+// The scale of channels [group * group_size, ...) of an int8 row.
+inline float group_scale(const int8_t* row, int64_t dim, int64_t group) {
+  float scale;
+  std::memcpy(&scale, row + dim + kScaleBytes * group, sizeof scale);
+  return scale;
+}
+
+// Channel i of a row as a float.
 template <typename E>
-inline float row_scale(const E* row, int64_t dim) {
+inline float element(const E* row, int64_t dim, int64_t i) {
   if constexpr (kQuantized<E>) {
-    float scale;
-    std::memcpy(&scale, row + dim, sizeof scale);
-    return scale;
+    return static_cast<float>(row[i]) * group_scale(row, dim, i / group_size(dim));
   } else {
-    return 1.f;
+    return static_cast<float>(row[i]);
   }
 }
 
-// x ([dim] float32) into a row: rounded to E, or quantized (symmetric absmax over the row,
-// round half to even, a zero row keeps scale 0).
+// x ([dim] float32) into a row: rounded to E, or quantized (symmetric absmax over each
+// group, round half to even, a group of zeros keeps scale 0).
 template <typename E>
 inline void write_row(const float* x, int64_t dim, E* out) {
   if constexpr (kQuantized<E>) {
-    float peak = 0.f;
-    for (int64_t i = 0; i < dim; ++i) peak = std::max(peak, std::fabs(x[i]));
-    const float scale = peak / 127.f;
-    const float divisor = scale > 0.f ? scale : 1.f;
-    for (int64_t i = 0; i < dim; ++i) {
-      const float q = std::nearbyint(x[i] / divisor);
-      out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+    const int64_t group = group_size(dim);
+    for (int64_t first = 0; first < dim; first += group) {
+      float peak = 0.f;
+      for (int64_t i = first; i < first + group; ++i) peak = std::max(peak, std::fabs(x[i]));
+      const float scale = peak / 127.f;
+      const float divisor = scale > 0.f ? scale : 1.f;
+      for (int64_t i = first; i < first + group; ++i) {
+        const float q = std::nearbyint(x[i] / divisor);
+        out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+      }
+      std::memcpy(out + dim + kScaleBytes * (first / group), &scale, sizeof scale);
     }
-    std::memcpy(out + dim, &scale, sizeof scale);
   } else {
     for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<E>(x[i]);
   }

@@ -36,7 +36,7 @@ constexpr int64_t kRowsPerItem = 8;
 // What the rows attend to. Row r is position position[r] of a request whose key slots are
 // key_slots[base[r] + 0 ..]; it sees positions [lo[r], position[r]]. The cache is
 // [2 * kv_heads, slots, W]: keys of KV head g in plane g, values in plane kv_heads + g
-// (W = dim, or dim + 4 for int8 rows with their scale, kv_layout.h).
+// (W = dim; for int8, dim values and their scales, kv_layout.h).
 struct Rows {
   const float* q;  // [rows, heads, dim], rotated
   int64_t rows, heads, kv_heads, dim;
@@ -76,8 +76,8 @@ inline std::vector<Segment> segments_of(const Rows& rows) {
 
 // Block `block` of a segment's keys of KV head g as floats, transposed to [dim][16], and
 // its values as [16][dim] floats (zeros past the segment's last key). Converting once here
-// spares every query head of every row a bf16 conversion (or an int8 row's scaling: only
-// the segment's blocks are dequantized, never the cache).
+// spares every query head of every row a bf16 conversion (or an int8 dequantization: only
+// the segment's blocks are widened, never the cache).
 template <typename E>
 void load_block(const Rows& rows, const E* cache, int64_t slots, const Segment& s, int64_t g,
                 int64_t block, float* keys_t, float* values) {
@@ -92,17 +92,9 @@ void load_block(const Rows& rows, const E* cache, int64_t slots, const Segment& 
       continue;
     }
     const E* k = cache + (g * slots + request_slots[key]) * width;
+    for (int64_t d = 0; d < dim; ++d) keys_t[d * kLanes + t] = shoal_kv::element(k, dim, d);
     const E* source = cache + ((rows.kv_heads + g) * slots + request_slots[key]) * width;
-    if constexpr (shoal_kv::kQuantized<E>) {
-      const float key_scale = shoal_kv::row_scale(k, dim);
-      const float value_scale = shoal_kv::row_scale(source, dim);
-      for (int64_t d = 0; d < dim; ++d)
-        keys_t[d * kLanes + t] = static_cast<float>(k[d]) * key_scale;
-      for (int64_t d = 0; d < dim; ++d) v[d] = static_cast<float>(source[d]) * value_scale;
-      continue;
-    }
-    for (int64_t d = 0; d < dim; ++d) keys_t[d * kLanes + t] = static_cast<float>(k[d]);
-    for (int64_t d = 0; d < dim; ++d) v[d] = static_cast<float>(source[d]);
+    for (int64_t d = 0; d < dim; ++d) v[d] = shoal_kv::element(source, dim, d);
   }
 }
 

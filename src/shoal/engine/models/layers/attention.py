@@ -135,7 +135,7 @@ class SelfAttention(Layer):
     """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection.
 
     The KV cache of a layer is one tensor [2 * H_kv, slots, W]: key heads, then value heads
-    (W = D, or D + 4 for int8 rows with their scale).
+    (W = D, or for int8 D values and their scales, kv/quant.py).
     """
 
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
@@ -210,7 +210,7 @@ class SelfAttention(Layer):
             kv = new_kv[rows].view(batch, -1, 2 * kv_heads, width).transpose(1, 2)
         # A bf16 cache read for float32 attention, or the few int8 rows this group reads
         # dequantized: kv [B, 2 H_kv, L, D]
-        kv = widened(kv, q.dtype)
+        kv = widened(kv, q.dtype, dim)
         out = F.scaled_dot_product_attention(
             q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
