@@ -6,16 +6,17 @@ cache, each against a bf16 cache (the README's "KV cache dtype" section):
 
     model, KV cache         identical prompts  tokens before the     tokens equal  loss (nats)
                             (of 8)             first divergence      overall       bf16: 3.4260
-    SmolLM2-135M  int8      4                  59.6%                 60.9%         3.4264
+    SmolLM2-135M  int8      3                  55.5%                 57.2%         3.4212
                   float32   3                  59.0%                 60.2%         3.4278
-    Qwen2.5-Coder int8      3                  53.1%                 54.1%         3.7612
+    Qwen2.5-Coder int8      5                  73.4%                 73.6%         3.7188
      -0.5B        float32   7                  87.5%                 89.8%         3.7136
                                                                              bf16: 3.7170
 
-On SmolLM2 int8 is as close to bf16 as float32 is (its divergences are near-ties); on Qwen2.5
-it costs +0.044 nats (1.2%) and more flips: its keys carry a few large channels (the qkv
-bias), so one scale per token and head leaves the other channels fewer levels. Which
-near-ties flip moves with any kernel change, so the test asserts these with a margin.
+Both models hold many near-ties that any rounding flips (float32's own divergence from bf16
+shows how many); int8's loss stays within 0.005 nats of bf16's. With one float32 scale per
+row instead of per 16 channels, Qwen2.5 lost 0.044 nats and kept 3/8 prompts (53.1%): its
+keys carry a few large channels (kv/quant.py). Which near-ties flip moves with any kernel
+change, so the test asserts these with a margin.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def measure(model_id: str, cache_dir) -> dict:
 
 # model -> (most extra loss in nats, fewest identical prompts, least share of tokens before
 # the first divergence): about half the measured margins.
-BOUNDS = {"smollm2-135m-instruct": (0.01, 2, 0.35),
-          "qwen2.5-coder-0.5b-instruct": (0.09, 1, 0.3)}
+BOUNDS = {"smollm2-135m-instruct": (0.01, 1, 0.3),
+          "qwen2.5-coder-0.5b-instruct": (0.02, 2, 0.4)}
 
 
 @pytest.mark.parametrize("model_id", MODELS)

@@ -46,8 +46,8 @@ class PlacementPolicy:
     overhead_factor: float = LOAD_OVERHEAD_FACTOR
     kv_reservation_tokens: int = 4096
     kv_element_bytes: int = 2  # bf16 / fp16 cache
-    # Bytes each KV row (a token's key or value of one head) holds beside its elements: an
-    # int8 cache's float32 scale.
+    # Bytes each KV row (a token's key or value of one head) holds beside its elements per
+    # 16 channels: an int8 cache's bf16 scales.
     kv_scale_bytes: int = 0
     # A runner process (interpreter, torch, buffers) before any weights.
     floor_bytes: int = 512 * 2**20
@@ -64,7 +64,7 @@ class PlacementPolicy:
     def for_kv_cache_dtype(cls, kv_cache_dtype: str) -> PlacementPolicy:
         """The policy whose KV reservation counts a node's --kv-cache-dtype (auto: bf16)."""
         element, scale = {"auto": (2, 0), "bfloat16": (2, 0), "float32": (4, 0),
-                          "int8": (1, 4)}[kv_cache_dtype]
+                          "int8": (1, 2)}[kv_cache_dtype]
         return cls(kv_element_bytes=element, kv_scale_bytes=scale)
 
 

@@ -89,7 +89,7 @@ class Decoder {
 
   // hidden: [B, hidden] bf16 -> [B, hidden] bf16 after every block.
   // caches: per block [2 * H_kv, slots, W] float32 or bf16 (W = D), or int8 (each row's D
-  // values, then its groups' float32 scales, kv_layout.h) -- keys, then values.
+  // values, then its groups' bf16 scales, kv_layout.h) -- keys, then values.
   // rope: (cos, signed sin) [B, D] float32 for full layers, then for sliding layers (the
   // same pair again where a model has one table); slots: [B] int64, each row's new KV slot;
   // tables: [B, W] int64 block ids; context: [B] int64, each row's keys (new one included).

@@ -1,11 +1,13 @@
 // Rows of the paged KV cache as the kernels read and write them. A row is one token's key
 // or value of one KV head: D elements of float32 or bf16, or, in an int8 cache, D int8
-// values followed by one float32 scale per group of 32 channels (one group when D is not a
-// multiple of 32), value = q * scale. The layout and the quantization are kv/quant.py's;
+// values followed by one bf16 scale per group of 16 channels (one group when D is not a
+// multiple of 16), value = q * scale. The layout and the quantization are kv/quant.py's;
 // both use the same float32 operations, so a row written here has the bits the Python path
 // writes, and a value read here is the float the Python path reads.
 
 #pragma once
+
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,8 +20,8 @@ namespace shoal_kv {
 template <typename E>
 constexpr bool kQuantized = std::is_same_v<E, int8_t>;
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kScaleBytes = 4;
+constexpr int64_t kGroup = 16;
+constexpr int64_t kScaleBytes = 2;  // a bf16 scale
 
 // Channels per scale.
 constexpr int64_t group_size(int64_t dim) { return dim % kGroup == 0 ? kGroup : dim; }
@@ -32,9 +34,9 @@ constexpr int64_t row_width(int64_t dim) {
 
 // The scale of channels [group * group_size, ...) of an int8 row.
 inline float group_scale(const int8_t* row, int64_t dim, int64_t group) {
-  float scale;
+  c10::BFloat16 scale;
   std::memcpy(&scale, row + dim + kScaleBytes * group, sizeof scale);
-  return scale;
+  return static_cast<float>(scale);
 }
 
 // Channel i of a row as a float.
@@ -48,7 +50,8 @@ inline float element(const E* row, int64_t dim, int64_t i) {
 }
 
 // x ([dim] float32) into a row: rounded to E, or quantized (symmetric absmax over each
-// group, round half to even, a group of zeros keeps scale 0).
+// group, the scale rounded to bf16, values rounded half to even and clamped to +-127, a
+// group of zeros keeps scale 0).
 template <typename E>
 inline void write_row(const float* x, int64_t dim, E* out) {
   if constexpr (kQuantized<E>) {
@@ -56,8 +59,8 @@ inline void write_row(const float* x, int64_t dim, E* out) {
     for (int64_t first = 0; first < dim; first += group) {
       float peak = 0.f;
       for (int64_t i = first; i < first + group; ++i) peak = std::max(peak, std::fabs(x[i]));
-      const float scale = peak / 127.f;
-      const float divisor = scale > 0.f ? scale : 1.f;
+      const c10::BFloat16 scale(peak / 127.f);
+      const float divisor = static_cast<float>(scale) > 0.f ? static_cast<float>(scale) : 1.f;
       for (int64_t i = first; i < first + group; ++i) {
         const float q = std::nearbyint(x[i] / divisor);
         out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
