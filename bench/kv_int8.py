@@ -12,7 +12,8 @@ blocks come from the prefix cache after the first round) and each side's median 
 The greedy tokens of the two sides are reported as equal or not (they may differ: int8
 rounds the keys and values). Beside the whole step, the decode attention alone (the compiled
 kernel's arithmetic for one generated row of this model's heads, over blocks of 16 keys
-scattered over the cache) is timed per layer for each context: the part int8 changes.
+scattered over each layer's cache, every layer in turn so the caches outgrow the CPU's) is
+timed per layer on one thread for each context: the part int8 changes.
 """
 
 from __future__ import annotations
@@ -68,28 +69,35 @@ def decode(engine: Engine, ids: list[int], new_tokens: int, tag: str) -> tuple[f
 
 
 def attention_us(config, context: int, rounds: int) -> dict[str, float]:
-    """Median microseconds of one layer's decode attention for one row over `context` keys,
-    bf16 against int8 rows (kernels attend_rows, generated rows: the fused decoder's code)."""
+    """Median microseconds per layer of a decode step's attention for one row over
+    `context` keys, every layer's cache read in turn (together they outgrow the CPU's
+    caches, as a model's do), bf16 against int8 rows (kernels attend_rows on generated
+    rows: the fused decoder's code)."""
     kernel = KERNEL.load()
     # One thread: on a shared host, waking a second one costs more than the work.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    slots = 4 * context
+    slots = 2 * context
     generator = torch.Generator().manual_seed(0)
-    values = torch.randn(2 * config.num_kv_heads, slots, config.head_dim, generator=generator)
-    caches = {"bfloat16": values.to(torch.bfloat16), "int8": quantize(values)}
+    shape = (2 * config.num_kv_heads, slots, config.head_dim)
+    layers = {"bfloat16": [], "int8": []}
+    for _ in range(config.num_layers):
+        values = torch.randn(shape, generator=generator)
+        layers["bfloat16"].append(values.to(torch.bfloat16))
+        layers["int8"].append(quantize(values))
     # The context's blocks of 16 slots, in a shuffled order (as a block table leaves them).
     blocks = torch.randperm(slots // 16, generator=generator)[:-(-context // 16)]
     key_slots = (blocks[:, None] * 16 + torch.arange(16)).flatten()[:context]
     q = torch.randn(1, config.num_heads, config.head_dim, generator=generator)
     row = (torch.tensor([0]), torch.tensor([context - 1]), torch.tensor([0]))
-    times: dict[str, list[float]] = {kv: [] for kv in caches}
+    times: dict[str, list[float]] = {kv: [] for kv in layers}
     for _ in range(rounds):
-        for kv, cache in caches.items():
+        for kv, caches in layers.items():
             started = time.perf_counter()
-            for _ in range(20):
-                kernel.attend_rows(q, cache, key_slots, *row, config.scale, False)
-            times[kv].append((time.perf_counter() - started) / 20 * 1e6)
+            for _ in range(3):
+                for cache in caches:
+                    kernel.attend_rows(q, cache, key_slots, *row, config.scale, False)
+            times[kv].append((time.perf_counter() - started) / (3 * len(caches)) * 1e6)
     torch.set_num_threads(threads)
     return {kv: round(statistics.median(values), 1) for kv, values in times.items()}
 
