@@ -60,8 +60,9 @@ inline void load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_
 }
 
 // The shape of one layer's attention and where its cache lies.
-// cache: [2 * kv_heads, slots, W] of E (W = dim; for int8, dim values and their scales), keys of KV head g in plane g, values in plane
-// kv_heads + g. q: [B, heads, dim] float32 (rotated). out: [B, heads * dim] bf16.
+// cache: [2 * kv_heads, slots, W] of E (W = dim; for int8, dim values and their scales),
+// keys of KV head g in plane g, values in plane kv_heads + g. q: [B, heads, dim] float32
+// (rotated). out: [B, heads * dim] bf16.
 struct Layout {
   int64_t heads, kv_heads, dim, slots;
   float scale;
