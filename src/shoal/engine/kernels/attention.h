@@ -54,8 +54,10 @@ inline void load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_
   const E* r = plane + key_slots[p] * W;
   for (int c = 0; c < NV; ++c) row[c] = shoal_vec::load(r + kLanes * c);
   if constexpr (shoal_kv::kQuantized<E>) {
-    constexpr int kPerScale = shoal_kv::group_size(D) / kLanes;  // vectors per group
-    for (int c = 0; c < NV; ++c) row[c] *= shoal_kv::group_scale(r, D, c / kPerScale);
+    constexpr int kGroups = D / shoal_kv::group_size(D), kPerScale = NV / kGroups;
+    float scales[kGroups];  // widened together: one vector op, not one per scale
+    shoal_kv::group_scales<kGroups>(r, D, scales);
+    for (int c = 0; c < NV; ++c) row[c] *= scales[c / kPerScale];
   }
 }
 

@@ -39,6 +39,17 @@ inline float group_scale(const int8_t* row, int64_t dim, int64_t group) {
   return static_cast<float>(scale);
 }
 
+// All G scales of an int8 row as floats (bf16 is the top half of a float32).
+template <int G>
+inline void group_scales(const int8_t* row, int64_t dim, float (&out)[G]) {
+  uint16_t bits[G];
+  std::memcpy(bits, row + dim, sizeof bits);
+  for (int g = 0; g < G; ++g) {
+    const uint32_t wide = static_cast<uint32_t>(bits[g]) << 16;
+    std::memcpy(&out[g], &wide, sizeof wide);
+  }
+}
+
 // Channel i of a row as a float.
 template <typename E>
 inline float element(const E* row, int64_t dim, int64_t i) {

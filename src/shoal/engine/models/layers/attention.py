@@ -182,7 +182,7 @@ class SelfAttention(Layer):
         view = group.sliding if self.sliding and group.sliding is not None else group.full
         batch, query_len = group.batch, group.query_len
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        width = kv_cache.shape[-1]  # a cache row: D elements, or int8 values and a scale
+        width = kv_cache.shape[-1]  # a cache row: D elements, or int8 values and scales
         rows = slice(group.token_start, group.token_end)
         if rows.start > 0 or rows.stop < q.shape[0]:
             q = q[rows]
