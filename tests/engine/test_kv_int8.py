@@ -18,6 +18,7 @@ from shoal.engine.kv.tensors import allocate_kv_cache
 from shoal.engine.kv_budget import plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import kv_bytes_per_token
+from shoal.runner.memory import kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,16 @@ def test_a_row_is_its_values_then_a_scale_per_16_channels():
 
 
 def test_int8_rows_take_about_half_of_bf16s_bytes(tiny_checkpoints):
-    config = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16").config
+    loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16", kv_cache_dtype="int8")
+    config = loaded.config  # 2 layers
     caches = {dtype: allocate_kv_cache(config, 2, 8, BLOCK, dtype)
               for dtype in (torch.bfloat16, torch.int8)}
     per_token = {dtype: sum(c.nbytes for c in cache) / (8 * BLOCK)
                  for dtype, cache in caches.items()}
     for dtype, measured in per_token.items():
         assert measured == kv_bytes_per_token(config, dtype, num_layers=2)
+    # What /api/ps reports a runner's blocks to hold.
+    assert kv_bytes_per_block(loaded, BLOCK) == per_token[torch.int8] * BLOCK
     d = config.head_dim  # 16: one scale
     assert per_token[torch.int8] / per_token[torch.bfloat16] == (d + 2) / (2 * d)
     assert row_bytes(64, torch.int8) / row_bytes(64, torch.bfloat16) == 72 / 128
