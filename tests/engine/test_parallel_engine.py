@@ -75,8 +75,8 @@ def rank_main(rank: int, world: int, port: int, path: str, sharding: str,
 @pytest.mark.parametrize("path_of, sharding, layers, kv_cache_dtype", [
     (smollm2_path, "pipeline", [(0, 13), (13, 30)], "auto"),
     (smollm2_path, "tensor", [(0, 30), (0, 30)], "auto"),
-    # Each rank quantizes the KV heads it holds (one scale per token and head): the same
-    # rows one engine writes. SmolLM2's 3 KV heads split 2 + 1.
+    # Each rank quantizes the KV heads it holds (scales per token, head and 16 channels):
+    # the rows one engine writes. SmolLM2's 3 KV heads split 2 + 1.
     (smollm2_path, "tensor", [(0, 30), (0, 30)], "int8"),
 ], ids=["smollm2-pipeline", "smollm2-tensor", "smollm2-tensor-int8-kv"])
 def test_two_ranks_match_one_engine(path_of, sharding, layers, kv_cache_dtype):
