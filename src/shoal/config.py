@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shoal.cluster.tls import ClusterTls, rank_key, read_cluster_tls
 from shoal.durations import parse_duration_s
-from shoal.engine.config import EngineConfig, KvDiskConfig, ModelSource
+from shoal.engine.config import KV_CACHE_DTYPES, EngineConfig, KvDiskConfig, ModelSource
 from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
 from shoal.pool.queue import QueueLimits
 
@@ -92,9 +92,9 @@ class EngineDefaults:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError("kv cache dtype must be auto, bfloat16 or float32, not "
-                             f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, not {self.threads}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1024 * 1024:

@@ -221,7 +221,8 @@ async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str
                                   lambda: tuple(addresses),
                                   config.runner.group_connect_deadline_s,
                                   memory_budget=config.pool.memory_budget,
-                                  max_loaded_models=config.pool.max_loaded_models)
+                                  max_loaded_models=config.pool.max_loaded_models,
+                                  kv_cache_dtype=config.engine.kv_cache_dtype)
     except (TransportError, ValueError, OSError) as error:
         await pool.shutdown()
         raise NodeStartError(f"cannot join the cluster: {error}") from error

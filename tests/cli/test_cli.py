@@ -51,6 +51,7 @@ def test_flags_beat_env_beat_defaults(tmp_path):
     ({"kv_disk": "1KiB"}, {}, "at least 1 MiB"),
     ({"kv_disk": "1GiB"}, {"SHOAL_KV_DISK_TTL": "-5m"}, "TTL must be positive"),
     ({"kv_disk": "1GiB", "kv_disk_ttl": "soon"}, {}, "invalid duration"),
+    ({}, {"SHOAL_KV_CACHE_DTYPE": "fp8"}, "one of auto, bfloat16, float32, int8, not 'fp8'"),
 ])
 def test_bad_values_raise_value_errors(kwargs, env, message):
     with pytest.raises(ValueError, match=message):
@@ -77,6 +78,21 @@ def test_cluster_settings_from_flags_and_env():
     assert no_preload.preload is False
     with pytest.raises(ValueError, match="preloading is off"):
         build_node_config(models=["smollm2"], preload=False, env={})
+
+
+def test_kv_cache_dtype_int8_from_flag_or_env(capsys, monkeypatch):
+    assert build_node_config(env={"SHOAL_KV_CACHE_DTYPE": "int8"}).engine.kv_cache_dtype == "int8"
+    assert build_node_config(kv_cache_dtype="int8", env={}).engine.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--kv-cache-dtype", "int4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "'int4'" in err and "int8" in err
+    monkeypatch.setenv("SHOAL_KV_CACHE_DTYPE", "int4")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve"])
+    assert exit_info.value.code == 2
+    assert "auto, bfloat16, float32, int8, not 'int4'" in capsys.readouterr().err
 
 
 def test_bad_flag_exits_2_with_message(capsys):

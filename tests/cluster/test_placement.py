@@ -52,6 +52,21 @@ def test_shard_bytes_follows_the_memory_model():
     assert shard_bytes(MODEL, 32, 1, floored) == shard_bytes(MODEL, 32, 1, POLICY) + GIB
 
 
+def test_an_int8_kv_cache_reserves_its_values_and_scales():
+    int8 = PlacementPolicy.for_kv_cache_dtype("int8")
+    assert (int8.kv_element_bytes, int8.kv_scale_bytes) == (1, 2)
+    # Per token and layer: 2 * 8 heads * (128 + 8 scales of 2 bytes), against bf16's
+    # 2 * 8 * 256.
+    kv = (shard_bytes(MODEL, 32, 1, int8) - shard_bytes(MODEL, 32, 1, PlacementPolicy(
+        kv_element_bytes=2)))
+    assert kv == 32 * int8.kv_reservation_tokens * 2 * 8 * (144 - 256)
+    assert MODEL.kv_bytes_per_token_per_layer(1, 1, 2) == 2 * 144
+    odd = facts(weight_bytes=GIB, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=40)
+    assert odd.kv_bytes_per_token_per_layer(1, 1, 2) == 2 * 42  # one scale per row
+    assert PlacementPolicy.for_kv_cache_dtype("auto") == PlacementPolicy()
+    assert PlacementPolicy.for_kv_cache_dtype("float32").kv_element_bytes == 4
+
+
 def test_kv_heads_split_or_replicate():
     assert kv_heads_per_rank(8, 4) == 2
     assert kv_heads_per_rank(2, 4) == 1  # each KV head replicated on two ranks

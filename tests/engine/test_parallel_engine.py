@@ -25,9 +25,11 @@ NEW_TOKENS = 24
 KV_BYTES = 64 * 2**20
 
 
-def engine_config(path: str, parallel: ParallelConfig | None = None) -> EngineConfig:
+def engine_config(path: str, parallel: ParallelConfig | None = None,
+                  kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(source=ModelSource("m", "gguf", Path(path)), dtype="float32",
-                        threads=1, kv_cache_bytes=KV_BYTES, parallel=parallel)
+                        threads=1, kv_cache_bytes=KV_BYTES, parallel=parallel,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def generate(engine, with_sampled: bool) -> dict[str, list[int]]:
@@ -51,12 +53,12 @@ def generate(engine, with_sampled: bool) -> dict[str, list[int]]:
 
 
 def rank_main(rank: int, world: int, port: int, path: str, sharding: str,
-              layers: list[tuple[int, int]], with_sampled: bool):
+              layers: list[tuple[int, int]], with_sampled: bool, kv_cache_dtype: str):
     parallel = ParallelConfig(rank=rank, world_size=world, sharding=sharding,
                               layer_start=layers[rank][0], layer_end=layers[rank][1],
                               master_addr="127.0.0.1", master_port=port,
                               connect_timeout_s=120.0)
-    config = engine_config(path, parallel)
+    config = engine_config(path, parallel, kv_cache_dtype)
     if rank == 0:
         engine = Engine(config)
         try:
@@ -70,14 +72,18 @@ def rank_main(rank: int, world: int, port: int, path: str, sharding: str,
     return follower.steps
 
 
-@pytest.mark.parametrize("path_of, sharding, layers", [
-    (smollm2_path, "pipeline", [(0, 13), (13, 30)]),
-    (smollm2_path, "tensor", [(0, 30), (0, 30)]),
-], ids=["smollm2-pipeline", "smollm2-tensor"])
-def test_two_ranks_match_one_engine(path_of, sharding, layers):
+@pytest.mark.parametrize("path_of, sharding, layers, kv_cache_dtype", [
+    (smollm2_path, "pipeline", [(0, 13), (13, 30)], "auto"),
+    (smollm2_path, "tensor", [(0, 30), (0, 30)], "auto"),
+    # Each rank quantizes the KV heads it holds (scales per token, head and 16 channels):
+    # the rows one engine writes. SmolLM2's 3 KV heads split 2 + 1.
+    (smollm2_path, "tensor", [(0, 30), (0, 30)], "int8"),
+], ids=["smollm2-pipeline", "smollm2-tensor", "smollm2-tensor-int8-kv"])
+def test_two_ranks_match_one_engine(path_of, sharding, layers, kv_cache_dtype):
     path = str(path_of())
     with_sampled = sharding == "pipeline"  # same bits end to end: same draws
-    expected = generate(Engine(engine_config(path)), with_sampled)
-    results = run_ranks(rank_main, 2, path, sharding, layers, with_sampled, timeout_s=300)
+    expected = generate(Engine(engine_config(path, None, kv_cache_dtype)), with_sampled)
+    results = run_ranks(rank_main, 2, path, sharding, layers, with_sampled, kv_cache_dtype,
+                        timeout_s=300)
     assert results[0] == expected, results
     assert isinstance(results[1], int) and results[1] > 0  # the other rank served steps

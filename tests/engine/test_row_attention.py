@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shoal.engine.kernels import build
+from shoal.engine.kv.quant import dequantize, quantize
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,9 @@ class Case:
     def __init__(self, dim: int, heads: int, kv_heads: int, dtype: torch.dtype,
                  window: int | None, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.cache = torch.randn(2 * kv_heads, 512, dim, generator=generator).to(dtype)
+        values = torch.randn(2 * kv_heads, 512, dim, generator=generator)
+        # An int8 cache holds rows of values and a scale (kv/quant.py).
+        self.cache = quantize(values) if dtype == torch.int8 else values.to(dtype)
         order = torch.randperm(512, generator=generator)
         self.key_slots = torch.cat((order[:70], order[100:133]))
         base, position, lo = [], [], []
@@ -50,12 +53,13 @@ class Case:
         rows, heads, dim = self.q.shape
         group = heads // self.kv_heads
         out = torch.empty(rows, heads, dim, dtype=torch.float64)
+        cache = dequantize(self.cache, dim) if self.cache.dtype == torch.int8 else self.cache
         for r in range(rows):
             keys = self.key_slots[self.base[r] + torch.arange(self.lo[r], self.position[r] + 1)]
             for h in range(heads):
                 g = h // group
-                k = self.cache[g, keys].double()
-                v = self.cache[self.kv_heads + g, keys].double()
+                k = cache[g, keys].double()
+                v = cache[self.kv_heads + g, keys].double()
                 weights = torch.softmax(k @ self.q[r, h].double() * self.scale, dim=0)
                 out[r, h] = weights @ v
         return out.view(rows, heads * dim)
@@ -67,10 +71,15 @@ SHAPES = [  # head size, heads, KV heads, cache dtype, sliding window
     (128, 4, 2, torch.bfloat16, None),
     (256, 4, 1, torch.bfloat16, 40),
     (40, 4, 2, torch.float32, 7),  # a head size with no vector form
+    (64, 14, 2, torch.int8, None),  # int8 rows with their scales
+    (128, 4, 2, torch.int8, None),
+    (256, 4, 1, torch.int8, 40),
+    (40, 4, 2, torch.int8, 7),
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("shape", SHAPES,
+                         ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}-{str(s[3])[6:]}")
 @pytest.mark.parametrize("prompt", [True, False], ids=["prompt", "generated"])
 def test_rows_match_float64_attention(kernel, shape, prompt):
     case = Case(*shape)
@@ -80,7 +89,8 @@ def test_rows_match_float64_attention(kernel, shape, prompt):
     torch.testing.assert_close(out.double(), case.reference(), atol=1e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("shape", SHAPES,
+                         ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}-{str(s[3])[6:]}")
 @pytest.mark.parametrize("prompt", [True, False], ids=["prompt", "generated"])
 def test_a_row_does_not_depend_on_what_shares_its_call(kernel, shape, prompt):
     case = Case(*shape)

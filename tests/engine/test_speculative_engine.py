@@ -31,14 +31,15 @@ PROMPTS = {
 
 
 def make_engine(model: str, dtype: str, speculative: SpeculativeConfig | None,
-                cache_dir) -> Engine:
+                cache_dir, kv_cache_dtype: str = "auto") -> Engine:
     try:
         source = resolve_model(model)
     except ModelNotFound as missing:
         pytest.skip(str(missing))
     return Engine(EngineConfig(source=source, dtype=dtype, threads=2,
                                kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512,
-                               speculative=speculative, cache_dir=cache_dir))
+                               speculative=speculative, cache_dir=cache_dir,
+                               kv_cache_dtype=kv_cache_dtype))
 
 
 def generate(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
@@ -62,14 +63,17 @@ def chat_ids(engine: Engine, text: str) -> list[int]:
                                    add_special_tokens=False)
 
 
-@pytest.mark.parametrize("model, dtype", [
-    ("smollm2-135m-instruct", "float32"),
-    ("qwen2.5-coder-0.5b-instruct", "float32"),
-    ("smollm2-135m-instruct", "auto"),  # the default precision keeps the same bits too
+@pytest.mark.parametrize("model, dtype, kv_cache_dtype", [
+    ("smollm2-135m-instruct", "float32", "auto"),
+    ("qwen2.5-coder-0.5b-instruct", "float32", "auto"),
+    ("smollm2-135m-instruct", "auto", "auto"),  # the default precision keeps the same bits too
+    ("smollm2-135m-instruct", "auto", "int8"),  # guesses' rows quantized as plain decoding's
 ])
-def test_greedy_output_is_the_same_with_and_without_guessing(model, dtype, tmp_path):
-    plain = make_engine(model, dtype, None, tmp_path / "plain")
-    guessing = make_engine(model, dtype, SpeculativeConfig("ngram", 8), tmp_path / "guess")
+def test_greedy_output_is_the_same_with_and_without_guessing(model, dtype, kv_cache_dtype,
+                                                             tmp_path):
+    plain = make_engine(model, dtype, None, tmp_path / "plain", kv_cache_dtype)
+    guessing = make_engine(model, dtype, SpeculativeConfig("ngram", 8), tmp_path / "guess",
+                           kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=120)
     requests = {name: (chat_ids(plain, text), params) for name, text in PROMPTS.items()}
     # One at a time (batch 1) and all together (guessing requests share steps).

@@ -15,6 +15,7 @@ from shoal.config import (
     build_node_config,
     build_pool_settings,
 )
+from shoal.engine.config import KV_CACHE_DTYPES
 from shoal.node import NodeStartError, serve
 
 
@@ -22,9 +23,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=None, help="state and caches (SHOAL_DATA_DIR)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=None,
                         help="compute dtype (SHOAL_DTYPE; default auto)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32"),
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                         default=None, help="KV cache elements (SHOAL_KV_CACHE_DTYPE; default "
-                        "auto: bfloat16 with bf16 compute, float32 with --dtype float32)")
+                        "auto: bfloat16 with bf16 compute, float32 with --dtype float32; "
+                        "int8: half of bf16's bytes, a scale per token and head)")
     parser.add_argument("--speculative", action="append", default=[],
                         metavar="MODEL=ngram[:K]",
                         help="speculative decoding for MODEL: ngram[:K] guesses up to K "

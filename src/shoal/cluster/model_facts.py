@@ -47,10 +47,15 @@ class ModelFacts(BaseModel):
             raise ValueError("intermediate_size must be >= 1")
         return self
 
-    def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None) -> int:
-        """K and V of one token in one layer: 2 * kv_heads * head_dim * element_bytes."""
+    def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None,
+                                     scale_bytes: int = 0, scale_group: int = 16) -> int:
+        """K and V of one token in one layer: 2 * kv_heads * (head_dim * element_bytes +
+        the row's scales), a row holding scale_bytes per scale_group channels (one scale
+        where head_dim is not a multiple of it), as engine/kv/quant.py lays out int8 rows."""
         heads = self.n_kv_heads if kv_heads is None else kv_heads
-        return 2 * heads * self.head_dim * element_bytes
+        dim = self.head_dim
+        scales = dim // scale_group if dim % scale_group == 0 else 1
+        return 2 * heads * (dim * element_bytes + scale_bytes * scales)
 
 
 def model_facts_from_source(source: ModelSource) -> ModelFacts:

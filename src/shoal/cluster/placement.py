@@ -46,6 +46,9 @@ class PlacementPolicy:
     overhead_factor: float = LOAD_OVERHEAD_FACTOR
     kv_reservation_tokens: int = 4096
     kv_element_bytes: int = 2  # bf16 / fp16 cache
+    # Bytes each KV row (a token's key or value of one head) holds beside its elements per
+    # 16 channels: an int8 cache's bf16 scales.
+    kv_scale_bytes: int = 0
     # A runner process (interpreter, torch, buffers) before any weights.
     floor_bytes: int = 512 * 2**20
 
@@ -54,6 +57,15 @@ class PlacementPolicy:
             raise ValueError("overhead_factor must be >= 1.0")
         if self.kv_reservation_tokens < 0 or self.kv_element_bytes < 1 or self.floor_bytes < 0:
             raise ValueError("KV reservation and floor must not be negative")
+        if self.kv_scale_bytes < 0:
+            raise ValueError("kv_scale_bytes must not be negative")
+
+    @classmethod
+    def for_kv_cache_dtype(cls, kv_cache_dtype: str) -> PlacementPolicy:
+        """The policy whose KV reservation counts a node's --kv-cache-dtype (auto: bf16)."""
+        element, scale = {"auto": (2, 0), "bfloat16": (2, 0), "float32": (4, 0),
+                          "int8": (1, 2)}[kv_cache_dtype]
+        return cls(kv_element_bytes=element, kv_scale_bytes=scale)
 
 
 DEFAULT_POLICY = PlacementPolicy()
@@ -270,7 +282,8 @@ def shard_bytes(facts: ModelFacts, layers: int, tp_size: int = 1,
     weights = math.ceil(facts.weight_bytes * layers / facts.n_layers
                         * tensor_share(facts, tp_size) * policy.overhead_factor)
     kv_heads = kv_heads_per_rank(facts.n_kv_heads, tp_size)
-    kv = (facts.kv_bytes_per_token_per_layer(policy.kv_element_bytes, kv_heads)
+    kv = (facts.kv_bytes_per_token_per_layer(policy.kv_element_bytes, kv_heads,
+                                             policy.kv_scale_bytes)
           * layers * policy.kv_reservation_tokens)
     return weights + kv + policy.floor_bytes
 

@@ -16,6 +16,7 @@ from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
 from shoal.cluster.master import MasterConfig
+from shoal.cluster.placement import PlacementPolicy
 from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.service import ClusterService, ServiceConfig
 from shoal.cluster.telemetry import NodeReading, read_node
@@ -47,16 +48,20 @@ def load_node_id(data_dir: Path) -> NodeId:
     return node_id
 
 
-def cluster_config(settings: ClusterSettings, data_dir: Path) -> ClusterConfig:
+def cluster_config(settings: ClusterSettings, data_dir: Path,
+                   kv_cache_dtype: str = "auto") -> ClusterConfig:
+    """kv_cache_dtype: this node's --kv-cache-dtype, which its placements reserve KV for
+    when it is the master."""
     events = data_dir / "cluster" / "events"
+    policy = PlacementPolicy.for_kv_cache_dtype(kv_cache_dtype)
     if settings.standalone:
         # Alone, a campaign has nobody to hear from and nobody can go silent.
         return ClusterConfig(event_log_dir=events,
                              election=ElectionConfig(campaign_s=0.05, force_master=True),
-                             master=MasterConfig(reconcile_s=0.2))
+                             master=MasterConfig(reconcile_s=0.2, policy=policy))
     return ClusterConfig(event_log_dir=events,
                          election=ElectionConfig(force_master=settings.force_master),
-                         master=MasterConfig(reconcile_s=0.5))
+                         master=MasterConfig(reconcile_s=0.5, policy=policy))
 
 
 async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transport:
@@ -73,7 +78,8 @@ async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transpor
 async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPool,
                        addresses: Callable[[], Sequence[str]],
                        group_connect_s: float = 120.0, memory_budget: int | None = None,
-                       max_loaded_models: int | None = None) -> ClusterService:
+                       max_loaded_models: int | None = None,
+                       kv_cache_dtype: str = "auto") -> ClusterService:
     """Join (or form) the cluster and start this node's part in it.
 
     pool: this node's model pool (and, through it, its runner registry); addresses: this
@@ -104,7 +110,7 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
         cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
         proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir))
     transport = await open_transport(settings, node_id)
-    plane = ControlPlane(transport, cluster_config(settings, data_dir), read)
+    plane = ControlPlane(transport, cluster_config(settings, data_dir, kv_cache_dtype), read)
     service = ClusterService(plane, pool, usable_memory, service_config,
                              group_connect_s=group_connect_s)
     try:

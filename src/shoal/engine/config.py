@@ -10,6 +10,9 @@ from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.speculation.config import SpeculativeConfig
 
 DType = Literal["auto", "bfloat16", "float32"]
+# KV cache elements: a compute dtype, or int8 with a scale per token and head (kv/quant.py).
+KVCacheDType = Literal["auto", "bfloat16", "float32", "int8"]
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 WeightFormat = Literal["gguf", "safetensors"]
 # What a model does: generate text, or encode text into embedding vectors.
 ModelTask = Literal["generate", "embed"]
@@ -73,8 +76,9 @@ class EngineConfig:
     # Upper bound on context per request; None takes the model's own context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    # KV cache elements: auto follows the compute dtype (bf16 halves what attention reads).
-    kv_cache_dtype: DType = "auto"
+    # KV cache elements: auto follows the compute dtype (bf16 halves what attention reads);
+    # int8 halves bf16's bytes again.
+    kv_cache_dtype: KVCacheDType = "auto"
     # Directory for derived artefacts (e.g. a tokenizer.json built from GGUF metadata).
     cache_dir: Path | None = None
     # This runner's rank in a multi-rank instance; None for a model served whole.
@@ -95,9 +99,9 @@ class EngineConfig:
             raise ValueError("memory_limit_bytes must not be negative")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, not {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError("kv_cache_dtype must be auto, bfloat16 or float32, not "
-                             f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -1,5 +1,6 @@
-// Decode attention over the paged KV cache (float32 or bf16 elements, E below): one query
-// token per row, its keys read through the row's block table (no gather).
+// Decode attention over the paged KV cache (float32, bf16 or int8 elements, E below): one
+// query token per row, its keys read through the row's block table (no gather). int8 rows
+// (kv_layout.h) are dequantized in registers as they are loaded.
 //
 // Work items are (row, KV head) pairs; the query heads that share a KV head read each key
 // and value once. For head sizes that are multiples of 16 (32, 64, 128, ...) an item runs
@@ -19,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_layout.h"
 #include "vector.h"
 
 namespace shoal_attention {
@@ -32,28 +34,37 @@ using shoal_vec::kLanes;
 // next block).
 constexpr int64_t kPrefetchKeys = 8;
 
-// Brings a row of NV * 16 elements toward the cache, one prefetch per 64-byte line.
+// Brings a row of NV * 16 elements toward the cache, one prefetch per 64-byte line (an
+// int8 row's scales may start or spill onto one more line).
 template <int NV, typename E>
 inline void prefetch_row(const E* row) {
   constexpr int kPerLine = 64 / sizeof(E);
   for (int c = 0; c < NV * kLanes; c += kPerLine) __builtin_prefetch(row + c);
+  if constexpr (shoal_kv::kQuantized<E>)
+    __builtin_prefetch(row + shoal_kv::row_width<E>(NV * kLanes) - 1);
 }
 
-// Position p's row of a key or value plane ([slots, kLanes * NV]) into float vectors,
-// prefetching the row kPrefetchKeys positions ahead (rows lie wherever the block table
-// put them).
+// Position p's row of a key or value plane ([slots, W]) into float vectors, prefetching the
+// row kPrefetchKeys positions ahead (rows lie wherever the block table put them).
 template <int NV, typename E>
 inline void load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_t length,
                      f32x16 (&row)[NV]) {
-  constexpr int64_t D = kLanes * NV;
-  if (p + kPrefetchKeys < length) prefetch_row<NV>(plane + key_slots[p + kPrefetchKeys] * D);
-  const E* r = plane + key_slots[p] * D;
+  constexpr int64_t D = kLanes * NV, W = shoal_kv::row_width<E>(D);
+  if (p + kPrefetchKeys < length) prefetch_row<NV>(plane + key_slots[p + kPrefetchKeys] * W);
+  const E* r = plane + key_slots[p] * W;
   for (int c = 0; c < NV; ++c) row[c] = shoal_vec::load(r + kLanes * c);
+  if constexpr (shoal_kv::kQuantized<E>) {
+    constexpr int kGroups = D / shoal_kv::group_size(D), kPerScale = NV / kGroups;
+    float scales[kGroups];  // widened together: one vector op, not one per scale
+    shoal_kv::group_scales<kGroups>(r, D, scales);
+    for (int c = 0; c < NV; ++c) row[c] *= scales[c / kPerScale];
+  }
 }
 
 // The shape of one layer's attention and where its cache lies.
-// cache: [2 * kv_heads, slots, dim] of E, keys of KV head g in plane g, values in plane
-// kv_heads + g. q: [B, heads, dim] float32 (rotated). out: [B, heads * dim] bf16.
+// cache: [2 * kv_heads, slots, W] of E (W = dim; for int8, dim values and their scales),
+// keys of KV head g in plane g, values in plane kv_heads + g. q: [B, heads, dim] float32
+// (rotated). out: [B, heads * dim] bf16.
 struct Layout {
   int64_t heads, kv_heads, dim, slots;
   float scale;
@@ -122,23 +133,24 @@ template <typename E>
 void attend_scalar(const float* q, const E* keys, const E* values,
                           const int64_t* key_slots, int64_t length, int64_t group, int64_t dim,
                           float scale, float* scores, bf16* out) {
+  const int64_t width = shoal_kv::row_width<E>(dim);
   for (int64_t p = 0; p < length; ++p) {
-    const E* k = keys + key_slots[p] * dim;
+    const E* k = keys + key_slots[p] * width;
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = q + j * dim;
       float dot = 0.f;
-      for (int64_t i = 0; i < dim; ++i) dot += qj[i] * static_cast<float>(k[i]);
+      for (int64_t i = 0; i < dim; ++i) dot += qj[i] * shoal_kv::element(k, dim, i);
       scores[j * length + p] = dot * scale;
     }
   }
   std::vector<float> inverse_total(group), acc(group * dim, 0.f);
   softmax_rows(scores, group, length, inverse_total.data());
   for (int64_t p = 0; p < length; ++p) {
-    const E* v = values + key_slots[p] * dim;
+    const E* v = values + key_slots[p] * width;
     for (int64_t j = 0; j < group; ++j) {
       const float weight = scores[j * length + p];
       float* a = acc.data() + j * dim;
-      for (int64_t i = 0; i < dim; ++i) a[i] += weight * static_cast<float>(v[i]);
+      for (int64_t i = 0; i < dim; ++i) a[i] += weight * shoal_kv::element(v, dim, i);
     }
   }
   for (int64_t j = 0; j < group; ++j)
@@ -182,8 +194,9 @@ void attend_item(const Layout& layout, const float* q_p, const E* cache_p,
                  const int64_t* key_slots, int64_t length, int64_t b, int64_t g,
                  std::vector<float>& scores, bf16* out_p) {
   const int64_t dim = layout.dim, group = layout.heads / layout.kv_heads;
-  const E* keys = cache_p + g * layout.slots * dim;
-  const E* values = cache_p + (layout.kv_heads + g) * layout.slots * dim;
+  const int64_t width = shoal_kv::row_width<E>(dim);
+  const E* keys = cache_p + g * layout.slots * width;
+  const E* values = cache_p + (layout.kv_heads + g) * layout.slots * width;
   const int64_t head0 = b * layout.heads + g * group;  // the item's first query head
   if (pick_vector_fn<E>(dim, 1) == nullptr) {
     scores.resize(group * length);

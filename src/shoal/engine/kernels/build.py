@@ -31,7 +31,8 @@ _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
                                           "quant_paths.cpp", "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
-    "attention.h", "decode_rows.h", "prompt_attention.h", "vector.h", "quant.h", "quant_amx.h",
+    "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "quant.h",
+    "quant_amx.h",
     "quant_avx512.h", "quant_formats.h", "quant_kernels.h", "quant_simd.h", "quant_strip.h"))
 NAME = "shoal_kernels"
 # -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,

@@ -1,6 +1,6 @@
 // Fused decode on CPU: every block of a llama-family or Gemma 3 model for a batch of
 // single-token rows in one call, bf16 activations, packed weights (quant.h), a paged KV
-// cache of float32 or bf16.
+// cache of float32, bf16 or int8 (rows with their scales, kv_layout.h).
 //
 // A batch-1 decode step in Python calls ~35 torch ops per block (~1,000 per step); at a few
 // microseconds of dispatch each, that overhead is as large as the matmuls. Here one call
@@ -22,6 +22,7 @@
 
 #include "attention.h"
 #include "decode_rows.h"
+#include "kv_layout.h"
 #include "prompt_attention.h"
 #include "quant.h"
 
@@ -87,7 +88,8 @@ class Decoder {
   }
 
   // hidden: [B, hidden] bf16 -> [B, hidden] bf16 after every block.
-  // caches: per block [2 * H_kv, slots, D] float32 or bf16 (keys, then values).
+  // caches: per block [2 * H_kv, slots, W] float32 or bf16 (W = D), or int8 (each row's D
+  // values, then its groups' bf16 scales, kv_layout.h) -- keys, then values.
   // rope: (cos, signed sin) [B, D] float32 for full layers, then for sliding layers (the
   // same pair again where a model has one table); slots: [B] int64, each row's new KV slot;
   // tables: [B, W] int64 block ids; context: [B] int64, each row's keys (new one included).
@@ -115,11 +117,12 @@ class Decoder {
     TORCH_CHECK(block_size >= 1, "Decoder: block_size must be >= 1");
     if (blocks_.empty()) return hidden.clone();
     const at::ScalarType dtype = caches[0].scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-                "Decoder: KV caches must be float32 or bfloat16");
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar,
+                "Decoder: KV caches must be float32, bfloat16 or int8");
     Step step = plan(rows, caches, tables.contiguous(), context, slots, block_size);
     step.chained = chained;
     if (dtype == at::kFloat) return run<float>(hidden, caches, rope, step);
+    if (dtype == at::kChar) return run<int8_t>(hidden, caches, rope, step);
     return run<bf16>(hidden, caches, rope, step);
   }
 
@@ -161,11 +164,13 @@ class Decoder {
                     "Decoder: block id out of range");
         step.key_slots[step.first[b] + p] = block_id * block_size + p % block_size;
       }
+    const int64_t row = caches[0].scalar_type() == at::kChar
+                            ? shoal_kv::row_width<int8_t>(head_dim_) : head_dim_;
     for (const at::Tensor& cache : caches)
       TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == caches[0].scalar_type() &&
                       cache.dim() == 3 && cache.size(0) == 2 * kv_heads_ &&
-                      cache.size(1) == step.slots_per_cache && cache.size(2) == head_dim_,
-                  "Decoder: KV caches must be [2 * H_kv, slots, D], contiguous, one dtype");
+                      cache.size(1) == step.slots_per_cache && cache.size(2) == row,
+                  "Decoder: KV caches must be [2 * H_kv, slots, W], contiguous, one dtype");
     return step;
   }
 
@@ -248,7 +253,7 @@ class Decoder {
     const float* sin = rope[block.sliding ? 3 : 1].data_ptr<float>();
     const float* q_norm = block.norms.q.defined() ? block.norms.q.data_ptr<float>() : nullptr;
     const float* k_norm = block.norms.k.defined() ? block.norms.k.data_ptr<float>() : nullptr;
-    const int64_t slots = step.slots_per_cache;
+    const int64_t slots = step.slots_per_cache, width = shoal_kv::row_width<E>(dim);
     // One head of row b: float32, normed where the model norms it, rotated into out.
     auto head = [&](int64_t b, int64_t index, const float* norm, float* out) {
       float raw[512];  // head_dim <= 512 (checked in the binding)
@@ -261,15 +266,13 @@ class Decoder {
     auto prepare = [&](int64_t b, int64_t g) {
       for (int64_t j = g * group; j < (g + 1) * group; ++j)
         head(b, j, q_norm, q_p + (b * heads_ + j) * dim);
-      float key[512];
+      float key[512], value[512];
       head(b, heads_ + g, k_norm, key);
-      E* k_out = cache_p + (g * slots + step.new_slot[b]) * dim;
-      E* v_out = cache_p + ((kv_heads_ + g) * slots + step.new_slot[b]) * dim;
       const bf16* v = qkv_p + b * qkv_width + (heads_ + kv_heads_ + g) * dim;
-      for (int64_t i = 0; i < dim; ++i) {
-        k_out[i] = static_cast<E>(key[i]);
-        v_out[i] = static_cast<E>(static_cast<float>(v[i]));
-      }
+      for (int64_t i = 0; i < dim; ++i) value[i] = static_cast<float>(v[i]);
+      shoal_kv::write_row(key, dim, cache_p + (g * slots + step.new_slot[b]) * width);
+      shoal_kv::write_row(value, dim,
+                          cache_p + ((kv_heads_ + g) * slots + step.new_slot[b]) * width);
     };
     const shoal_attention::Layout layout{heads_, kv_heads_, dim, slots, scale_};
     const bool windowed = block.sliding && window_ > 0;
@@ -332,9 +335,13 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
                        double scale, bool prompt) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
               "attend_rows: q must be [T, H, D] float32");
-  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == q.size(2) &&
-                  (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
-              "attend_rows: the cache must be [2 * H_kv, slots, D] float32 or bfloat16");
+  const bool int8_cache = cache.scalar_type() == at::kChar;
+  const int64_t width = int8_cache ? shoal_kv::row_width<int8_t>(q.size(2)) : q.size(2);
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == width &&
+                  (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16 ||
+                   int8_cache),
+              "attend_rows: the cache must be [2 * H_kv, slots, D] float32 or bfloat16, or "
+              "int8 rows of D values and their scales");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = cache.size(0) / 2, slots = cache.size(1);
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "attend_rows: heads and KV heads differ");
@@ -362,6 +369,9 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
                                               static_cast<float>(scale)};
     if (bf16_cache) {
       shoal_prompt_attention::attend(layout, cache.data_ptr<bf16>(), slots, out.data_ptr<bf16>());
+    } else if (int8_cache) {
+      shoal_prompt_attention::attend(layout, cache.data_ptr<int8_t>(), slots,
+                                     out.data_ptr<bf16>());
     } else {
       shoal_prompt_attention::attend(layout, cache.data_ptr<float>(), slots,
                                      out.data_ptr<bf16>());
@@ -375,6 +385,10 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
   // Every item is a row's whole key range: always worth a thread.
   if (bf16_cache) {
     shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<bf16>(), key_p,
+                            starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, 0,
+                            out.data_ptr<bf16>(), nothing);
+  } else if (int8_cache) {
+    shoal_attention::attend(layout, queries.data_ptr<float>(), cache.data_ptr<int8_t>(), key_p,
                             starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows, 0,
                             out.data_ptr<bf16>(), nothing);
   } else {

@@ -1,7 +1,7 @@
 """The fused decode path: a model's blocks run by the compiled kernel (decode.cpp).
 
 Applies to steps of single-token decodes of llama-family and Gemma 3 models on CPU with
-packed weights (bf16 activations), a float32 or bf16 KV cache, and no tensor-parallel
+packed weights (bf16 activations), a float32, bf16 or int8 KV cache, and no tensor-parallel
 shards. Everything else (prefill, float32 compute, CUDA) stays on the Python path.
 SHOAL_FUSED_DECODE=0 turns it off.
 """

@@ -22,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_layout.h"
 #include "vector.h"
 
 namespace shoal_prompt_attention {
@@ -34,7 +35,8 @@ constexpr int64_t kRowsPerItem = 8;
 
 // What the rows attend to. Row r is position position[r] of a request whose key slots are
 // key_slots[base[r] + 0 ..]; it sees positions [lo[r], position[r]]. The cache is
-// [2 * kv_heads, slots, dim]: keys of KV head g in plane g, values in plane kv_heads + g.
+// [2 * kv_heads, slots, W]: keys of KV head g in plane g, values in plane kv_heads + g
+// (W = dim; for int8, dim values and their scales, kv_layout.h).
 struct Rows {
   const float* q;  // [rows, heads, dim], rotated
   int64_t rows, heads, kv_heads, dim;
@@ -74,11 +76,12 @@ inline std::vector<Segment> segments_of(const Rows& rows) {
 
 // Block `block` of a segment's keys of KV head g as floats, transposed to [dim][16], and
 // its values as [16][dim] floats (zeros past the segment's last key). Converting once here
-// spares every query head of every row a bf16 conversion.
+// spares every query head of every row a bf16 conversion (or an int8 dequantization: only
+// the segment's blocks are widened, never the cache).
 template <typename E>
 void load_block(const Rows& rows, const E* cache, int64_t slots, const Segment& s, int64_t g,
                 int64_t block, float* keys_t, float* values) {
-  const int64_t dim = rows.dim;
+  const int64_t dim = rows.dim, width = shoal_kv::row_width<E>(dim);
   const int64_t* request_slots = rows.key_slots + rows.base[s.first_row];
   for (int64_t t = 0; t < kLanes; ++t) {
     const int64_t key = s.first_key + block * kLanes + t;
@@ -88,10 +91,10 @@ void load_block(const Rows& rows, const E* cache, int64_t slots, const Segment& 
       std::fill(v, v + dim, 0.f);
       continue;
     }
-    const E* k = cache + (g * slots + request_slots[key]) * dim;
-    for (int64_t d = 0; d < dim; ++d) keys_t[d * kLanes + t] = static_cast<float>(k[d]);
-    const E* source = cache + ((rows.kv_heads + g) * slots + request_slots[key]) * dim;
-    for (int64_t d = 0; d < dim; ++d) v[d] = static_cast<float>(source[d]);
+    const E* k = cache + (g * slots + request_slots[key]) * width;
+    for (int64_t d = 0; d < dim; ++d) keys_t[d * kLanes + t] = shoal_kv::element(k, dim, d);
+    const E* source = cache + ((rows.kv_heads + g) * slots + request_slots[key]) * width;
+    for (int64_t d = 0; d < dim; ++d) v[d] = shoal_kv::element(source, dim, d);
   }
 }
 

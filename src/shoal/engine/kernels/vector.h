@@ -21,6 +21,7 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 constexpr int64_t kLanes = 16;
 
@@ -42,6 +43,22 @@ inline f32x16 load(const bf16* p) {
   f32x16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+}
+
+// int8 values (an int8 KV cache row) as floats, exactly: widened to int32, then converted
+// (one byte-to-float conversion compiles to sixteen scalar ones).
+inline f32x16 load(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))));
+  f32x16 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  i8x16 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(__builtin_convertvector(bytes, i32x16), f32x16);
+#endif
 }
 
 // The bits of bf16(v) in the top half of each lane, the bottom half zero: round to nearest

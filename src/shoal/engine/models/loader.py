@@ -13,6 +13,7 @@ from torch import nn
 
 from shoal.engine.config import ModelSource
 from shoal.engine.kernels.build import KERNEL
+from shoal.engine.kv.quant import check_head_dim, row_bytes
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.registry import model_class
@@ -103,8 +104,22 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     held = rank_config(config, plan.shard) if plan.shard is not None else config
     return LoadedModel(module=module, config=held, compute_dtype=compute_dtype,
                        weight_bytes=module.weight_bytes(), layer_range=(start, end),
-                       kv_dtype=compute_dtype if kv_cache_dtype == "auto"
-                       else resolve_compute_dtype(kv_cache_dtype, device))
+                       kv_dtype=resolve_kv_dtype(kv_cache_dtype, compute_dtype, held))
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype,
+                     config: ModelConfig) -> torch.dtype:
+    """The KV cache's elements: auto follows the compute dtype; int8 (kv/quant.py) needs
+    head sizes its row layout allows."""
+    if kv_cache_dtype == "auto":
+        return compute_dtype
+    if kv_cache_dtype == "int8":
+        check_head_dim(config.head_dim)
+        return torch.int8
+    if kv_cache_dtype not in ("bfloat16", "float32"):
+        raise ValueError("kv_cache_dtype must be one of auto, bfloat16, float32, int8, not "
+                         f"{kv_cache_dtype!r}")
+    return resolve_compute_dtype(kv_cache_dtype, "cpu")
 
 
 def packing_kernel(device: torch.device, compute_dtype: torch.dtype) -> ModuleType | None:
@@ -122,9 +137,9 @@ def packing_kernel(device: torch.device, compute_dtype: torch.dtype) -> ModuleTy
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | str,
                        num_layers: int | None = None) -> int:
-    """Bytes of K and V cache one token occupies across `num_layers` (default: all layers)."""
+    """Bytes of K and V cache one token occupies across `num_layers` (default: all layers),
+    an int8 cache's scales included."""
     if isinstance(kv_dtype, str):
-        kv_dtype = resolve_compute_dtype(kv_dtype, "cpu")
-    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+        kv_dtype = torch.int8 if kv_dtype == "int8" else resolve_compute_dtype(kv_dtype, "cpu")
     layers = config.num_layers if num_layers is None else num_layers
-    return 2 * layers * config.num_kv_heads * config.head_dim * itemsize
+    return 2 * layers * config.num_kv_heads * row_bytes(config.head_dim, kv_dtype)

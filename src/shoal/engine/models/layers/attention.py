@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.engine.kv.quant import stored, widened
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import apply_rotary, apply_rotary_
@@ -124,7 +125,8 @@ def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> tor
 
     torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
     queries, so on CPU attention computes in float32; the KV cache may still store bf16
-    (kv_cache_dtype), rounded as it is written and widened as it is read.
+    (kv_cache_dtype), rounded as it is written and widened as it is read (an int8 cache
+    quantized and dequantized, kv/quant.py).
     """
     return torch.float32 if device.type == "cpu" else compute_dtype
 
@@ -132,7 +134,8 @@ def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> tor
 class SelfAttention(Layer):
     """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection.
 
-    The KV cache of a layer is one tensor [2 * H_kv, slots, D]: key heads, then value heads.
+    The KV cache of a layer is one tensor [2 * H_kv, slots, W]: key heads, then value heads
+    (W = D, or for int8 D values and their scales, kv/quant.py).
     """
 
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
@@ -165,11 +168,10 @@ class SelfAttention(Layer):
             # Rotate q and k heads in place, so k sits beside v: new_kv is a view.
             apply_rotary_(qkv[:, :heads + kv_heads], *rope)
             q, new_kv = qkv[:, :heads], qkv[:, heads:]  # [T, H, D], [T, 2 H_kv, D]
-        if kv_cache.dtype != new_kv.dtype:
-            # Attend to the keys and values as the cache holds them (rounded), whether they
-            # come from this chunk or from the cache: a token's result then does not depend
-            # on how its prompt was split or cached.
-            new_kv = new_kv.to(kv_cache.dtype)
+        # Attend to the keys and values as the cache holds them (rounded or quantized),
+        # whether they come from this chunk or from the cache: a token's result then does
+        # not depend on how its prompt was split or cached. new_kv: [T, 2 H_kv, W]
+        new_kv = stored(new_kv, kv_cache.dtype)
         kv_cache.index_copy_(1, meta.slot_mapping, new_kv.transpose(0, 1))
         outputs = [self._attend(q, new_kv, kv_cache, group) for group in meta.groups]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
@@ -180,6 +182,7 @@ class SelfAttention(Layer):
         view = group.sliding if self.sliding and group.sliding is not None else group.full
         batch, query_len = group.batch, group.query_len
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        width = kv_cache.shape[-1]  # a cache row: D elements, or int8 values and scales
         rows = slice(group.token_start, group.token_end)
         if rows.start > 0 or rows.stop < q.shape[0]:
             q = q[rows]
@@ -190,23 +193,24 @@ class SelfAttention(Layer):
         # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
         q = q.unsqueeze(2) if query_len == 1 else \
             q.view(batch, query_len, heads, dim).transpose(1, 2)
-        # kv: [B, 2 H_kv, L, D]: stage rows, a slice of the cache, a gather from it, or the
-        # group's own new k/v (the cache is [2 H_kv, slots, D], new_kv [T, 2 H_kv, D])
+        # kv: [B, 2 H_kv, L, W]: stage rows, a slice of the cache, a gather from it, or the
+        # group's own new k/v (the cache is [2 H_kv, slots, W], new_kv [T, 2 H_kv, W])
         if group.stage_write is not None:
             _write_stage(kv_cache, group.stage_write, new_kv[rows])
         if view.staged is not None:
             first, row_len, lo, end = view.staged
             rows_kv = kv_cache[:, first:first + batch * row_len]
-            kv = rows_kv.view(2 * kv_heads, batch, row_len, dim)[:, :, lo:end].transpose(0, 1)
+            kv = rows_kv.view(2 * kv_heads, batch, row_len, width)[:, :, lo:end].transpose(0, 1)
         elif view.span is not None:
             kv = kv_cache[:, view.span[0]:view.span[1]].unsqueeze(0)
         elif view.gather is not None:
-            kv = kv_cache.index_select(1, view.gather).view(2 * kv_heads, batch, -1, dim)
+            kv = kv_cache.index_select(1, view.gather).view(2 * kv_heads, batch, -1, width)
             kv = kv.transpose(0, 1)
         else:
-            kv = new_kv[rows].view(batch, -1, 2 * kv_heads, dim).transpose(1, 2)
-        if kv.dtype != q.dtype:
-            kv = kv.to(q.dtype)  # a bf16 cache read for float32 attention
+            kv = new_kv[rows].view(batch, -1, 2 * kv_heads, width).transpose(1, 2)
+        # A bf16 cache read for float32 attention, or the few int8 rows this group reads
+        # dequantized: kv [B, 2 H_kv, L, D]
+        kv = widened(kv, q.dtype, dim)
         out = F.scaled_dot_product_attention(
             q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
             is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
@@ -217,7 +221,7 @@ class SelfAttention(Layer):
 
 
 def _write_stage(kv_cache: torch.Tensor, write: StageWrite, new_kv: torch.Tensor) -> None:
-    """new_kv: [B, 2 H_kv, D], the group's new keys and values (already in paged slots)."""
+    """new_kv: [B, 2 H_kv, W], the group's new keys and values (already in paged slots)."""
     if write.append is not None:
         kv_cache.index_copy_(1, write.append, new_kv.transpose(0, 1))
         return
