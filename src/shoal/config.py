@@ -7,12 +7,12 @@ validated in __post_init__ with a ValueError that names it.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.cluster.tls import ClusterTls, rank_key, read_cluster_tls
+from shoal.config_values import as_bool, as_float, as_int, as_list, parse_size, pick
 from shoal.durations import parse_duration_s
 from shoal.engine.config import KV_CACHE_DTYPES, EngineConfig, KvDiskConfig, ModelSource
 from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
@@ -20,21 +20,6 @@ from shoal.pool.queue import QueueLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-               "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in "512MiB", "2GB", "1.5g" or "123456"; ValueError otherwise."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}: use a number with an optional unit "
-                         f"such as 512MiB, 2GiB or 4GB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "shoal"
@@ -235,54 +220,6 @@ class NodeConfig:
         return resolve_model(speculative.draft_model, data_dir=self.data_dir)
 
 
-def _pick(flag, env: Mapping[str, str], name: str):
-    if flag is not None:
-        return flag
-    value = env.get(name)
-    return value if value not in (None, "") else None
-
-
-def _as_int(value, what: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an integer, not {value!r}") from None
-
-
-def _as_float(value, what: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number, not {value!r}") from None
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _as_bool(value, what: str) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{what} must be true or false, not {value!r}")
-
-
-def _as_list(value) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = value if isinstance(value, (list, tuple)) else [value]
-    return tuple(part.strip() for item in items for part in str(item).split(",")
-                 if part.strip())
-
-
 def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers=None,
                            secret: str | None = None, force_master: bool | None = None,
                            discovery: bool | None = None, name: str | None = None,
@@ -292,23 +229,23 @@ def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers
     """Cluster settings from flags (None = not given) and SHOAL_* variables; ValueError
     naming the file when a --cluster-tls file is missing or unreadable."""
     env = os.environ if env is None else env
-    tls_path = _pick(tls_dir, env, "SHOAL_CLUSTER_TLS")
+    tls_path = pick(tls_dir, env, "SHOAL_CLUSTER_TLS")
     return ClusterSettings(
-        standalone=bool(_as_bool(_pick(standalone, env, "SHOAL_STANDALONE"),
+        standalone=bool(as_bool(pick(standalone, env, "SHOAL_STANDALONE"),
                                  "SHOAL_STANDALONE")),
-        listen=_as_list(_pick(listen or None, env, "SHOAL_LISTEN")),
-        peers=_as_list(_pick(peers or None, env, "SHOAL_PEERS")),
-        secret=_pick(secret, env, "SHOAL_CLUSTER_SECRET") or "",
-        force_master=bool(_as_bool(_pick(force_master, env, "SHOAL_FORCE_MASTER"),
+        listen=as_list(pick(listen or None, env, "SHOAL_LISTEN")),
+        peers=as_list(pick(peers or None, env, "SHOAL_PEERS")),
+        secret=pick(secret, env, "SHOAL_CLUSTER_SECRET") or "",
+        force_master=bool(as_bool(pick(force_master, env, "SHOAL_FORCE_MASTER"),
                                    "SHOAL_FORCE_MASTER")),
-        discovery=_as_bool(_pick(discovery, env, "SHOAL_DISCOVERY"), "SHOAL_DISCOVERY"),
-        name=_pick(name, env, "SHOAL_NODE_NAME") or "",
+        discovery=as_bool(pick(discovery, env, "SHOAL_DISCOVERY"), "SHOAL_DISCOVERY"),
+        name=pick(name, env, "SHOAL_NODE_NAME") or "",
         tls=read_cluster_tls(Path(tls_path)) if tls_path else None,
-        discovery_interface=_pick(discovery_interface, env, "SHOAL_DISCOVERY_INTERFACE") or "",
+        discovery_interface=pick(discovery_interface, env, "SHOAL_DISCOVERY_INTERFACE") or "",
         propose_for=_propose_for(propose_for, env),
-        card_interval_s=_as_float(env.get("SHOAL_CARD_INTERVAL") or None,
+        card_interval_s=as_float(env.get("SHOAL_CARD_INTERVAL") or None,
                                   "SHOAL_CARD_INTERVAL") or 5.0,
-        card_ttl_s=_as_float(env.get("SHOAL_CARD_TTL") or None, "SHOAL_CARD_TTL") or 30.0)
+        card_ttl_s=as_float(env.get("SHOAL_CARD_TTL") or None, "SHOAL_CARD_TTL") or 30.0)
 
 
 def _propose_for(flags: Sequence[str], env: Mapping[str, str]
@@ -351,34 +288,34 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
     ValueError when a value is invalid or the API keys file cannot be read."""
     env = os.environ if env is None else env
     env_models = [m.strip() for m in env.get("SHOAL_MODELS", "").split(",") if m.strip()]
-    size = _pick(kv_cache_memory, env, "SHOAL_KV_CACHE_MEMORY")
-    disk = _pick(kv_disk, env, "SHOAL_KV_DISK")
-    disk_ttl = _pick(kv_disk_ttl, env, "SHOAL_KV_DISK_TTL")
-    directory = _pick(data_dir, env, "SHOAL_DATA_DIR")
-    port_value = _as_int(_pick(port, env, "SHOAL_PORT"), "port")
-    server = ServerConfig(host=_pick(host, env, "SHOAL_HOST") or DEFAULT_HOST,
+    size = pick(kv_cache_memory, env, "SHOAL_KV_CACHE_MEMORY")
+    disk = pick(kv_disk, env, "SHOAL_KV_DISK")
+    disk_ttl = pick(kv_disk_ttl, env, "SHOAL_KV_DISK_TTL")
+    directory = pick(data_dir, env, "SHOAL_DATA_DIR")
+    port_value = as_int(pick(port, env, "SHOAL_PORT"), "port")
+    server = ServerConfig(host=pick(host, env, "SHOAL_HOST") or DEFAULT_HOST,
                           port=DEFAULT_PORT if port_value is None else port_value,
                           api_keys=_api_keys(api_keys, api_keys_file, env))
     engine = EngineDefaults(
-        dtype=_pick(dtype, env, "SHOAL_DTYPE") or "auto",
-        threads=_as_int(_pick(threads, env, "SHOAL_THREADS"), "threads"),
+        dtype=pick(dtype, env, "SHOAL_DTYPE") or "auto",
+        threads=as_int(pick(threads, env, "SHOAL_THREADS"), "threads"),
         kv_cache_bytes=None if size is None else parse_size(size),
-        max_model_len=_as_int(_pick(max_model_len, env, "SHOAL_MAX_MODEL_LEN"),
+        max_model_len=as_int(pick(max_model_len, env, "SHOAL_MAX_MODEL_LEN"),
                               "max model length"),
-        kv_cache_dtype=_pick(kv_cache_dtype, env, "SHOAL_KV_CACHE_DTYPE") or "auto",
+        kv_cache_dtype=pick(kv_cache_dtype, env, "SHOAL_KV_CACHE_DTYPE") or "auto",
         speculative=_speculative(speculative, env),
         kv_disk_bytes=None if disk in (None, "off", "0") else parse_size(disk),
         kv_disk_ttl_s=7 * 24 * 3600.0 if disk_ttl is None else parse_duration_s(disk_ttl))
     runner = RunnerLimits(
-        load_timeout_s=_as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
+        load_timeout_s=as_float(env.get("SHOAL_LOAD_TIMEOUT") or None, "SHOAL_LOAD_TIMEOUT")
         or 600.0,
-        max_in_flight=_as_int(env.get("SHOAL_MAX_IN_FLIGHT") or None, "SHOAL_MAX_IN_FLIGHT")
+        max_in_flight=as_int(env.get("SHOAL_MAX_IN_FLIGHT") or None, "SHOAL_MAX_IN_FLIGHT")
         or 256,
-        group_connect_deadline_s=_as_float(env.get("SHOAL_GROUP_CONNECT_DEADLINE") or None,
+        group_connect_deadline_s=as_float(env.get("SHOAL_GROUP_CONNECT_DEADLINE") or None,
                                            "SHOAL_GROUP_CONNECT_DEADLINE") or 120.0)
-    keep_alive_value = _pick(keep_alive, env, "SHOAL_KEEP_ALIVE")
+    keep_alive_value = pick(keep_alive, env, "SHOAL_KEEP_ALIVE")
     keep_alive_s = 300.0 if keep_alive_value is None else parse_duration_s(keep_alive_value)
-    preload_value = _as_bool(_pick(preload, env, "SHOAL_PRELOAD"), "SHOAL_PRELOAD")
+    preload_value = as_bool(pick(preload, env, "SHOAL_PRELOAD"), "SHOAL_PRELOAD")
     return NodeConfig(server=server, models=tuple(models) or tuple(env_models),
                       data_dir=Path(directory).expanduser() if directory else default_data_dir(),
                       engine=engine, runner=runner,
@@ -406,7 +343,7 @@ def _api_keys(flags: Sequence[str], keys_file: str | None,
     from shoal.api.auth import read_keys_file
 
     keys = tuple(flags) or tuple(k for k in (env.get("SHOAL_API_KEY"),) if k)
-    path = _pick(keys_file, env, "SHOAL_API_KEYS_FILE")
+    path = pick(keys_file, env, "SHOAL_API_KEYS_FILE")
     if path is not None:
         keys += read_keys_file(Path(path))
     return keys
@@ -418,18 +355,18 @@ def build_pool_settings(*, memory_budget: str | None = None, max_loaded_models=N
                         env: Mapping[str, str] | None = None) -> PoolSettings:
     """Pool settings from flags (None = not given) and SHOAL_* variables."""
     env = os.environ if env is None else env
-    budget = _pick(memory_budget, env, "SHOAL_MEMORY_BUDGET")
-    timeout = _pick(queue_timeout, env, "SHOAL_QUEUE_TIMEOUT")
-    queue = _as_int(_pick(max_queue, env, "SHOAL_MAX_QUEUE"), "max queue")
-    width = _as_int(_pick(parallel, env, "SHOAL_PARALLEL"), "parallel")
+    budget = pick(memory_budget, env, "SHOAL_MEMORY_BUDGET")
+    timeout = pick(queue_timeout, env, "SHOAL_QUEUE_TIMEOUT")
+    queue = as_int(pick(max_queue, env, "SHOAL_MAX_QUEUE"), "max queue")
+    width = as_int(pick(parallel, env, "SHOAL_PARALLEL"), "parallel")
     limits = QueueLimits()
-    clients_file = _pick(clients, env, "SHOAL_CLIENTS")
-    tasks_file = _pick(tasks, env, "SHOAL_TASKS")
+    clients_file = pick(clients, env, "SHOAL_CLIENTS")
+    tasks_file = pick(tasks, env, "SHOAL_TASKS")
     return PoolSettings(
         memory_budget=None if budget is None else parse_size(budget),
-        max_loaded_models=_as_int(_pick(max_loaded_models, env, "SHOAL_MAX_LOADED_MODELS"),
+        max_loaded_models=as_int(pick(max_loaded_models, env, "SHOAL_MAX_LOADED_MODELS"),
                                   "max loaded models"),
-        pinned=tuple(pin) or _as_list(env.get("SHOAL_PIN") or None),
+        pinned=tuple(pin) or as_list(env.get("SHOAL_PIN") or None),
         queue=QueueLimits(
             max_queue=limits.max_queue if queue is None else queue,
             timeout_s=limits.timeout_s if timeout is None else parse_duration_s(timeout),

@@ -16,12 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.cluster.instances import PlacementRequest
-from shoal.cluster.service import (
-    ClusterNotReady,
-    ClusterService,
-    PlacementRefused,
-    describe_instance,
-)
+from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
+from shoal.cluster.views import describe_instance
 
 router = APIRouter()
 

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.cluster.instances import Instance, PlacementRequest
-from shoal.cluster.node_budget import held_bytes, node_capacities, rank_bytes
+from shoal.cluster.node_budget import held_bytes, node_capacities
 from shoal.cluster.prefix_share import PrefixShare
 from shoal.cluster.queries import ClusterQueries
 from shoal.cluster.placement import (
@@ -53,6 +53,7 @@ from shoal.cluster.placement import (
 from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
+from shoal.cluster.views import describe_instance
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
 from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
 from shoal.pool.pool import ModelPool
@@ -384,25 +385,3 @@ class ClusterService:
         readings = self.readings()
         return [describe_instance(self.state, i, readings)
                 for i in self.state.instances.values()]
-
-
-def describe_instance(state: ClusterState, instance: Instance,
-                      readings: Mapping[NodeId, NodeReading] | None = None) -> dict[str, Any]:
-    """An instance as GET /cluster, /instances and shoal ps show it: its ranks with what each
-    holds, and from its serving node's latest reading its keep-alive expiry and queue."""
-    server = (readings or {}).get(instance.ranks[0].node_id)
-    ranks = []
-    for rank in instance.ranks:
-        held = rank_bytes(state, instance, rank.node_id)
-        status = state.runners.get(rank.runner_id)
-        ranks.append({"node_id": rank.node_id, "rank": rank.rank, "layers": list(rank.layers),
-                      "phase": status.phase if status else None,
-                      "memory_bytes": held.bytes if held else None,
-                      "measured": held.measured if held else False})
-    return {"instance_id": instance.instance_id, "model": instance.model,
-            "sharding": instance.sharding, "on_demand": instance.request.on_demand,
-            "keep_alive_s": instance.request.keep_alive_s, "pinned": instance.request.pinned,
-            "memory_bytes": sum(r["memory_bytes"] or 0 for r in ranks),
-            "expires_at": server.expiries.get(instance.instance_id) if server else None,
-            "queue_depth": server.queue_depths.get(instance.model, 0) if server else 0,
-            "ranks": ranks, "status": state.instance_status(instance.instance_id)}

@@ -32,7 +32,6 @@ from shoal.runner.messages import (
     Embed,
     Failed,
     ForgetProposals,
-    Inspect,
     Inspection,
     Load,
     MemoryUsage,
@@ -45,6 +44,7 @@ from shoal.runner.messages import (
     parse_from_runner,
     to_wire,
 )
+from shoal.runner.inspections import Inspections
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.prefix_messages import PrefixMessage
 from shoal.runner.process import spawn_runner, stop_process
@@ -99,8 +99,7 @@ class RunnerSupervisor:
         self._state_changed = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._stopping = False
-        self._inspections: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._next_query = 0
+        self._inspections = Inspections()
         # Where the runner's prefix messages go (cluster/prefix_share.py), if anywhere.
         self.on_prefix: Callable[[PrefixMessage], None] | None = None
         # Where the runner's asks for guesses go (set by the registry); None: answered "none".
@@ -195,18 +194,7 @@ class RunnerSupervisor:
         process = self._process
         if process is None or process.writer is None:
             return None
-        self._next_query += 1
-        query_id = self._next_query
-        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._inspections[query_id] = answer
-        try:
-            self._send(Inspect(query_id=query_id, what=what, trace_id=trace_id))
-            async with asyncio.timeout(timeout_s):
-                return await answer
-        except TimeoutError:
-            return None
-        finally:
-            self._inspections.pop(query_id, None)
+        return await self._inspections.ask(self._send, what, trace_id, timeout_s)
 
     def tell(self, message: PrefixMessage) -> None:
         """Pass a prefix message to the runner (dropped when no runner is up)."""
@@ -335,9 +323,7 @@ class RunnerSupervisor:
         elif isinstance(message, MemoryUsage):
             self.memory = message
         elif isinstance(message, Inspection):
-            answer = self._inspections.get(message.query_id)
-            if answer is not None and not answer.done():
-                answer.set_result(message.body)
+            self._inspections.answered(message)
         elif isinstance(message, Status):
             self.load_stage, self.load_progress = message.stage, message.progress
             if message.state == "ready" and message.model is not None:
