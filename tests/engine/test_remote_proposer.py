@@ -250,5 +250,10 @@ def test_waiting_for_remote_guesses_counts_in_what_guessing_costs():
     speculator.observe_step(0, 0.010)  # a plain step: nothing asked
     speculator.propose([request], max_rows=64)
     assert len(request.draft_token_ids) == 3
+    speculator.observe_step(3, 0.010)  # the first ask catches up on the context: not priced
+    assert speculator.proposer_costs.relative(3) == pytest.approx(1 + 3 * 0.35)
+    request.output_token_ids.append(7)
+    speculator.propose([request], max_rows=64)
     speculator.observe_step(3, 0.010)  # verifying took as long as a plain step...
-    assert speculator.costs.relative(3) >= 2.5  # ...but the guesses took 20 ms to come
+    assert speculator.proposer_costs.relative(3) >= 2.5  # ...but the guesses took 20 ms
+    assert speculator.costs.relative(3) == pytest.approx(1 + 3 * 0.35)  # n-grams unpriced

@@ -28,6 +28,9 @@ class _Guessing:
     length: DraftLength
     synced_outputs: int = 0  # output tokens already in the index (or context)
     context: list[int] | None = None  # prompt + outputs, for the Proposer
+    # The Proposer guessed for this request last step: its answer now costs guessing only,
+    # not catching up on the context (a first ask feeds a draft model the whole prompt).
+    warm: bool = False
 
 
 class Speculator:
@@ -39,11 +42,15 @@ class Speculator:
         self.config = config
         self.model_id = model_id
         self._guessing: dict[str, _Guessing] = {}
+        # Step costs by where guesses come from: n-grams are free to make, a Proposer's
+        # wait counts in its steps' cost (one table would make each look like the other).
         self.costs = StepCosts()
+        self.proposer_costs = StepCosts()
         # Guesses for methods "draft" and "remote" (for "remote" the runner sets it:
         # runner/proposals.py); without one such requests decode alone.
         self.proposer = proposer
         self._asked_s = 0.0  # this step's wait for the Proposer's guesses
+        self._asked: bool | None = None
 
     def add(self, request_id: str, prompt_token_ids: list[int],
             params: SamplingParams, constrained: bool) -> None:
@@ -54,14 +61,15 @@ class Speculator:
             # A grammar's mask would have to be advanced along the guesses; such requests
             # decode one token at a time.
             return
-        length = DraftLength(config.num_drafts, self.costs)
         if config.method in ("draft", "remote"):
+            length = DraftLength(config.num_drafts, self.proposer_costs)
             self._guessing[request_id] = _Guessing(None, length,
                                                    context=list(prompt_token_ids))
             return
         index = NgramIndex()
         index.extend(prompt_token_ids)
-        self._guessing[request_id] = _Guessing(index, length)
+        self._guessing[request_id] = _Guessing(index, DraftLength(config.num_drafts,
+                                                                  self.costs))
 
     def forget(self, request_id: str) -> None:
         guessing = self._guessing.pop(request_id, None)
@@ -74,6 +82,7 @@ class Speculator:
         they all run on the fused decode kernel and keep plain decoding's bits."""
         spare = max_rows - len(decoding)
         self._asked_s = 0.0
+        self._asked: bool | None = None  # a Proposer was asked: warm (True) or cold
         for request in decoding:
             guessing = self._guessing.get(request.request_id)
             if guessing is None:
@@ -94,6 +103,8 @@ class Speculator:
             if count > 0:
                 request.draft_token_ids = self._guess(request.request_id, guessing, count)
                 spare -= len(request.draft_token_ids)
+            else:
+                guessing.warm = False
 
     def _guess(self, request_id: str, guessing: _Guessing, count: int) -> list[int]:
         if guessing.index is not None:
@@ -103,12 +114,21 @@ class Speculator:
         started = time.perf_counter()
         proposal = self.proposer.propose(request_id, guessing.context, count)
         self._asked_s += time.perf_counter() - started
-        return [] if proposal is None else list(proposal.tokens[:count])
+        self._asked = guessing.warm
+        tokens = [] if proposal is None else list(proposal.tokens[:count])
+        guessing.warm = bool(tokens)
+        return tokens
 
     def observe_step(self, guesses: int, seconds: float) -> None:
         """A step of one request took `seconds` to verify `guesses` guesses; getting them
-        from a Proposer is part of what they cost."""
-        self.costs.observe(guesses, seconds + (self._asked_s if guesses else 0.0))
+        from a Proposer is part of what they cost (unless it was catching up)."""
+        if guesses == 0:
+            self.costs.observe(0, seconds)
+            self.proposer_costs.observe(0, seconds)
+        elif self._asked is None:
+            self.costs.observe(guesses, seconds)
+        elif self._asked:
+            self.proposer_costs.observe(guesses, seconds + self._asked_s)
 
     def record(self, request_id: str, proposed: int, kept: int) -> None:
         guessing = self._guessing.get(request_id)
