@@ -72,22 +72,28 @@ def test_the_prefix_comes_from_the_other_node_and_a_killed_holder_costs_only_a_p
     assert cached(fetched) == (prompt_tokens - 1) // 16 * 16  # every full block but the last token's
     assert "complete" in node2.log_tail(200_000).split("prefix fetch for")[-1][:80]
 
-    # The holder dies while it sends: node2 still answers, as a local prefill would.
-    longer = "Another night at the lighthouse. " + STORY * 40  # ~ 1,300 tokens
+    # The holder dies while it sends: its first part has arrived, the rest never will.
+    # node2 imports what came, prefills the rest and answers as a local prefill would.
+    longer = "Another night at the lighthouse. " + STORY * 40  # ~ 1,300 tokens, 8 parts
     reference = complete(node1, longer)
     pin_session_to(node2, "conversation-2")
     time.sleep(1.0)
-    exports_before = node1.log_tail(500_000).count("exporting prefix blocks")
+    arrivals_before = node2.log_tail(500_000).count("arriving after")
     answers: list[dict] = []
     asking = threading.Thread(target=lambda: answers.append(
         complete(node2, longer, session="conversation-2")))
     started = time.monotonic()
     asking.start()
-    wait_for(lambda: node1.log_tail(500_000).count("exporting prefix blocks") > exports_before,
-             30, "node1 exporting")
+    wait_for(lambda: node2.log_tail(500_000).count("arriving after") > arrivals_before,
+             30, "node1's first part at node2")
     node1.kill()
     asking.join(120)
     assert answers, "the request on node2 was not answered"
-    assert answers[0]["choices"][0]["text"] == reference["choices"][0]["text"]
+    answer = answers[0]
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+    outcome = node2.log_tail(500_000).split("prefix fetch for")[-1].splitlines()[0]
+    assert "complete" not in outcome and "after" in outcome, outcome  # cut mid-transfer
+    full = (answer["usage"]["prompt_tokens"] - 1) // 16 * 16
+    assert 0 < cached(answer) < full  # the parts that came were used
     print(f"answered {time.monotonic() - started:.2f} s after asking, "
-          f"{cached(answers[0])} of {answers[0]['usage']['prompt_tokens']} tokens fetched")
+          f"{cached(answer)} of {full} cacheable tokens fetched; {outcome.strip()}")

@@ -256,6 +256,9 @@ class PrefixShare:
             if supervisor is None:
                 return "the asking runner is gone"
             supervisor.tell(PrefixPart(request_id=request_id, blocks=part["blocks"]))
+            if expected == 0:  # how long the holder took to start answering
+                log.info("prefix blocks for %s arriving after %.3f s", request_id,
+                         config.fetch_s - (deadline - time.monotonic()))
             expected += 1
             if part.get("last"):
                 self.fetches_completed += 1
