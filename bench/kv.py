@@ -1,9 +1,17 @@
-"""Prefix KV reuse: time to first token of a ~2,000-token prompt, cold and with its prefix kept.
+"""KV memory: time to first token of a ~2,000-token prompt, cold and with its prefix kept in
+RAM, on disk, or on another node; and the int8 KV cache against bf16.
 
     python bench/kv.py [--model qwen2.5-coder-0.5b-instruct] [--tokens 2000] [--threads 2]
-                       [--rounds 1] [--cases cold,ram,disk_restart] [--kv-disk 2GiB]
+                       [--rounds 1] [--sections ttft,fetched,int8]
+                       [--cases cold,ram,disk_restart] [--kv-disk 2GiB]
+                       [--fetch-rounds 3] [--contexts 1000,2000] [--new-tokens 32] [--rounds-int8 3]
 
-Runs a real `shoal serve --standalone` (--dtype auto unless told otherwise, a fresh data dir) and streams greedy completions over HTTP; TTFT is measured by the client, from sending
+Prints one JSON object with a key per section:
+- ttft: the cases below on one node;
+- fetched: two nodes on loopback, the prefix fetched from the other (bench/kv_fetch.py);
+- int8: KV bytes per token and decode speed, int8 against bf16 (bench/kv_int8.py).
+
+The ttft section runs a real `shoal serve --standalone` (--dtype auto unless told otherwise, a fresh data dir) and streams greedy completions over HTTP; TTFT is measured by the client, from sending
 the request to the first streamed token. Each round uses its own prompt, so "cold" is cold.
 
 Cases (functions in CASES, run in the order given; each gets the bench and the round's
@@ -13,8 +21,7 @@ fetched from another node):
 - ram: the same prompt again: its full blocks come from the RAM prefix cache;
 - disk_restart: the node stopped and started again (RAM empty): they come from --kv-disk.
 
-Prints one JSON object: per case the median TTFT over rounds, the cached prompt tokens, and
-its ratio to cold.
+Per case: the median TTFT over rounds, the cached prompt tokens, and its ratio to cold.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import kv_fetch
+import kv_int8
 
 HEALTH_TIMEOUT_S = 300.0
 
@@ -145,7 +154,7 @@ def make_prompt(round_index: int, tokens: int) -> str:
     return "\n".join(lines) + "\nSummarise the ledger in one sentence:"
 
 
-def run(args: argparse.Namespace) -> dict:
+def ttft(args: argparse.Namespace) -> dict:
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -162,8 +171,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             bench.stop()
         disk_bytes = sum(p.stat().st_size for p in Path(directory, "kv").rglob("*.kv"))
-    report: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
-                    "rounds": args.rounds, "node_start_s": [round(s, 2) for s in bench.starts],
+    report: dict = {"rounds": args.rounds, "node_start_s": [round(s, 2) for s in bench.starts],
                     "kv_disk_bytes": disk_bytes, "cases": {}}
     for name, runs in results.items():
         report["cases"][name] = {
@@ -178,6 +186,26 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+SECTIONS: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "ttft": ttft,
+    "fetched": lambda args: kv_fetch.measure(args.model, args.tokens, args.fetch_rounds,
+                                             args.dtype, args.threads),
+    "int8": lambda args: kv_int8.measure(args.model, [int(c) for c in args.contexts.split(",")],
+                                         args.new_tokens, args.rounds_int8, args.threads),
+}
+
+
+def run(args: argparse.Namespace) -> dict:
+    names = [n.strip() for n in args.sections.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; choose from {sorted(SECTIONS)}")
+    report: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
+    for name in names:
+        report[name] = SECTIONS[name](args)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -188,6 +216,11 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--kv-cache-memory", default="512MiB")
     parser.add_argument("--kv-disk", default="2GiB")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--fetch-rounds", type=int, default=3)
+    parser.add_argument("--contexts", default="1000,2000", help="int8: context lengths")
+    parser.add_argument("--new-tokens", type=int, default=32, help="int8: tokens decoded")
+    parser.add_argument("--rounds-int8", type=int, default=3)
     print(json.dumps(run(parser.parse_args()), indent=2))
 
 

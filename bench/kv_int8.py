@@ -1,9 +1,7 @@
-"""The int8 KV cache against bf16's: bytes per token and batch-1 decode speed at long contexts.
+"""bench/kv.py's "int8" section: the int8 KV cache against bf16's, bytes per token and batch-1
+decode speed at long contexts.
 
-    python bench/kv_int8.py [--model qwen2.5-coder-1.5b-instruct] [--contexts 1000,2000]
-                            [--new-tokens 32] [--rounds 3] [--threads 2]
-
-Prints JSON. Two engines of the same model are loaded, one with a bf16 KV cache and one with
+Two engines of the same model are loaded, one with a bf16 KV cache and one with
 int8. KV bytes per token are measured from the tensors each one allocated (every layer's
 cache over its slots). For each context length a greedy request with a prompt of that many
 tokens decodes new_tokens tokens on each engine, turn about for `rounds` rounds (this host's
@@ -18,8 +16,6 @@ timed per layer on one thread for each context: the part int8 changes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -102,17 +98,10 @@ def attention_us(config, context: int, rounds: int) -> dict[str, float]:
     return {kv: round(statistics.median(values), 1) for kv, values in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--contexts", default="1000,2000")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
-    source = resolve_model(args.model)
-    engines = {kv: Engine(EngineConfig(source=source, threads=args.threads,
+def measure(model: str, contexts: list[int], new_tokens: int, rounds: int,
+            threads: int) -> dict:
+    source = resolve_model(model)
+    engines = {kv: Engine(EngineConfig(source=source, threads=threads,
                                        kv_cache_bytes=512 * 2**20, kv_cache_dtype=kv))
                for kv in DTYPES}
     bytes_per_token = {kv: kv_bytes_per_token(engine) for kv, engine in engines.items()}
@@ -121,9 +110,9 @@ def main() -> None:
         ids = prompt_ids(engines["bfloat16"], context)
         speeds: dict[str, list[float]] = {kv: [] for kv in DTYPES}
         outputs: dict[str, list[int]] = {}
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             for kv, engine in engines.items():
-                speed, tokens = decode(engine, ids, args.new_tokens, f"{context}-{round_index}")
+                speed, tokens = decode(engine, ids, new_tokens, f"{context}-{round_index}")
                 speeds[kv].append(speed)
                 outputs[kv] = tokens
         median = {kv: statistics.median(values) for kv, values in speeds.items()}
@@ -134,16 +123,13 @@ def main() -> None:
             "int8_over_bf16": round(median["int8"] / median["bfloat16"], 3),
             "same_greedy_tokens": outputs["int8"] == outputs["bfloat16"],
             "attention_us_per_layer": attention_us(engines["int8"].loaded.config, context,
-                                                   max(args.rounds, 5)),
+                                                   max(rounds, 5)),
         })
-    print(json.dumps({
-        "model": args.model, "threads": args.threads, "new_tokens": args.new_tokens,
-        "rounds": args.rounds,
+    for engine in engines.values():
+        engine.close()
+    return {
+        "model": model, "new_tokens": new_tokens, "rounds": rounds,
         "kv_bytes_per_token": {kv: round(b, 1) for kv, b in bytes_per_token.items()},
         "int8_bytes_over_bf16": round(bytes_per_token["int8"] / bytes_per_token["bfloat16"], 4),
         "contexts": results,
-    }, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    }

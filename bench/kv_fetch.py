@@ -1,10 +1,8 @@
-"""Prefix KV fetched from another node: time to first token of a ~2,000-token prompt on a
-second node, cold against with its prefix fetched from the first; prints one JSON object.
-
-    python bench/kv_remote.py [--tokens 2000] [--rounds 3] [--dtype auto|float32|bfloat16]
+"""bench/kv.py's "fetched" section: time to first token of a ~2,000-token prompt on a second
+node, cold against with its prefix fetched from the first.
 
 Two real `shoal serve` processes dial each other on 127.0.0.1 (bench/cluster.py), with an
-instance of the built-in model on each. Every round uses fresh prompts (distinct first
+instance of the model on each. Every round uses fresh prompts (distinct first
 blocks, so nothing is cached by chance) and x_session_id to keep each request on node2:
 - cold: a prompt no node has seen;
 - fetched: a prompt node1 answered first; node2 fetches its prefix blocks from node1 over
@@ -16,7 +14,6 @@ most 0.35 on loopback).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -31,14 +28,14 @@ WORDS = ("river stone market lantern orchard signal harbor meadow copper violin 
 
 
 def prompt_text(num_tokens: int, salt: int) -> str:
-    """About num_tokens tokens of the built-in model (one word and its space each), led by
+    """About num_tokens tokens (one common word and its space each), led by
     the salt so distinct salts share no first block."""
     words = (WORDS[(i * 7 + salt) % len(WORDS)] for i in range(num_tokens - 4))
     return " ".join((f"Round {salt}.", *words))
 
 
-def streamed(url: str, prompt: str, session: str) -> dict:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+def streamed(url: str, model: str, prompt: str, session: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
             "x_session_id": session}
     start = time.perf_counter()
@@ -57,11 +54,11 @@ def streamed(url: str, prompt: str, session: str) -> dict:
             "cached_tokens": (usage or {}).get("prompt_tokens_details", {}).get("cached_tokens")}
 
 
-def place_on_each(urls: list[str]) -> None:
+def place_on_each(urls: list[str], model: str) -> None:
     ids = [cluster_view(url)["node_id"] for url in urls]
     for index in range(len(urls)):
         placed = httpx.post(urls[0] + "/instances", timeout=30, json={
-            "model": "smollm2", "excluded_nodes": [n for j, n in enumerate(ids) if j != index]})
+            "model": model, "excluded_nodes": [n for j, n in enumerate(ids) if j != index]})
         placed.raise_for_status()
     deadline = time.monotonic() + 300
     while [i["status"] for i in cluster_view(urls[0])["instances"]] != ["ready", "ready"]:
@@ -70,22 +67,23 @@ def place_on_each(urls: list[str]) -> None:
         time.sleep(0.2)
 
 
-def bench(tokens: int, rounds: int, dtype: str) -> dict:
+def measure(model: str, tokens: int, rounds: int, dtype: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as root:
-        nodes = start_nodes(Path(root), 2, extra={0: ["--dtype", dtype], 1: ["--dtype", dtype]})
+        nodes = start_nodes(Path(root), 2, extra={
+            0: ["--dtype", dtype], 1: ["--dtype", dtype]}, threads=threads)
         try:
             urls = [url for _proc, url in nodes]
             wait_agreed(urls, 2, 120)
-            place_on_each(urls)
+            place_on_each(urls, model)
             node1, node2 = urls
-            streamed(node2, "Hello there.", "bench")  # warm-up; pins the session to node2
+            streamed(node2, model, "Hello there.", "bench")  # warm-up; pins the session to node2
             cold, fetched = [], []
             for round_index in range(rounds):
-                cold.append(streamed(node2, prompt_text(tokens, 2 * round_index), "bench"))
+                cold.append(streamed(node2, model, prompt_text(tokens, 2 * round_index), "bench"))
                 shared = prompt_text(tokens, 2 * round_index + 1)
-                streamed(node1, shared, f"holder-{round_index}")
+                streamed(node1, model, shared, f"holder-{round_index}")
                 time.sleep(1.0)  # node1's blocks reach node2's index
-                fetched.append(streamed(node2, shared, "bench"))
+                fetched.append(streamed(node2, model, shared, "bench"))
         finally:
             for proc, _url in nodes:
                 proc.terminate()
@@ -101,17 +99,3 @@ def bench(tokens: int, rounds: int, dtype: str) -> dict:
     result["fetched"]["ratio_to_cold"] = result["fetched"]["ttft_s"] / result["cold"]["ttft_s"]
     return result
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    args = parser.parse_args()
-    print(json.dumps({"bench": "kv_remote", "tokens": args.tokens, "dtype": args.dtype,
-                      "rounds": args.rounds, **bench(args.tokens, args.rounds, args.dtype)},
-                     indent=2))
-
-
-if __name__ == "__main__":
-    main()
