@@ -22,10 +22,20 @@ import pytest
 HEALTH_TIMEOUT_S = 180.0
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and not handed out before in this test process (the OS may
+    give a just-released port again, and a node started later would then find it taken)."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no fresh loopback port in 100 tries")
 
 
 @dataclass

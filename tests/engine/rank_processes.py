@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from serve_process import free_port
 
 
 def _entry(target, rank, world_size, port, args, results) -> None:
