@@ -37,9 +37,11 @@ def wait_for(predicate, timeout_s: float, what: str) -> float:
 
 
 def agreed_master(nodes: Sequence[ServeProcess], size: int) -> str | None:
-    """The master every node names, when all see `size` nodes; else None."""
+    """The master every node names, when all see `size` nodes and each node's memory
+    reading (placement counts only nodes whose memory it knows); else None."""
     views = [cluster_of(node) for node in nodes]
-    if any(v is None or len(v["nodes"]) != size for v in views):
+    if any(v is None or len(v["nodes"]) != size
+           or any(n["memory_total"] is None for n in v["nodes"]) for v in views):
         return None
     masters = {v["master_id"] for v in views}
     return masters.pop() if len(masters) == 1 and None not in masters else None

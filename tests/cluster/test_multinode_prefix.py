@@ -50,6 +50,31 @@ def place_on_each(nodes) -> None:
              == ["ready", "ready"], 180, "an instance ready on each node")
 
 
+class LogWatch:
+    """Waits for a line that appears in a log after this watch was made: it reads only
+    what was appended since, every few milliseconds (a whole-file read per poll would be
+    too slow to catch a transfer in its first parts)."""
+
+    def __init__(self, path, text: str) -> None:
+        self._path = path
+        self._text = text.encode()
+        self._offset = path.stat().st_size
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        seen = b""
+        with open(self._path, "rb") as log:
+            log.seek(self._offset)
+            while self._text not in seen:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{what} not seen within {timeout_s:.0f} s")
+                chunk = log.read()
+                if chunk:
+                    seen = seen[-len(self._text):] + chunk
+                else:
+                    time.sleep(0.002)
+
+
 def pin_session_to(node, session: str) -> None:
     """A short first turn on node: no prefix anywhere, so node's own instance serves it."""
     complete(node, "Hello there.", session=session)
@@ -74,18 +99,19 @@ def test_the_prefix_comes_from_the_other_node_and_a_killed_holder_costs_only_a_p
 
     # The holder dies while it sends: its first part has arrived, the rest never will.
     # node2 imports what came, prefills the rest and answers as a local prefill would.
-    longer = "Another night at the lighthouse. " + STORY * 40  # ~ 1,300 tokens, 8 parts
+    # ~2,000 tokens: ~12 parts of 8 MiB, about a second on loopback, so the kill
+    # lands within the first few parts (the log is watched every few ms).
+    longer = "Another night at the lighthouse. " + STORY * 75
     reference = complete(node1, longer)
     pin_session_to(node2, "conversation-2")
     time.sleep(1.0)
-    arrivals_before = node2.log_tail(500_000).count("arriving after")
+    first_part = LogWatch(node2.log_path, "arriving after")
     answers: list[dict] = []
     asking = threading.Thread(target=lambda: answers.append(
         complete(node2, longer, session="conversation-2")))
     started = time.monotonic()
     asking.start()
-    wait_for(lambda: node2.log_tail(500_000).count("arriving after") > arrivals_before,
-             30, "node1's first part at node2")
+    first_part.wait(30, "node1's first part at node2")
     node1.kill()
     asking.join(120)
     assert answers, "the request on node2 was not answered"
