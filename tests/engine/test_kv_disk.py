@@ -14,7 +14,7 @@ import torch
 from shoal.engine.kv.disk_format import CorruptBlock, decode_block, encode_block
 from shoal.engine.kv.disk_tier import DiskTier
 from shoal.engine.kv.prefix_cache import ROOT_HASH, extend_block_hashes
-from shoal.engine.kv.transfer import PrefixBlocks
+from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer
 
 BLOCK = 4
 TOKENS = list(range(40, 56))  # 4 blocks
@@ -271,3 +271,58 @@ def test_a_restarted_engine_admits_a_stored_prompt_with_its_blocks_computed(tmp_
         for layer, expected in zip(cache, tensors):
             assert torch.equal(layer[:, block_id * BLOCK:(block_id + 1) * BLOCK], expected)
     prefixes.close()
+
+
+class OtherRank:
+    """The other rank of a split model, in this process: its own cache and FollowerDisk,
+    reached as rank 0's executor reaches it (queue_saves, agree_prefix)."""
+
+    def __init__(self, directory, seed, forget=()):
+        from shoal.engine.kv.disk_prefixes import FollowerDisk
+
+        generator = torch.Generator().manual_seed(seed)
+        self.cache = [torch.randn((6, 16 * BLOCK, 8), generator=generator) for _ in range(2)]
+        self.disk = FollowerDisk(open_tier(directory), lambda: self.cache, BLOCK)
+        self.forget = set(forget)  # block indices this rank's disk loses before a load
+        self.placed: list[tuple[int, int]] = []
+
+    def queue_saves(self, blocks):
+        self.disk.save(blocks)
+
+    def agree_prefix(self, blocks, placed):
+        self.disk.tier.discard([blocks.block_hashes[i] for i in self.forget])
+        self.placed = placed
+        return self.disk.load(blocks.parent_hash, blocks.block_hashes, placed)
+
+
+def test_a_split_model_loads_a_stored_prompt_only_as_far_as_every_rank_holds_it(tmp_path):
+    from shoal.engine.kv.disk_prefixes import DiskPrefixes
+
+    prompt = list(range(60, 78))  # 4 full blocks and 2 tokens more
+    hashes = extend_block_hashes([], prompt, BLOCK)
+    scheduler, cache, _ = engine_side(tmp_path / "rank0", seed=1)
+    other = OtherRank(tmp_path / "rank1", seed=2)
+    prefixes = DiskPrefixes(open_tier(tmp_path / "rank0"), PrefixTransfer(
+        scheduler.pool, lambda: cache, BLOCK), scheduler, other)
+    assert run_prompt(scheduler, prefixes, "first", prompt) == 0
+    theirs = [[t[:, b * BLOCK:(b + 1) * BLOCK].clone() for t in other.cache]
+              for b in scheduler.pool.find_cached(hashes)]
+    prefixes.close()
+    other.disk.close()
+    assert len(list((tmp_path / "rank1").glob("*.kv"))) == 4  # the other rank saved its share
+
+    # Restarted, the other rank's third block lost: only the two blocks both hold count,
+    # and the other rank's share of them comes back from its own disk into rank 0's ids.
+    scheduler, cache, _ = engine_side(tmp_path / "rank0", seed=3)
+    other = OtherRank(tmp_path / "rank1", seed=4, forget=[2])
+    prefixes = DiskPrefixes(open_tier(tmp_path / "rank0"), PrefixTransfer(
+        scheduler.pool, lambda: cache, BLOCK), scheduler, other)
+    assert run_prompt(scheduler, prefixes, "again", prompt) == 2 * BLOCK
+    assert [index for index, _ in other.placed] == [0, 1, 2, 3]  # rank 0 had all four
+    restored = scheduler.pool.find_cached(hashes)
+    assert len(restored) >= 2
+    for block_id, tensors in zip(restored[:2], theirs):
+        for layer, expected in zip(other.cache, tensors):
+            assert torch.equal(layer[:, block_id * BLOCK:(block_id + 1) * BLOCK], expected)
+    prefixes.close()
+    other.disk.close()

@@ -98,13 +98,15 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
-                record_cached_blocks=config.kv_disk is not None and config.parallel is None,
+                record_cached_blocks=config.kv_disk is not None,
             ),
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
         self.transfer = PrefixTransfer(self.scheduler.pool, self.runner.block_tensors,
                                        config.block_size)
-        self.disk = open_disk_prefixes(config, self.loaded, self.transfer, self.scheduler)
+        self.disk = open_disk_prefixes(
+            config, self.loaded, self.transfer, self.scheduler,
+            ranks=self.executor if isinstance(self.executor, LeaderExecutor) else None)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
         # Guessed tokens are verified by this process's sampler: a model served whole only.

@@ -8,6 +8,11 @@ scheduler's ordinary prefix lookup admits the request with them already computed
 
 A tier is only valid for KV computed from the same weights, in the same dtypes, over the
 same layer range and heads, with the same block size: all of that names its directory.
+
+A model split over ranks keeps one tier per rank, each on its rank's own disk with that
+rank's layers or heads: rank 0 saves its share and has the others save theirs (RankDisks,
+the plan's `saved`); a stored prompt is loaded only as far as every rank holds it, each
+rank into the block ids rank 0 chose (FollowerDisk on the other ranks).
 """
 
 from __future__ import annotations
@@ -18,10 +23,27 @@ import re
 import time
 from pathlib import Path
 
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
 from shoal.engine.config import EngineConfig
 from shoal.engine.kv.disk_tier import DiskTier
-from shoal.engine.kv.prefix_cache import ROOT_HASH, extend_block_hashes
-from shoal.engine.kv.transfer import PrefixTransfer, TransferError, join_blocks
+from shoal.engine.kv.prefix_cache import ROOT_HASH, CachedBlock, extend_block_hashes
+from shoal.engine.kv.transfer import (
+    Agreement,
+    Layout,
+    PrefixBlocks,
+    PrefixTransfer,
+    TransferError,
+    join_blocks,
+    layout_of,
+    pick_blocks,
+    read_blocks,
+    verify,
+    write_blocks,
+)
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 
@@ -57,33 +79,53 @@ def tier_directory(root: Path, model_id: str, identity: dict) -> Path:
     return root / f"{slug}-{key}"
 
 
-def open_disk_prefixes(config: EngineConfig, loaded, transfer: PrefixTransfer,
-                       scheduler: Scheduler) -> DiskPrefixes | None:
-    """The engine's SSD tier, or None when --kv-disk is off (or prefix caching is, or the
-    model is split across ranks: every rank would have to load its share in step)."""
+def open_tier(config: EngineConfig, loaded, layout: Layout) -> DiskTier | None:
+    """This rank's SSD tier, or None when --kv-disk (or prefix caching) is off."""
     disk = config.kv_disk
-    if disk is None or config.parallel is not None or not config.enable_prefix_caching:
+    if disk is None or not config.enable_prefix_caching:
         return None
     identity = {"format": FORMAT_VERSION,
                 "weights": weights_fingerprint(Path(config.source.path)),
                 "layers": tuple(loaded.layer_range),
                 "compute": str(loaded.compute_dtype), "kv": str(loaded.cache_dtype),
-                "block_size": config.block_size, "layout": transfer.layout}
+                "block_size": config.block_size, "layout": layout}
+    parallel = config.parallel
+    if parallel is not None:  # tensor ranks hold other heads in caches of the same shape
+        identity["shard"] = (parallel.tp_rank, parallel.tp_size)
     directory = tier_directory(Path(disk.root), config.source.model_id, identity)
     tier = DiskTier(directory, disk.max_bytes, disk.ttl_s, config.block_size,
                     read_timeout_s=disk.read_timeout_s)
     log.info("KV disk tier at %s: %d blocks, %.1f of %.1f MiB", directory, tier.num_blocks,
              tier.num_bytes / 2**20, disk.max_bytes / 2**20)
-    return DiskPrefixes(tier, transfer, scheduler)
+    return tier
+
+
+class RankDisks(Protocol):
+    """Rank 0's way to the other ranks' tiers (parallel/executor.py: LeaderExecutor)."""
+
+    def queue_saves(self, blocks: Sequence[CachedBlock]) -> None: ...
+
+    def agree_prefix(self, blocks: PrefixBlocks, placed: list[tuple[int, int]]) -> int: ...
+
+
+def open_disk_prefixes(config: EngineConfig, loaded, transfer: PrefixTransfer,
+                       scheduler: Scheduler, ranks: RankDisks | None = None
+                       ) -> DiskPrefixes | None:
+    """The engine's SSD tier, or None when --kv-disk is off (or prefix caching is). ranks:
+    the other ranks of a split model, each with its own tier."""
+    tier = open_tier(config, loaded, transfer.layout)
+    return None if tier is None else DiskPrefixes(tier, transfer, scheduler, ranks)
 
 
 class DiskPrefixes:
     """Connects one engine's scheduler and cache to its DiskTier."""
 
-    def __init__(self, tier: DiskTier, transfer: PrefixTransfer, scheduler: Scheduler) -> None:
+    def __init__(self, tier: DiskTier, transfer: PrefixTransfer, scheduler: Scheduler,
+                 ranks: RankDisks | None = None) -> None:
         self.tier = tier
         self._transfer = transfer
         self._scheduler = scheduler
+        self._ranks = ranks
         self._arrived: list[str] = []
 
     def arrived(self, request_id: str) -> None:
@@ -100,11 +142,15 @@ class DiskPrefixes:
                 self.load(request, deadline - time.monotonic())
 
     def after_update(self) -> None:
-        """Queue the prompt blocks registered in this step (a copy each, made now)."""
-        for block in self._scheduler.drain_cached_blocks():
+        """Queue the prompt blocks registered in this step (a copy each, made now; the
+        other ranks copy theirs before the next step runs)."""
+        blocks = self._scheduler.drain_cached_blocks()
+        for block in blocks:
             if self.tier.enabled and not self.tier.has(block.block_hash):
                 self.tier.save(self._transfer.export_block(
                     block.block_id, block.parent_hash, block.block_hash, block.token_ids))
+        if self._ranks is not None and blocks:
+            self._ranks.queue_saves(blocks)
 
     def load(self, request: Request, timeout_s: float | None = None) -> int:
         """Import the request's stored prompt blocks beyond those in RAM; how many."""
@@ -121,8 +167,9 @@ class DiskPrefixes:
         if not loaded:
             return 0
         blocks = join_blocks(loaded)
+        agree: Agreement | None = None if self._ranks is None else self._ranks.agree_prefix
         try:
-            return self._transfer.import_(blocks, keep=in_ram)
+            return self._transfer.import_(blocks, keep=in_ram, agree=agree)
         except TransferError as error:
             log.warning("stored KV blocks do not fit this model's cache (%s); removed", error)
             self.tier.discard(blocks.block_hashes)
@@ -139,3 +186,55 @@ class DiskPrefixes:
     def close(self) -> None:
         # Within the supervisor's grace for a runner asked to shut down (5 s).
         self.tier.close(flush_timeout_s=3.0)
+
+
+class FollowerDisk:
+    """A rank other than 0 of a split model: its share of each prefix block, on its own
+    disk. It saves the blocks rank 0 lists and loads the ones rank 0 asks for."""
+
+    def __init__(self, tier: DiskTier, cache: Callable[[], list[torch.Tensor]],
+                 block_size: int) -> None:
+        self.tier = tier
+        self._cache = cache
+        self._block_size = block_size
+
+    def save(self, blocks: Sequence[CachedBlock]) -> None:
+        """Queue this rank's KV of the given blocks (as they are now, before the next step)."""
+        for block in blocks:
+            if self.tier.enabled and not self.tier.has(block.block_hash):
+                self.tier.save(PrefixBlocks(
+                    block.parent_hash, block.token_ids, (block.block_hash,),
+                    read_blocks(self._cache(), [block.block_id], self._block_size),
+                    self._block_size))
+
+    def load(self, parent_hash: bytes, block_hashes: Sequence[bytes],
+             placed: Sequence[tuple[int, int]]) -> int:
+        """Load the stored run of block_hashes (a bounded wait) and write each placed
+        (index, block id) it covers; how many leading blocks it covers."""
+        if not block_hashes:
+            return 0
+        loaded = self.tier.load(block_hashes, parent_hash)
+        if not loaded:
+            return 0
+        blocks = join_blocks(loaded)
+        try:
+            verify(blocks, layout_of(self._cache()), self._block_size)
+        except TransferError as error:
+            log.warning("stored KV blocks do not fit this rank's cache (%s); removed", error)
+            self.tier.discard(blocks.block_hashes)
+            return 0
+        count = blocks.num_blocks
+        covered = [(index, block_id) for index, block_id in placed if index < count]
+        if covered:
+            write_blocks(self._cache(), [block_id for _, block_id in covered],
+                         self._block_size, pick_blocks(blocks, [index for index, _ in covered]))
+        return count
+
+    def close(self) -> None:
+        self.tier.close(flush_timeout_s=3.0)
+
+
+def open_follower_disk(config: EngineConfig, loaded,
+                       cache: Callable[[], list[torch.Tensor]]) -> FollowerDisk | None:
+    tier = open_tier(config, loaded, layout_of(cache()))
+    return None if tier is None else FollowerDisk(tier, cache, config.block_size)

@@ -25,6 +25,9 @@ from shoal.engine.kv.prefix_cache import ROOT_HASH, extend_block_hashes, hash_bl
 
 # Per cache tensor: its shape without the slot axis, and its dtype's name.
 Layout = tuple[tuple[tuple[int, ...], str], ...]
+# (blocks, [(index in blocks, block id it was written to)]) -> how many leading blocks of
+# `blocks` every other rank of a split model also stored at those block ids.
+Agreement = Callable[["PrefixBlocks", list[tuple[int, int]]], int]
 
 
 class TransferError(ValueError):
@@ -167,12 +170,15 @@ class PrefixTransfer:
                             read_blocks(self._cache(), [block_id], self.block_size),
                             self.block_size)
 
-    def import_(self, blocks: PrefixBlocks, keep: Sequence[int] = ()) -> int:
+    def import_(self, blocks: PrefixBlocks, keep: Sequence[int] = (),
+                agree: Agreement | None = None) -> int:
         """Verify blocks and store those not cached yet in free blocks, registered in the
         prefix cache. keep: cached blocks (e.g. the prefix these blocks extend) that the
-        allocation must not evict. Returns how many blocks were stored; 0 when the pool has
-        too few free blocks (nothing is evicted that a request holds). TransferError when
-        the blocks fail verification."""
+        allocation must not evict. agree: for one rank of a split model, asked after this
+        rank wrote its share and before anything is registered; only blocks before the
+        count it returns are registered (the others go back free). Returns how many blocks
+        were stored; 0 when the pool has too few free blocks (nothing is evicted that a
+        request holds). TransferError when the blocks fail verification."""
         cache = self._cache()
         verify(blocks, layout_of(cache), self.block_size)
         pool = self._pool
@@ -189,18 +195,22 @@ class PrefixTransfer:
             block_ids = pool.allocate(len(missing))
             try:
                 tensors = blocks.tensors if len(missing) == blocks.num_blocks \
-                    else _pick(blocks, missing)
+                    else pick_blocks(blocks, missing)
                 write_blocks(cache, block_ids, self.block_size, tensors)
-                for block_id, index in zip(block_ids, missing):
+                placed = list(zip(missing, block_ids))
+                if agree is not None:
+                    count = agree(blocks, placed)
+                    placed = [(index, block_id) for index, block_id in placed if index < count]
+                for index, block_id in placed:
                     pool.cache_block(blocks.block_hashes[index], block_id)
             finally:
                 pool.free(block_ids)
         finally:
             pool.free(keep)
-        return len(missing)
+        return len(placed)
 
 
-def _pick(blocks: PrefixBlocks, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+def pick_blocks(blocks: PrefixBlocks, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """The tensors of the chosen blocks, concatenated along the slot axis."""
     size = blocks.block_size
     return tuple(torch.cat([t.narrow(1, i * size, size) for i in indices], dim=1)

@@ -8,21 +8,29 @@ own part and returns one token per sampled chunk.
   samples (SamplingMirror) and sends the tokens back to rank 0.
 The other ranks run Follower.run(): take a plan, do their part, until a shutdown plan, a
 stop request, or a GroupError (rank 0 gone: no plan, not even a keep-alive, in time).
+With a KV disk tier, each rank saves its share of the blocks a plan lists and answers a
+"prefix_load" plan with how many stored blocks it loaded (kv/disk_prefixes.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import msgpack
 import torch
 
+from shoal.engine.kv.disk_prefixes import FollowerDisk
+from shoal.engine.kv.prefix_cache import CachedBlock
+from shoal.engine.kv.transfer import PrefixBlocks
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.parallel.group import GroupError, RankGroup
 from shoal.engine.parallel.plan import (
     NewRequest,
+    PrefixLoad,
     StepPlan,
     decode_plan,
     decode_sampled,
@@ -109,6 +117,7 @@ class LeaderExecutor:
         self._config = config
         self._wire = wire
         self._last_sent = time.monotonic()
+        self._saved: list[CachedBlock] = []  # for the other ranks' disk tiers, next plan
 
     def step(self, scheduled: SchedulerOutput, rows: Sequence[SamplingRow],
              added: Sequence[NewRequest], removed: Sequence[str],
@@ -133,9 +142,26 @@ class LeaderExecutor:
         return self._group.wait_s
 
     def idle(self, removed: Sequence[str] = ()) -> None:
-        """While no step runs: a keep-alive (carrying any removals) every keepalive_s."""
-        if removed or time.monotonic() - self._last_sent >= self._config.keepalive_s:
+        """While no step runs: a keep-alive (carrying any removals) every keepalive_s, and
+        at once when there are blocks to save."""
+        if removed or self._saved or \
+                time.monotonic() - self._last_sent >= self._config.keepalive_s:
             self._send_plan(StepPlan(kind="keepalive", removed=tuple(removed)))
+
+    def queue_saves(self, blocks: Sequence[CachedBlock]) -> None:
+        """Prompt blocks just registered: every rank saves its share (with the next plan,
+        before that plan's step can reuse them)."""
+        self._saved.extend(blocks)
+
+    def agree_prefix(self, blocks: PrefixBlocks, placed: list[tuple[int, int]]) -> int:
+        """Every other rank loads `blocks` from its own disk into the block ids rank 0 wrote
+        them to; how many leading blocks all of them loaded."""
+        order = PrefixLoad(blocks.parent_hash, blocks.block_hashes, tuple(placed))
+        self._send_plan(StepPlan(kind="prefix_load", prefix_load=order))
+        count = blocks.num_blocks
+        for rank in range(1, self._config.world_size):
+            count = min(count, int(msgpack.unpackb(self._group.recv_bytes(rank))))
+        return count
 
     def shutdown(self) -> None:
         """Tell the other ranks to stop (best effort: some may be gone), then leave."""
@@ -147,6 +173,9 @@ class LeaderExecutor:
             self._group.close()
 
     def _send_plan(self, plan: StepPlan) -> None:
+        if self._saved:
+            plan = dataclasses.replace(plan, saved=tuple(self._saved))
+            self._saved = []
         data = encode_plan(plan)
         for rank in range(1, self._config.world_size):
             self._group.send_bytes(data, rank)
@@ -157,9 +186,11 @@ class Follower:
     """A rank other than 0: mirrors rank 0's steps until told to stop."""
 
     def __init__(self, runner, group: RankGroup, config: ParallelConfig, wire: HiddenWire,
-                 mirror: SamplingMirror | None, tracer: StepTracer | None = None) -> None:
+                 mirror: SamplingMirror | None, tracer: StepTracer | None = None,
+                 disk: FollowerDisk | None = None) -> None:
         self._runner = runner
         self._group = group
+        self._disk = disk  # this rank's KV disk tier
         self._config = config
         self._wire = wire
         self._mirror = mirror  # the last pipeline rank's sampling state
@@ -173,8 +204,13 @@ class Follower:
         try:
             while not stop_requested():
                 plan = decode_plan(self._group.recv_bytes(0, spin=busy))
+                if plan.saved and self._disk is not None:
+                    self._disk.save(plan.saved)
                 if plan.kind == "shutdown":
                     return
+                if plan.kind == "prefix_load":
+                    self._answer_prefix_load(plan.prefix_load)
+                    continue
                 if self._mirror is not None:
                     self._mirror.apply(plan)
                 for request_id, trace in plan.traced.items():
@@ -187,7 +223,15 @@ class Follower:
                 for request_id in plan.removed:
                     self.tracer.end(request_id)
         finally:
+            if self._disk is not None:
+                self._disk.close()  # writes out what is queued
             self._group.close()
+
+    def _answer_prefix_load(self, order: PrefixLoad | None) -> None:
+        count = 0
+        if self._disk is not None and order is not None:
+            count = self._disk.load(order.parent_hash, order.block_hashes, order.placed)
+        self._group.send_bytes(msgpack.packb(count), 0)
 
     def _step(self, plan: StepPlan) -> None:
         scheduled = SchedulerOutput(chunks=plan.chunks)

@@ -7,6 +7,11 @@ constrained rows. While idle it sends keep-alive plans, and a shutdown plan at t
 The last pipeline rank samples and answers with a SampledStep. Each new request's trace
 travels once, so every rank records its own step spans in the request's trace.
 
+With a KV disk tier (--kv-disk), each rank keeps its own share of every prefix block on its
+own disk: a plan lists the prompt blocks rank 0 registered since the last one (`saved`,
+copied by each rank before the plan's step runs), and a "prefix_load" plan asks every rank
+to load stored blocks into the block ids rank 0 chose; each answers how many it loaded.
+
 Both travel as msgpack (never pickle: a rank must not run code a peer sends it).
 """
 
@@ -20,12 +25,13 @@ import msgpack
 import numpy as np
 import torch
 
+from shoal.engine.kv.prefix_cache import CachedBlock
 from shoal.engine.sampler import SampledLogprobs
 from shoal.engine.sampling import SamplingParams
 from shoal.engine.scheduler_output import ScheduledChunk
 from shoal.tracing.steps import RequestTrace
 
-PlanKind = Literal["step", "keepalive", "shutdown"]
+PlanKind = Literal["step", "keepalive", "shutdown", "prefix_load"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,16 @@ class NewRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """Stored blocks following parent_hash along block_hashes, which rank 0 loaded from its
+    disk and wrote at placed's block ids ((index in block_hashes, block id))."""
+
+    parent_hash: bytes
+    block_hashes: tuple[bytes, ...]
+    placed: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,9 @@ class StepPlan:
     allowed: dict[str, torch.Tensor] = field(default_factory=dict)
     # new requests' traces (sent once; a removed id is forgotten): each rank's step spans
     traced: dict[str, RequestTrace] = field(default_factory=dict)
+    # prompt blocks registered since the last plan, for each rank's disk tier
+    saved: tuple[CachedBlock, ...] = ()
+    prefix_load: PrefixLoad | None = None  # kind "prefix_load"
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +89,10 @@ def encode_plan(plan: StepPlan) -> bytes:
         "allowed": {rid: [int(mask.numel()), np.packbits(mask.cpu().numpy()).tobytes()]
                     for rid, mask in plan.allowed.items()},
         "traced": {rid: [trace.trace_id, trace.span_id] for rid, trace in plan.traced.items()},
+        "saved": [[b.block_id, b.block_hash, b.parent_hash, list(b.token_ids)]
+                  for b in plan.saved],
+        "prefix_load": None if (load := plan.prefix_load) is None else
+        [load.parent_hash, list(load.block_hashes), [list(p) for p in load.placed]],
     }, use_bin_type=True)
 
 
@@ -86,8 +109,14 @@ def decode_plan(data: bytes) -> StepPlan:
                for rid, (size, bits) in raw["allowed"].items()}
     traced = {rid: RequestTrace(trace_id, span_id)
               for rid, (trace_id, span_id) in raw["traced"].items()}
+    saved = tuple(CachedBlock(block_id, block_hash, parent_hash, tuple(tokens))
+                  for block_id, block_hash, parent_hash, tokens in raw["saved"])
+    load = raw["prefix_load"]
+    prefix_load = None if load is None else PrefixLoad(
+        load[0], tuple(load[1]), tuple((int(i), int(b)) for i, b in load[2]))
     return StepPlan(kind=raw["kind"], chunks=chunks, added=added,
-                    removed=tuple(raw["removed"]), allowed=allowed, traced=traced)
+                    removed=tuple(raw["removed"]), allowed=allowed, traced=traced,
+                    saved=saved, prefix_load=prefix_load)
 
 
 def encode_sampled(step: SampledStep) -> bytes:
