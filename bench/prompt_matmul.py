@@ -76,11 +76,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernel = KERNEL.load()
-    assert kernel is not None and kernel.quant_default_backend() == "amx", "needs AMX kernels"
+    if kernel is None or not kernel.quant_fast_kernels():
+        raise SystemExit("the packed kernels need a CPU with AVX512-BF16")
     results = [measure(kernel, name, n, k, m, args.repeats)
                for m in args.rows for name, n, k in SHAPES if name in args.types]
-    print(json.dumps({"threads": args.threads, "repeats": args.repeats, "results": results},
-                     indent=1))
+    print(json.dumps({"threads": args.threads, "repeats": args.repeats,
+                      "backend": kernel.quant_default_backend(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
