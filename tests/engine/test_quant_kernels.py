@@ -27,7 +27,7 @@ AUTO, AVX512, AMX = 0, 1, 2
 def paths(kernel) -> list[tuple[int, bool]]:
     """(backend, prompt rows) pairs this machine can run: the vector order; with AMX also
     AMX's order (generated tokens) and the split-weight tiles (prompt tokens)."""
-    found = [(AVX512, False)]
+    found = [(AVX512, False), (AVX512, True)]
     if kernel.quant_default_backend() == "amx":
         found += [(AMX, False), (AMX, True)]
     return found

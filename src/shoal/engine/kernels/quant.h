@@ -89,6 +89,7 @@ class QuantLinear {
   // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
   void run_direct(const Call& call) const;
   void run_buffered(const Call& call) const;
+  void run_vector_prompt(const Call& call) const;
   void run_tiles(const Call& call) const;
   void run_amx_prompt(const Call& call) const;
   void run_portable(const Call& call) const;

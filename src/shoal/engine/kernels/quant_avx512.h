@@ -12,9 +12,16 @@
 // Few rows (decode): tiles decoded in registers and used at once, S strips side by side to
 // hide vdpbf16ps's latency (strips_direct). More rows, without AMX: a strip decoded once
 // into a buffer and rows run over it four at a time (strip_buffered).
+//
+// Prompt rows without AMX take an order of their own (strips_prompt): one chain per row,
+// strip and sub-block, scaled into the row's sum as the sub-block ends, R rows times S
+// strips at once so that each loaded weight vector and each x pair serves several products.
 
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <vector>
 
 #include "quant_simd.h"
@@ -25,14 +32,16 @@ namespace shoal_quant {
 // t * 32 + 2v, x[4q + c] in its high half and x[4q + c + 2] in its low half (v = 2q + c).
 inline std::vector<bf16> chain_order(const bf16* x, int64_t rows, int64_t k) {
   std::vector<bf16> out(rows * k);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < k / kTileK; ++t)
-      for (int v = 0; v < kPairs; ++v) {
-        const int64_t base = r * k + t * kTileK;
-        const int q = v / 2, c = v % 2;
-        out[base + 2 * v] = x[base + 4 * q + c + 2];
-        out[base + 2 * v + 1] = x[base + 4 * q + c];
-      }
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t t = 0; t < k / kTileK; ++t)
+        for (int v = 0; v < kPairs; ++v) {
+          const int64_t base = r * k + t * kTileK;
+          const int q = v / 2, c = v % 2;
+          out[base + 2 * v] = x[base + 4 * q + c + 2];
+          out[base + 2 * v + 1] = x[base + 4 * q + c];
+        }
+  });
   return out;
 }
 
@@ -149,6 +158,61 @@ void strip_buffered(const __m512i* vectors, const float* scales, const float* of
     add_sub<T, R>(acc, part, scale, offset, sums + g, sum_stride);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, acc[r]);
+}
+
+// Prompt rows without AMX: R rows of x (chain order, stride ldx) times S strips decoded in
+// chain layout (decode_strip<T, false, kPromptCentred<T>>), over sub-blocks [g0, g1),
+// into acc [R][S][16]
+// (read and written: k may be cut into chunks). Per sub-block, each (row, strip) sums its
+// products in one chain (every plane of a float type in the same chain), then
+// acc = fma(chain, S, acc) and acc = fma(sum(x), O', acc). The sums stay in memory (L1) so
+// that the registers hold R * S chains: each weight vector loaded serves R products and
+// each x pair S. The operations for one row are the same for any R, S, chunking and rows
+// beside it; they differ from the generated rows' order (prompt and generated tokens each
+// have their own arithmetic, as on AMX).
+template <QType T, int R, int S>
+void strips_prompt(const __m512i* const* vectors, const float* const* scales,
+                   const float* const* offsets, int64_t g0, int64_t g1, const bf16* xc,
+                   int64_t ldx, const float* sums, int64_t sum_stride, float* acc) {
+  using Tr = Traits<T>;
+  constexpr int V = Tr::kVectors;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 chain[R][S];
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < S; ++s) chain[r][s] = _mm512_setzero_ps();
+    const bf16* xg = xc + g * Tr::f.sub_k;
+    static_for<Tr::kSubPairs>([&](auto index) {
+      __m512i w[S][V];
+      for (int s = 0; s < S; ++s)
+        for (int i = 0; i < V; ++i)
+          w[s][i] = _mm512_load_si512(vectors[s] + (g * Tr::kSubPairs + index) * V + i);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = pair_of(xg + r * ldx + 2 * index);
+        for (int s = 0; s < S; ++s)
+          for (int i = 0; i < V; ++i)
+            chain[r][s] = _mm512_dpbf16_ps(chain[r][s], as_bh(w[s][i]), x);
+      }
+    });
+    for (int s = 0; s < S; ++s) {
+      __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
+      if constexpr (!Tr::kFloat) {
+        scale = _mm512_loadu_ps(scales[s] + g * kCols);
+        offset = _mm512_loadu_ps(offsets[s] + g * kCols);
+      }
+      for (int r = 0; r < R; ++r) {
+        float* sum = acc + (r * S + s) * kCols;
+        __m512 total = _mm512_loadu_ps(sum);
+        if constexpr (Tr::kFloat) {
+          total = _mm512_add_ps(total, chain[r][s]);
+        } else {
+          total = _mm512_fmadd_ps(chain[r][s], scale, total);
+          if constexpr (kPromptCentred<T> ? Tr::f.has_e : Tr::kOffset)
+            total = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * sum_stride + g]), offset, total);
+        }
+        _mm512_storeu_ps(sum, total);
+      }
+    }
+  }
 }
 
 }  // namespace shoal_quant

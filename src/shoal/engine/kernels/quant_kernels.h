@@ -12,6 +12,12 @@ namespace shoal_quant {
 constexpr int kDirectRows = 4;
 // Rows per pass over a decoded strip on vectors (their chains stay in registers).
 constexpr int kBlockRows = 4;
+// Prompt rows without AMX: rows and strips per pass (16 chains in registers; measured
+// best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an AVX512-BF16 core), and
+// k per chunk (a chunk's decoded strips stay in L2 while every row pass runs over them).
+constexpr int kPromptRows = 4;
+constexpr int kPromptStrips = 4;
+constexpr int64_t kPromptChunkK = 2048;
 
 using DirectFn = void (*)(const uint8_t* const*, int64_t, const bf16*, int64_t, const float*,
                           int64_t, float*);
@@ -21,6 +27,9 @@ using BufferedFn = void (*)(const __m512i*, const float*, const float*, int64_t,
 using TilesFn = void (*)(const __m512i*, const float*, const float*, int64_t, const bf16*,
                          int64_t, int, const float*, int64_t, float*);
 using SplitFn = void (*)(const uint8_t*, int64_t, int64_t, int, __m512i*);
+using PromptFn = void (*)(const __m512i* const*, const float* const*, const float* const*,
+                          int64_t, int64_t, const bf16*, int64_t, const float*, int64_t,
+                          float*);
 
 // Strips run side by side for R rows: enough chains to hide vdpbf16ps's latency.
 constexpr int strips_side_by_side(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
@@ -32,6 +41,11 @@ struct Kernels {
   DirectFn direct_single[kDirectRows];
   DecodeFn decode;
   BufferedFn buffered[kBlockRows];
+  // Prompt rows without AMX: [strips - 1][rows - 1] over strips decoded by `decode`; float
+  // types with several planes run one strip at a time (prompt_strips).
+  PromptFn prompt[kPromptStrips][kPromptRows];
+  DecodeFn decode_prompt;  // a strip for prompt rows (centred where kPromptCentred)
+  int prompt_strips;
   // AMX: a strip decoded in pair layout with rows over it on tiles (the same bits as the
   // vector paths), and prompt rows on split weights.
   DecodeFn decode_pairs;
@@ -50,6 +64,14 @@ Kernels kernels_of() {
   });
   out.decode = &decode_strip<T, false>;
   static_for<kBlockRows>([&](auto r) { out.buffered[r] = &strip_buffered<T, r + 1>; });
+  constexpr bool wide = Traits<T>::kVectors == 1;
+  static_for<kPromptStrips>([&](auto s) {
+    static_for<kPromptRows>([&](auto r) {
+      out.prompt[s][r] = &strips_prompt<T, r + 1, wide ? s + 1 : 1>;
+    });
+  });
+  out.prompt_strips = wide ? kPromptStrips : 1;
+  out.decode_prompt = &decode_strip<T, false, kPromptCentred<T>>;
   out.decode_pairs = &decode_strip<T, true>;
 #if SHOAL_QUANT_AMX
   out.tiles = &strip_tiles<T>;

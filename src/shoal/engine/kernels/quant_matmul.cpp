@@ -5,7 +5,8 @@
 // Generated tokens take AMX's summation order on every machine (vectors for a few rows;
 // AMX tiles for more where there are any, else vectors over decoded strips): the same bits
 // on every path. Prompt tokens take AMX tiles with split weights where there are any, and
-// the same order as generated tokens elsewhere.
+// elsewhere an order of their own on vectors (strips_prompt: several rows and strips per
+// pass, one chain per sub-block).
 
 #include <ATen/Parallel.h>
 #include <sys/syscall.h>
@@ -71,12 +72,15 @@ Backend resolve(int64_t requested) {
 std::vector<float> run_sums(const bf16* x, int64_t m, int64_t k, int run) {
   const int64_t runs = k / run;
   std::vector<float> sums(m * runs);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < runs; ++g) {
-      float total = 0.f;
-      for (int i = 0; i < run; ++i) total += static_cast<float>(x[r * k + g * run + i]);
-      sums[r * runs + g] = total;
-    }
+  // Rows over the threads (a prompt's rows are many); each run still sums in order.
+  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < runs; ++g) {
+        float total = 0.f;
+        for (int i = 0; i < run; ++i) total += static_cast<float>(x[r * k + g * run + i]);
+        sums[r * runs + g] = total;
+      }
+  });
   return sums;
 }
 
@@ -170,7 +174,10 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
 #if SHOAL_QUANT_AVX512
   call.sums16 = run_sums(call.x, m, k_, 16);
   call.sums32 = run_sums(call.x, m, k_, 32);
-  if (m <= kDirectRows) {
+  if (prompt) {
+    call.chained = chain_order(call.x, m, k_);
+    run_vector_prompt(call);
+  } else if (m <= kDirectRows) {
     call.chained = chain_order(call.x, m, k_);
     run_direct(call);
   } else if (backend_ == Backend::kAmx) {

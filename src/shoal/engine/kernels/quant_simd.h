@@ -226,11 +226,20 @@ inline void to_pairs(__m512i even, __m512i odd, __m512i& first, __m512i& second)
   second = _mm512_mask_blend_epi16(kHighWords, even, _mm512_slli_epi32(odd, 16));
 }
 
+// Quantized types whose codes prompt rows take centred (u + c, not 128 + u: small
+// integers, exact in bf16) with the min alone as the offset (kCentred below): the sums
+// then carry no 128 * S term to cancel again through the sums of x.
+template <QType T>
+constexpr bool kPromptCentred = Traits<T>::kC != 0 && !Traits<T>::f.lut && !Traits<T>::kFloat;
+
 // A whole strip decoded: k / 2 * kVectors vectors (chain layout, or with kPairLayout AMX's
-// pair layout), and S and O' per sub-block [16].
-template <QType T, bool kPairLayout>
+// pair layout), and S and O' per sub-block [16]. kCentred: values u + c and, for O', the
+// min term alone (-e * mc; zero for types without a min).
+template <QType T, bool kPairLayout, bool kCentred = false>
 void decode_strip(const uint8_t* strip, int64_t k, __m512i* vectors, float* scales,
                   float* offsets) {
+  static_assert(!kCentred || (kPromptCentred<T> && !kPairLayout), "centred: chain layout");
+  const __m512 centre = _mm512_set1_ps(static_cast<float>(Traits<T>::kC));
   using Tr = Traits<T>;
   constexpr int V = Tr::kVectors;
   constexpr int tiles_per_block = Tr::f.super_k / kTileK;
@@ -248,6 +257,12 @@ void decode_strip(const uint8_t* strip, int64_t k, __m512i* vectors, float* scal
       for (int i = 0; i < V; ++i) {
         __m512i first = even[i], second = odd[i];
         if constexpr (kPairLayout) to_pairs(even[i], odd[i], first, second);
+        if constexpr (kCentred) {  // 128 + u -> u + c, through float32 (exact)
+          first = to_bf16(_mm512_add_ps(bf16_half(first, 1), centre),
+                          _mm512_add_ps(bf16_half(first, 0), centre));
+          second = to_bf16(_mm512_add_ps(bf16_half(second, 1), centre),
+                           _mm512_add_ps(bf16_half(second, 0), centre));
+        }
         _mm512_store_si512(out + (2 * q) * V + i, first);
         _mm512_store_si512(out + (2 * q + 1) * V + i, second);
       }
@@ -256,8 +271,12 @@ void decode_strip(const uint8_t* strip, int64_t k, __m512i* vectors, float* scal
       const uint8_t* meta = meta_base + t / tiles_per_block * Tr::kMetaBytes;
       for (int sub = 0; sub < subs_per_tile; ++sub) {
         __m512 scale, offset = _mm512_setzero_ps();
-        sub_scales<T>(meta, static_cast<int>(t % tiles_per_block) * subs_per_tile + sub, scale,
-                      offset);
+        const int in_block = static_cast<int>(t % tiles_per_block) * subs_per_tile + sub;
+        if constexpr (kCentred) {
+          sub_scale_min<T>(meta, in_block, scale, offset);
+        } else {
+          sub_scales<T>(meta, in_block, scale, offset);
+        }
         const int64_t g = t * subs_per_tile + sub;
         _mm512_storeu_ps(scales + g * kCols, scale);
         _mm512_storeu_ps(offsets + g * kCols, offset);
