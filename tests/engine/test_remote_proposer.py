@@ -11,6 +11,7 @@ import time
 
 import pytest
 from fakes import FakeClock
+from test_speculation import measured_cheap
 
 from shoal.config import build_node_config
 from shoal.engine.speculation import remote
@@ -133,6 +134,7 @@ def test_speculator_guesses_through_the_proposer_for_remote_requests():
             self.forgotten.append(request_id)
 
     speculator = Speculator(SpeculativeConfig.parse("remote:3"), "m")
+    measured_cheap(speculator.proposer_costs, 3)
     request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0))
     speculator.add("r", [1, 2, 3], request.params, constrained=False)
     speculator.propose([request], max_rows=64)
@@ -249,11 +251,11 @@ def test_waiting_for_remote_guesses_counts_in_what_guessing_costs():
     speculator.add("r", [1, 2, 3], request.params, constrained=False)
     speculator.observe_step(0, 0.010)  # a plain step: nothing asked
     speculator.propose([request], max_rows=64)
-    assert len(request.draft_token_ids) == 3
-    speculator.observe_step(3, 0.010)  # the first ask catches up on the context: not priced
-    assert speculator.proposer_costs.relative(3) == pytest.approx(1 + 3 * 0.35)
+    assert len(request.draft_token_ids) == 1  # lengths are tried from one up
+    speculator.observe_step(1, 0.010)  # the first ask catches up on the context: not priced
+    assert speculator.proposer_costs.relative(1) == pytest.approx(1 + 0.35)
     request.output_token_ids.append(7)
     speculator.propose([request], max_rows=64)
-    speculator.observe_step(3, 0.010)  # verifying took as long as a plain step...
-    assert speculator.proposer_costs.relative(3) >= 2.5  # ...but the guesses took 20 ms
-    assert speculator.costs.relative(3) == pytest.approx(1 + 3 * 0.35)  # n-grams unpriced
+    speculator.observe_step(1, 0.010)  # verifying took as long as a plain step...
+    assert speculator.proposer_costs.relative(1) >= 2.5  # ...but the guess took 20 ms
+    assert speculator.costs.relative(1) == pytest.approx(1 + 0.35)  # n-grams unpriced

@@ -100,7 +100,17 @@ def test_draft_length_grows_with_kept_guesses_and_rests_when_they_do_not_pay():
     length = DraftLength(8, costs)
     for _ in range(6):
         length.record(4, 4)
-    assert length.wanted() >= 6  # near-certain guesses: guess many
+    assert length.wanted() == 1  # nothing measured yet: one guess first
+    costs.observe(1, 0.0135)
+    assert length.wanted() == 0  # a plain step, to price the guessing step against
+    costs.observe(0, 0.010)
+    tried = []
+    for _ in range(4):  # near-certain guesses: twice as many as each length is measured
+        guesses = length.wanted()
+        tried.append(guesses)
+        costs.observe(guesses, 0.010 * (1 + 0.35 * guesses))
+        length.record(guesses, guesses)
+    assert tried == [2, 4, 8, 8]
     for _ in range(8):
         length.record(3, 0)
     assert length.wanted() == 0  # nothing kept: a plain step is worth more
@@ -109,6 +119,16 @@ def test_draft_length_grows_with_kept_guesses_and_rests_when_they_do_not_pay():
         rests += 1
         assert rests < 100
     assert rests >= 8  # it rested, then tries again with fresh hopes
+
+
+def test_an_unmeasured_length_is_priced_at_the_nearest_measured_cost_per_guess():
+    costs = StepCosts()
+    costs.observe(0, 0.010)
+    costs.observe(1, 0.019)  # a draft model: one guess costs 0.9 of a plain step
+    assert abs(costs.relative(3) - 3.7) < 1e-9
+    costs.observe(4, 0.070)
+    assert abs(costs.relative(6) - (1 + 6 * 6.0 / 4)) < 1e-9  # from 4, the nearest below
+    assert costs.largest_measured() == 4
 
 
 def test_measured_costs_decide_the_length():
@@ -146,8 +166,16 @@ def test_guesses_never_reach_past_max_tokens():
     assert request.draft_token_ids == [4]  # 1 output + 1 kept guess + 1 own token = 3
 
 
+def measured_cheap(costs: StepCosts, most: int) -> None:
+    """Steps of every length up to `most` measured, each guess a tenth of a plain step."""
+    costs.observe(0, 0.010)
+    for guesses in range(1, most + 1):
+        costs.observe(guesses, 0.010 * (1 + 0.1 * guesses))
+
+
 def test_guesses_keep_the_step_within_the_fused_kernel_s_rows():
     speculator = Speculator(SpeculativeConfig("ngram", 8), "m")
+    measured_cheap(speculator.costs, 8)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
     requests = [Request(f"r{i}", prompt, SamplingParams()) for i in range(3)]
     for request in requests:

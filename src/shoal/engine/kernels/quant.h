@@ -87,7 +87,7 @@ class QuantLinear {
   bool store_pair(const Call& call, const Segment& seg, int64_t local, const float* first,
                   const float* second, int rows, int64_t row0) const;
   // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
-  void run_direct(const Call& call) const;
+  void run_direct(const Call& call, bool prompt = false) const;
   void run_buffered(const Call& call) const;
   void run_vector_prompt(const Call& call) const;
   void run_tiles(const Call& call) const;

@@ -215,4 +215,78 @@ void strips_prompt(const __m512i* const* vectors, const float* const* scales,
   }
 }
 
+// Prompt rows without AMX, a few of them: strips_prompt's operations with each tile decoded
+// in registers (centred as decode_strip<T, false, kPromptCentred<T>> centres it, S and O'
+// as it computes them) instead of from a decoded strip: a short prompt chunk reads each
+// weight once, like a decode step, and every row gets the same bits as on the long path.
+template <QType T, int R, int S>
+void strips_prompt_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int64_t ldx,
+                          const float* sums, int64_t sum_stride, float* out) {
+  using Tr = Traits<T>;
+  constexpr int V = Tr::kVectors;
+  static_assert(V == 1 || S == 1, "float types run one strip at a time");
+  constexpr bool kCentred = kPromptCentred<T>;
+  constexpr int tiles_per_block = Tr::f.super_k / kTileK;
+  constexpr int subs_per_tile = kTileK / Tr::f.sub_k;
+  const Constants c = constants();
+  const __m512 centre = _mm512_set1_ps(static_cast<float>(Tr::kC));
+  __m512 acc[S][R];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  const int64_t tiles = k / kTileK;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile[S];
+    const uint8_t* meta[S];
+    for (int s = 0; s < S; ++s) {
+      tile[s] = strips[s] + t * Tr::kTileBytes;
+      meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
+      prefetch_ahead<Tr::kTileBytes>(tile[s] + kPrefetchBytes);
+    }
+    static_for<subs_per_tile>([&](auto sub) {
+      __m512 chain[S][R];
+      for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) chain[s][r] = _mm512_setzero_ps();
+      const int64_t g = t * subs_per_tile + sub;
+      static_for<Tr::kSubPairs>([&](auto index) {
+        constexpr int v = sub * Tr::kSubPairs + index;
+        for (int s = 0; s < S; ++s) {
+          __m512i w[V];
+          decode_vector<T, v>(tile[s], c, w);
+          if constexpr (kCentred)
+            w[0] = to_bf16(_mm512_add_ps(bf16_half(w[0], 1), centre),
+                           _mm512_add_ps(bf16_half(w[0], 0), centre));
+          for (int r = 0; r < R; ++r) {
+            const __m512bh x = pair_of(xc + r * ldx + g * Tr::f.sub_k + 2 * index);
+            for (int i = 0; i < V; ++i)
+              chain[s][r] = _mm512_dpbf16_ps(chain[s][r], as_bh(w[i]), x);
+          }
+        }
+      });
+      const int in_block = static_cast<int>(t % tiles_per_block) * subs_per_tile + sub;
+      for (int s = 0; s < S; ++s) {
+        __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
+        if constexpr (!Tr::kFloat) {
+          if constexpr (kCentred) {
+            sub_scale_min<T>(meta[s], in_block, scale, offset);
+          } else {
+            sub_scales<T>(meta[s], in_block, scale, offset);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          if constexpr (Tr::kFloat) {
+            acc[s][r] = _mm512_add_ps(acc[s][r], chain[s][r]);
+          } else {
+            acc[s][r] = _mm512_fmadd_ps(chain[s][r], scale, acc[s][r]);
+            if constexpr (kCentred ? Tr::f.has_e : Tr::kOffset)
+              acc[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * sum_stride + g]), offset,
+                                          acc[s][r]);
+          }
+        }
+      }
+    });
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (s * R + r) * kCols, acc[s][r]);
+}
+
 }  // namespace shoal_quant

@@ -39,6 +39,9 @@ struct Kernels {
   // decoded in chain layout with rows over it.
   DirectFn direct[kDirectRows];
   DirectFn direct_single[kDirectRows];
+  // The same for prompt rows (strips_prompt_direct: strips_prompt's bits, few rows).
+  DirectFn prompt_direct[kDirectRows];
+  DirectFn prompt_direct_single[kDirectRows];
   DecodeFn decode;
   BufferedFn buffered[kBlockRows];
   // Prompt rows without AMX: [strips - 1][rows - 1] over strips decoded by `decode`; float
@@ -61,6 +64,8 @@ Kernels kernels_of() {
     constexpr int side = Traits<T>::kVectors == 1 ? strips_side_by_side(r + 1) : 1;
     out.direct[r] = &strips_direct<T, r + 1, side>;
     out.direct_single[r] = &strips_direct<T, r + 1, 1>;
+    out.prompt_direct[r] = &strips_prompt_direct<T, r + 1, side>;
+    out.prompt_direct_single[r] = &strips_prompt_direct<T, r + 1, 1>;
   });
   out.decode = &decode_strip<T, false>;
   static_for<kBlockRows>([&](auto r) { out.buffered[r] = &strip_buffered<T, r + 1>; });

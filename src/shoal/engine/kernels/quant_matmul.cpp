@@ -176,7 +176,11 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
   call.sums32 = run_sums(call.x, m, k_, 32);
   if (prompt) {
     call.chained = chain_order(call.x, m, k_);
-    run_vector_prompt(call);
+    if (m <= kDirectRows) {
+      run_direct(call, true);
+    } else {
+      run_vector_prompt(call);
+    }
   } else if (m <= kDirectRows) {
     call.chained = chain_order(call.x, m, k_);
     run_direct(call);

@@ -147,8 +147,8 @@ bool QuantLinear::store_pair(const Call& call, const Segment& seg, int64_t local
 }
 
 // Few rows: each thread decodes its strips' tiles in registers, up to four strips of one
-// segment side by side.
-void QuantLinear::run_direct(const Call& call) const {
+// segment side by side (prompt: in the prompt rows' order).
+void QuantLinear::run_direct(const Call& call, bool prompt) const {
 #if SHOAL_QUANT_AVX512
   const int64_t m = call.m, k = k_;
   const int side = strips_side_by_side(static_cast<int>(m));
@@ -167,7 +167,9 @@ void QuantLinear::run_direct(const Call& call) const {
       for (int i = 0; i < count; ++i)
         strips[i] = seg.packed.data_ptr<uint8_t>() + (local + i) * seg.strip_bytes;
       const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
-      const DirectFn run = together ? kern.direct[m - 1] : kern.direct_single[m - 1];
+      const DirectFn run = prompt ? (together ? kern.prompt_direct[m - 1]
+                                              : kern.prompt_direct_single[m - 1])
+                                  : (together ? kern.direct[m - 1] : kern.direct_single[m - 1]);
       run(strips, k, call.chained.data(), k, sums, k / kern.sub_k, acc);
       for (int i = 0; i < count; ++i)
         store(call, seg, local + i, acc + i * m * kCols, static_cast<int>(m), 0);

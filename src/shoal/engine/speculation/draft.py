@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # The most tokens fed to the draft in one forward pass (a long prompt is fed in pieces).
 CHUNK_TOKENS = 512
+# Pieces up to this long (the tokens kept since the last guess) take the generated tokens'
+# arithmetic, which reads each weight once for a few rows; longer ones the prompt's. The
+# draft's KV only has to guess well, not match the target's bits.
+SHORT_PIECE = 4
 BLOCK_SIZE = 16  # KV block size of a proposer node's draft model
 
 
@@ -166,7 +170,7 @@ class DraftModel:
             last = offset + len(piece) == len(token_ids)
             chunk = ScheduledChunk(request_id="draft", token_ids=piece,
                                    start_position=start + offset, block_ids=blocks,
-                                   needs_sample=last, prompt=len(piece) > 1)
+                                   needs_sample=last, prompt=len(piece) > SHORT_PIECE)
             logits = self.runner.execute(SchedulerOutput(chunks=(chunk,)))
         return logits[0]
 

@@ -5,7 +5,7 @@ every layer, off the fused decode kernel): StepCosts keeps what such steps measu
 engine, relative to a plain step. If each guess is kept with probability a (given the ones
 before it were), a step with k guesses yields (1 - a^(k+1)) / (1 - a) tokens on average;
 DraftLength estimates a from the request's recent verifications and picks the k with the
-best tokens per unit of cost. When no k beats a plain step, speculation rests for a while
+best tokens per unit of cost, trying k up to twice the longest measured so far. When no k beats a plain step, speculation rests for a while
 (twice as long after each failed try, up to MAX_REST steps), then tries again. Guesses from
 a Proposer (a draft model, a proposer node) count their wait in the step's cost
 (Speculator.observe_step), so dear guesses buy fewer of them.
@@ -36,14 +36,36 @@ class StepCosts:
             COST_MEMORY * old + (1 - COST_MEMORY) * seconds
 
     def relative(self, guesses: int) -> float:
-        """Cost of a step verifying `guesses` guesses, in plain decode steps."""
+        """Cost of a step verifying `guesses` guesses, in plain decode steps. A count not
+        measured yet is priced at the cost per guess of the nearest count measured (below
+        it if any): a draft model whose one guess already costs half a step is not tried
+        at ten on a prior that knows nothing of its time."""
         plain = self._seconds.get(0)
-        seconds = self._seconds.get(guesses)
         if guesses == 0:
             return 1.0
-        if plain is None or seconds is None:
+        if plain is None:
             return 1.0 + PRIOR_ROW_COST * guesses
-        return seconds / plain
+        seconds = self._seconds.get(guesses)
+        if seconds is not None:
+            return seconds / plain
+        measured = [k for k in self._seconds if k > 0]
+        if not measured:
+            return 1.0 + PRIOR_ROW_COST * guesses
+        below = [k for k in measured if k < guesses]
+        nearest = max(below) if below else min(measured)
+        per_guess = max(self._seconds[nearest] / plain - 1.0, 0.0) / nearest
+        return 1.0 + max(per_guess, PRIOR_ROW_COST if not below else 0.0) * guesses
+
+    def largest_measured(self) -> int:
+        """The most guesses a measured step verified (0: none yet, or no plain step to
+        compare with)."""
+        if 0 not in self._seconds:
+            return 0
+        return max((k for k in self._seconds if k > 0), default=0)
+
+    def wants_plain(self) -> bool:
+        """Guessing steps were measured but no plain step to price them against."""
+        return 0 not in self._seconds and len(self._seconds) > 0
 
 
 def expected_tokens(kept_rate: float, guesses: int) -> float:
@@ -73,9 +95,14 @@ class DraftLength:
             if self._resting == 0:  # try again with fresh hopes
                 self._kept, self._missed = PRIOR_KEPT, PRIOR_MISSED
             return 0
+        if self._costs.wants_plain():
+            return 0  # one plain step, so that guessing steps have a price
         rate = self.kept_rate
         best, best_value = 0, 1.0
-        for guesses in range(1, self.most + 1):
+        # Longer guesses are tried as shorter ones are measured (1, 2, 4, ...): an
+        # unmeasured length is only an estimate, and a wrong one costs a whole step.
+        reach = min(self.most, max(1, 2 * self._costs.largest_measured()))
+        for guesses in range(1, reach + 1):
             value = expected_tokens(rate, guesses) / self._costs.relative(guesses)
             if value > best_value:
                 best, best_value = guesses, value
