@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
-                                          "quant_paths.cpp", "quant_bindings.cpp"))
+                                          "quant_paths.cpp", "quant_groups.cpp",
+                                          "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
     "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "quant.h",
-    "quant_amx.h",
-    "quant_avx512.h", "quant_formats.h", "quant_kernels.h", "quant_simd.h", "quant_strip.h"))
+    "quant_amx.h", "quant_avx512.h", "quant_buffers.h", "quant_formats.h", "quant_kernels.h",
+    "quant_simd.h", "quant_strip.h"))
 NAME = "shoal_kernels"
 # -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,
 # so they bind to the one torch itself loaded (two runtimes would fight over the cores).

@@ -88,8 +88,9 @@ class QuantLinear {
                   const float* second, int rows, int64_t row0) const;
   // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
   void run_direct(const Call& call, bool prompt = false) const;
-  void run_buffered(const Call& call) const;
-  void run_vector_prompt(const Call& call) const;
+  // Without AMX, more rows than direct takes: groups of strips decoded once, the rows run
+  // over them in each kind's order (quant_groups.cpp).
+  void run_groups(const Call& call, bool prompt) const;
   void run_tiles(const Call& call) const;
   void run_amx_prompt(const Call& call) const;
   void run_portable(const Call& call) const;

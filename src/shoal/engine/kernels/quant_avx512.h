@@ -10,8 +10,8 @@
 // same float operations for each row, so a row's result depends on nothing else in x.
 //
 // Few rows (decode): tiles decoded in registers and used at once, S strips side by side to
-// hide vdpbf16ps's latency (strips_direct). More rows, without AMX: a strip decoded once
-// into a buffer and rows run over it four at a time (strip_buffered).
+// hide vdpbf16ps's latency (strips_direct). More rows, without AMX: strips decoded once
+// into buffers and rows run over them, 4 rows x 2 strips a pass (strips_buffered).
 //
 // Prompt rows without AMX take an order of their own (strips_prompt): one chain per row,
 // strip and sub-block, scaled into the row's sum as the sub-block ends, R rows times S
@@ -75,6 +75,20 @@ struct SubBlockChains {
   }
 };
 
+// Tile t's planes and its super-block's meta in each of S strips (of `tiles` tiles), the
+// planes a little ahead asked for.
+template <QType T, int S>
+inline void tiles_at(const uint8_t* const* strips, int64_t t, int64_t tiles,
+                     const uint8_t* (&tile)[S], const uint8_t* (&meta)[S]) {
+  using Tr = Traits<T>;
+  constexpr int tiles_per_block = Tr::f.super_k / kTileK;
+  for (int s = 0; s < S; ++s) {
+    tile[s] = strips[s] + t * Tr::kTileBytes;
+    meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
+    prefetch_ahead<Tr::kTileBytes>(tile[s] + kPrefetchBytes);
+  }
+}
+
 // R rows of x (chain order, stride ldx) times S strips of one segment, tiles decoded in
 // registers -> out [S][R][16].
 template <QType T, int R, int S>
@@ -94,11 +108,7 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
     const int64_t k0 = t * kTileK;
     const uint8_t* tile[S];
     const uint8_t* meta[S];
-    for (int s = 0; s < S; ++s) {
-      tile[s] = strips[s] + t * Tr::kTileBytes;
-      meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
-      prefetch_ahead<Tr::kTileBytes>(tile[s] + kPrefetchBytes);
-    }
+    tiles_at<T, S>(strips, t, tiles, tile, meta);
     static_for<subs_per_tile>([&](auto sub) {
       SubBlockChains<S, V, R> chains;
       static_for<Tr::kSubPairs>([&](auto index) {
@@ -125,39 +135,43 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (s * R + r) * kCols, acc[s][r]);
 }
 
-// R rows over a strip decoded in chain order (decode_strip<T, false>): the same operations as
-// strips_direct, weights from memory.
-template <QType T, int R>
-void strip_buffered(const __m512i* vectors, const float* scales, const float* offsets,
-                    int64_t k, const bf16* xc, int64_t ldx, const float* sums,
-                    int64_t sum_stride, float* out) {
+// R rows x S strips decoded in chain layout, over sub-blocks [g0, g1), into acc [R][S][16]
+// (read and written): strips_direct's operations for each (row, strip), weights from memory,
+// every loaded weight vector serving R rows and every x pair S strips. Float types with
+// several planes run one strip at a time.
+template <QType T, int R, int S>
+void strips_buffered(const __m512i* const* vectors, const float* const* scales,
+                     const float* const* offsets, int64_t g0, int64_t g1, const bf16* xc,
+                     int64_t ldx, const float* sums, int64_t sum_stride, float* acc) {
   using Tr = Traits<T>;
   constexpr int V = Tr::kVectors;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t subs = k / Tr::f.sub_k;
-  for (int64_t g = 0; g < subs; ++g) {
-    SubBlockChains<1, V, R> chains;
-    const __m512i* w = vectors + g * Tr::kSubPairs * V;
+  static_assert(V == 1 || S == 1, "float types run one strip at a time");
+  for (int64_t g = g0; g < g1; ++g) {
+    SubBlockChains<S, V, R> chains;
     // Vector index within its tile: sub-blocks of 16 start halfway through a tile.
     const int first = static_cast<int>(g % (kTileK / Tr::f.sub_k)) * Tr::kSubPairs;
     const bf16* xt = xc + g * Tr::f.sub_k - first * 2;
     static_for<Tr::kSubPairs>([&](auto index) {
       const int v = first + index;  // first is even: v's chain is index's
-      for (int i = 0; i < V; ++i)
-        chains.add(0, i, index % 2 == 1, _mm512_load_si512(w + index * V + i),
-                   [&](int r) { return pair_of(xt + r * ldx + 2 * v); });
+      for (int s = 0; s < S; ++s)
+        for (int i = 0; i < V; ++i)
+          chains.add(s, i, index % 2 == 1,
+                     _mm512_load_si512(vectors[s] + (g * Tr::kSubPairs + index) * V + i),
+                     [&](int r) { return pair_of(xt + r * ldx + 2 * v); });
     });
-    __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
-    if constexpr (!Tr::kFloat) {
-      scale = _mm512_loadu_ps(scales + g * kCols);
-      offset = _mm512_loadu_ps(offsets + g * kCols);
+    for (int s = 0; s < S; ++s) {
+      __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
+      if constexpr (!Tr::kFloat) {
+        scale = _mm512_loadu_ps(scales[s] + g * kCols);
+        offset = _mm512_loadu_ps(offsets[s] + g * kCols);
+      }
+      __m512 part[R], total[R];
+      chains.sum(s, part);
+      for (int r = 0; r < R; ++r) total[r] = _mm512_loadu_ps(acc + (r * S + s) * kCols);
+      add_sub<T, R>(total, part, scale, offset, sums + g, sum_stride);
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (r * S + s) * kCols, total[r]);
     }
-    __m512 part[R];
-    chains.sum(0, part);
-    add_sub<T, R>(acc, part, scale, offset, sums + g, sum_stride);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, acc[r]);
 }
 
 // Prompt rows without AMX: R rows of x (chain order, stride ldx) times S strips decoded in
@@ -237,11 +251,7 @@ void strips_prompt_direct(const uint8_t* const* strips, int64_t k, const bf16* x
   for (int64_t t = 0; t < tiles; ++t) {
     const uint8_t* tile[S];
     const uint8_t* meta[S];
-    for (int s = 0; s < S; ++s) {
-      tile[s] = strips[s] + t * Tr::kTileBytes;
-      meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
-      prefetch_ahead<Tr::kTileBytes>(tile[s] + kPrefetchBytes);
-    }
+    tiles_at<T, S>(strips, t, tiles, tile, meta);
     static_for<subs_per_tile>([&](auto sub) {
       __m512 chain[S][R];
       for (int s = 0; s < S; ++s)

@@ -3,6 +3,8 @@
 
 #pragma once
 
+#include <algorithm>
+
 #include "quant_amx.h"
 #include "quant_avx512.h"
 
@@ -10,26 +12,31 @@ namespace shoal_quant {
 
 // Rows decoded tile by tile; more use a decoded strip.
 constexpr int kDirectRows = 4;
-// Rows per pass over a decoded strip on vectors (their chains stay in registers).
-constexpr int kBlockRows = 4;
-// Prompt rows without AMX: rows and strips per pass (16 chains in registers; measured
-// best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an AVX512-BF16 core), and
-// k per chunk (a chunk's decoded strips stay in L2 while every row pass runs over them).
-constexpr int kPromptRows = 4;
-constexpr int kPromptStrips = 4;
-constexpr int64_t kPromptChunkK = 2048;
+// Rows over decoded strips without AMX: rows and strips per pass (16 chains in registers;
+// for prompt rows measured best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an
+// AVX512-BF16 core; generated rows keep two chains each, so half the strips), and k per
+// chunk (a chunk's decoded strips stay in L2 while every row pass runs over them).
+constexpr int kGroupRows = 4;
+constexpr int kGroupStrips = 4;
+constexpr int kGeneratedStrips = 2;
+constexpr int64_t kGroupChunkK = 2048;
 
 using DirectFn = void (*)(const uint8_t* const*, int64_t, const bf16*, int64_t, const float*,
                           int64_t, float*);
 using DecodeFn = void (*)(const uint8_t*, int64_t, __m512i*, float*, float*);
-using BufferedFn = void (*)(const __m512i*, const float*, const float*, int64_t, const bf16*,
-                            int64_t, const float*, int64_t, float*);
 using TilesFn = void (*)(const __m512i*, const float*, const float*, int64_t, const bf16*,
                          int64_t, int, const float*, int64_t, float*);
 using SplitFn = void (*)(const uint8_t*, int64_t, int64_t, int, __m512i*);
-using PromptFn = void (*)(const __m512i* const*, const float* const*, const float* const*,
-                          int64_t, int64_t, const bf16*, int64_t, const float*, int64_t,
-                          float*);
+using GroupFn = void (*)(const __m512i* const*, const float* const*, const float* const*,
+                         int64_t, int64_t, const bf16*, int64_t, const float*, int64_t,
+                         float*);
+
+// Rows over groups of decoded strips (QuantLinear::run_groups), for one kind of row.
+struct GroupKernels {
+  DecodeFn decode;
+  GroupFn run[kGroupStrips][kGroupRows];  // [strips - 1][rows - 1]
+  int strips;                             // the most strips per group
+};
 
 // Strips run side by side for R rows: enough chains to hide vdpbf16ps's latency.
 constexpr int strips_side_by_side(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
@@ -43,12 +50,9 @@ struct Kernels {
   DirectFn prompt_direct[kDirectRows];
   DirectFn prompt_direct_single[kDirectRows];
   DecodeFn decode;
-  BufferedFn buffered[kBlockRows];
-  // Prompt rows without AMX: [strips - 1][rows - 1] over strips decoded by `decode`; float
-  // types with several planes run one strip at a time (prompt_strips).
-  PromptFn prompt[kPromptStrips][kPromptRows];
-  DecodeFn decode_prompt;  // a strip for prompt rows (centred where kPromptCentred)
-  int prompt_strips;
+  // Without AMX, more rows than direct takes: prompt rows (strips_prompt over strips
+  // decoded centred where kPromptCentred) and generated rows (strips_buffered).
+  GroupKernels prompt, generated;
   // AMX: a strip decoded in pair layout with rows over it on tiles (the same bits as the
   // vector paths), and prompt rows on split weights.
   DecodeFn decode_pairs;
@@ -68,15 +72,18 @@ Kernels kernels_of() {
     out.prompt_direct_single[r] = &strips_prompt_direct<T, r + 1, 1>;
   });
   out.decode = &decode_strip<T, false>;
-  static_for<kBlockRows>([&](auto r) { out.buffered[r] = &strip_buffered<T, r + 1>; });
   constexpr bool wide = Traits<T>::kVectors == 1;
-  static_for<kPromptStrips>([&](auto s) {
-    static_for<kPromptRows>([&](auto r) {
-      out.prompt[s][r] = &strips_prompt<T, r + 1, wide ? s + 1 : 1>;
+  static_for<kGroupStrips>([&](auto s) {
+    static_for<kGroupRows>([&](auto r) {
+      out.prompt.run[s][r] = &strips_prompt<T, r + 1, wide ? s + 1 : 1>;
+      out.generated.run[s][r] =
+          &strips_buffered<T, r + 1, wide ? std::min<int>(s + 1, kGeneratedStrips) : 1>;
     });
   });
-  out.prompt_strips = wide ? kPromptStrips : 1;
-  out.decode_prompt = &decode_strip<T, false, kPromptCentred<T>>;
+  out.prompt.strips = wide ? kGroupStrips : 1;
+  out.prompt.decode = &decode_strip<T, false, kPromptCentred<T>>;
+  out.generated.strips = wide ? kGeneratedStrips : 1;
+  out.generated.decode = &decode_strip<T, false>;
   out.decode_pairs = &decode_strip<T, true>;
 #if SHOAL_QUANT_AMX
   out.tiles = &strip_tiles<T>;

@@ -179,7 +179,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
     if (m <= kDirectRows) {
       run_direct(call, true);
     } else {
-      run_vector_prompt(call);
+      run_groups(call, true);
     }
   } else if (m <= kDirectRows) {
     call.chained = chain_order(call.x, m, k_);
@@ -188,7 +188,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
     run_tiles(call);
   } else {
     call.chained = chain_order(call.x, m, k_);
-    run_buffered(call);
+    run_groups(call, false);
   }
 #endif
   return out;

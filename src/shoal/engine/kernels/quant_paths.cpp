@@ -20,6 +20,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SHOAL_QUANT_AVX512 1
+#include "quant_buffers.h"
 #include "quant_kernels.h"
 #else
 #define SHOAL_QUANT_AVX512 0
@@ -32,9 +33,6 @@ using bf16 = at::BFloat16;
 
 namespace {
 
-// x rows per block while a decoded strip is reused: about this many bytes of x stay cached
-// (AMX prompt rows read x again for every pair of strips; other paths for every strip).
-constexpr int64_t kRowBlockBytes = 512 * 1024;
 // AMX prompt rows (run_amx_prompt): bytes of x, as A tiles, per block of rows (or per chunk
 // of k): it stays in a core's L2 (2 MiB here) beside the decoded strips while every pair of
 // strips runs over it; a block of at least kAmxMinRows rows over all of k where that fits,
@@ -46,18 +44,6 @@ constexpr int64_t kAmxPartialBytes = 4 * 1024 * 1024;
 
 
 #if SHOAL_QUANT_AVX512
-// A thread's buffers for decoded strips.
-struct StripBuffer {
-  std::vector<__m512i> pairs, second;
-  std::vector<float> scales, offsets;
-
-  void reserve(int64_t k, int vectors, int sub_k) {
-    const size_t n = static_cast<size_t>(k / 2 * vectors);
-    if (pairs.size() < n) pairs.resize(n);
-    const size_t s = static_cast<size_t>(k / sub_k * kCols);
-    if (scales.size() < s) scales.resize(s), offsets.resize(s);
-  }
-};
 
 #if SHOAL_QUANT_AMX
 // One or two strips' k-tiles [t0, t0 + tiles) decoded for the prompt tiles
@@ -174,114 +160,6 @@ void QuantLinear::run_direct(const Call& call, bool prompt) const {
       for (int i = 0; i < count; ++i)
         store(call, seg, local + i, acc + i * m * kCols, static_cast<int>(m), 0);
       s += count;
-    }
-  });
-#endif
-}
-
-void QuantLinear::run_buffered(const Call& call) const {
-#if SHOAL_QUANT_AVX512
-  const int64_t m = call.m, k = k_;
-  const int64_t block_rows = std::max<int64_t>(kBlockRows, kRowBlockBytes / (2 * k));
-  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-    const int64_t rows = std::min(block_rows, m - m0);
-    at::parallel_for(0, strips_total_, 1, [&](int64_t begin, int64_t end) {
-      thread_local StripBuffer buffer;
-      alignas(64) float acc[kBlockRows * kCols];
-      for (int64_t s = begin; s < end; ++s) {
-        const Segment& seg = segment_of(s);
-        const int64_t local = s - seg.first_strip;
-        const Kernels& kern = kernels(seg.type);
-        buffer.reserve(k, kern.vectors, kern.sub_k);
-        kern.decode(seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes, k,
-                    buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data());
-        const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
-        const int64_t sum_stride = k / kern.sub_k;
-        for (int64_t r0 = m0; r0 < m0 + rows; r0 += kBlockRows) {
-          const int group = static_cast<int>(std::min<int64_t>(kBlockRows, m0 + rows - r0));
-          kern.buffered[group - 1](buffer.pairs.data(), buffer.scales.data(),
-                                   buffer.offsets.data(), k, call.chained.data() + r0 * k, k,
-                                   sums + r0 * sum_stride, sum_stride, acc);
-          store(call, seg, local, acc, group, r0);
-        }
-      }
-    });
-  }
-#endif
-}
-
-// Prompt rows without AMX (strips_prompt): strips in groups of up to kPromptStrips of one
-// segment, each group decoded once into a thread's buffers; then, per block of rows and
-// chunk of k, the block's rows run over the chunk kPromptRows at a time, their sums kept in
-// `totals` [rows][strips][16] between chunks, while the chunk's strips and x stay in cache.
-void QuantLinear::run_vector_prompt(const Call& call) const {
-#if SHOAL_QUANT_AVX512
-  const int64_t m = call.m, k = k_;
-  struct Group {
-    const Segment* seg;
-    int64_t local;  // the group's first strip within seg
-    int count;
-  };
-  std::vector<Group> groups;
-  for (const Segment& seg : segments_) {
-    const int width = kernels(seg.type).prompt_strips;
-    for (int64_t local = 0; local < seg.strips; local += width)
-      groups.push_back(
-          {&seg, local, static_cast<int>(std::min<int64_t>(width, seg.strips - local))});
-  }
-  const int64_t chunk_k = std::min(k, kPromptChunkK);
-  const int64_t block_rows = std::max<int64_t>(kPromptRows, kRowBlockBytes / (2 * chunk_k));
-  // A group's strips are decoded once; its rows then run block by block (x of a block and
-  // chunk stays in L2 beside the chunk's decoded strips).
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
-    thread_local StripBuffer buffers[kPromptStrips];
-    thread_local std::vector<float> totals;
-    for (int64_t index = begin; index < end; ++index) {
-      const Group& group = groups[index];
-      const Segment& seg = *group.seg;
-      const Kernels& kern = kernels(seg.type);
-      const __m512i* vectors[kPromptStrips];
-      const float* scales[kPromptStrips];
-      const float* offsets[kPromptStrips];
-      for (int i = 0; i < group.count; ++i) {
-        StripBuffer& buffer = buffers[i];
-        buffer.reserve(k, kern.vectors, kern.sub_k);
-        kern.decode_prompt(
-            seg.packed.data_ptr<uint8_t>() + (group.local + i) * seg.strip_bytes, k,
-            buffer.pairs.data(), buffer.scales.data(), buffer.offsets.data());
-        vectors[i] = buffer.pairs.data();
-        scales[i] = buffer.scales.data();
-        offsets[i] = buffer.offsets.data();
-      }
-      const int width = group.count;
-      const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
-      const int64_t sum_stride = k / kern.sub_k;
-      for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-        const int64_t rows = std::min(block_rows, m - m0);
-        const size_t need = static_cast<size_t>(rows * width * kCols);
-        if (totals.size() < need) totals.resize(need);
-        std::fill(totals.begin(), totals.begin() + static_cast<int64_t>(need), 0.f);
-        for (int64_t k0 = 0; k0 < k; k0 += chunk_k) {
-          const int64_t g0 = k0 / kern.sub_k, g1 = std::min(k0 + chunk_k, k) / kern.sub_k;
-          for (int64_t r0 = m0; r0 < m0 + rows; r0 += kPromptRows) {
-            const int here = static_cast<int>(std::min<int64_t>(kPromptRows, m0 + rows - r0));
-            kern.prompt[width - 1][here - 1](vectors, scales, offsets, g0, g1,
-                                             call.chained.data() + r0 * k, k,
-                                             sums + r0 * sum_stride, sum_stride,
-                                             totals.data() + (r0 - m0) * width * kCols);
-          }
-        }
-        // totals [rows][width][16] -> each strip's rows, as store() takes them.
-        alignas(64) float strip_rows[kPromptRows * kCols];
-        for (int i = 0; i < width; ++i)
-          for (int64_t r0 = 0; r0 < rows; r0 += kPromptRows) {
-            const int here = static_cast<int>(std::min<int64_t>(kPromptRows, rows - r0));
-            for (int r = 0; r < here; ++r)
-              std::memcpy(strip_rows + r * kCols,
-                          totals.data() + ((r0 + r) * width + i) * kCols, kCols * sizeof(float));
-            store(call, seg, group.local + i, strip_rows, here, m0 + r0);
-          }
-      }
     }
   });
 #endif
