@@ -237,6 +237,16 @@ def run_prompt(scheduler, prefixes, request_id, prompt):
     return admitted_with
 
 
+class NoOtherRanks:
+    """A model served whole: its blocks are this rank's alone (as LocalExecutor answers)."""
+
+    def queue_saves(self, blocks):
+        pass
+
+    def agree_prefix(self, blocks, placed):
+        return blocks.num_blocks
+
+
 def engine_side(directory, seed):
     """A scheduler, a random 'computed' cache and the disk tier glue, as an engine has."""
     from shoal.engine.kv.disk_prefixes import DiskPrefixes
@@ -249,7 +259,8 @@ def engine_side(directory, seed):
     generator = torch.Generator().manual_seed(seed)
     cache = [torch.randn((6, 16 * BLOCK, 8), generator=generator) for _ in range(2)]
     transfer = PrefixTransfer(scheduler.pool, lambda: cache, BLOCK)
-    return scheduler, cache, DiskPrefixes(open_tier(directory), transfer, scheduler)
+    return scheduler, cache, DiskPrefixes(open_tier(directory), transfer, scheduler,
+                                          NoOtherRanks())
 
 
 def test_a_restarted_engine_admits_a_stored_prompt_with_its_blocks_computed(tmp_path):
@@ -274,15 +285,15 @@ def test_a_restarted_engine_admits_a_stored_prompt_with_its_blocks_computed(tmp_
 
 
 class OtherRank:
-    """The other rank of a split model, in this process: its own cache and FollowerDisk,
+    """The other rank of a split model, in this process: its own cache and RankTier,
     reached as rank 0's executor reaches it (queue_saves, agree_prefix)."""
 
     def __init__(self, directory, seed, forget=()):
-        from shoal.engine.kv.disk_prefixes import FollowerDisk
+        from shoal.engine.kv.disk_prefixes import RankTier
 
         generator = torch.Generator().manual_seed(seed)
         self.cache = [torch.randn((6, 16 * BLOCK, 8), generator=generator) for _ in range(2)]
-        self.disk = FollowerDisk(open_tier(directory), lambda: self.cache, BLOCK)
+        self.disk = RankTier(open_tier(directory), lambda: self.cache, BLOCK)
         self.forget = set(forget)  # block indices this rank's disk loses before a load
         self.placed: list[tuple[int, int]] = []
 

@@ -86,9 +86,8 @@ class Engine:
                                       setup.stage_tokens)
             self.executor = LeaderExecutor(self.runner, self.sampler, setup.group,
                                            config.parallel, setup.hidden_wire())
-        model_config = self.loaded.config
         self.model_id = config.source.model_id
-        self.vocab_size = model_config.vocab_size
+        self.vocab_size = self.loaded.config.vocab_size
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -104,9 +103,8 @@ class Engine:
         )
         self.transfer = PrefixTransfer(self.scheduler.pool, self.runner.block_tensors,
                                        config.block_size)
-        self.disk = open_disk_prefixes(
-            config, self.loaded, self.transfer, self.scheduler,
-            ranks=self.executor if isinstance(self.executor, LeaderExecutor) else None)
+        self.disk = open_disk_prefixes(config, self.loaded, self.transfer, self.scheduler,
+                                       self.executor)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
                                         self.tokenizer.eos_token_ids)
         # Guessed tokens are verified by this process's sampler: a model served whole only.

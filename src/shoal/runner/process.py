@@ -12,8 +12,20 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 log = logging.getLogger("shoal.supervisor")
+
+
+@dataclass
+class RunnerProcess:
+    """One spawned runner and its socket (its supervisor's view of it)."""
+
+    proc: asyncio.subprocess.Process
+    writer: asyncio.StreamWriter | None = None
+    reader_task: asyncio.Task | None = None
+    ready: bool = False
+    load_failed: str | None = None
 
 
 async def stop_process(proc: asyncio.subprocess.Process, grace_s: float,

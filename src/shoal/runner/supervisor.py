@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from shoal.engine.config import EngineConfig
@@ -47,7 +46,7 @@ from shoal.runner.messages import (
 from shoal.runner.inspections import Inspections
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.prefix_messages import PrefixMessage
-from shoal.runner.process import spawn_runner, stop_process
+from shoal.runner.process import RunnerProcess, spawn_runner, stop_process
 from shoal.runner.process_env import runner_environment
 from shoal.runner.proposals import ProposalHook
 
@@ -59,17 +58,6 @@ ProgressCallback = Callable[[str, str, float], None]  # (model_id, stage, fracti
 
 class RunnerUnavailable(RuntimeError):
     """The runner could not be (re)started; the message says why."""
-
-
-@dataclass
-class _Process:
-    """One spawned runner and its socket."""
-
-    proc: asyncio.subprocess.Process
-    writer: asyncio.StreamWriter | None = None
-    reader_task: asyncio.Task | None = None
-    ready: bool = False
-    load_failed: str | None = None
 
 
 class RunnerSupervisor:
@@ -91,7 +79,7 @@ class RunnerSupervisor:
         # Wall-clock time (unix seconds) the router will stop this runner if it stays idle;
         # None when it is kept loaded indefinitely. Set by the router's keep-alive.
         self.expires_at: float | None = None
-        self._process: _Process | None = None
+        self._process: RunnerProcess | None = None
         self._requests = InFlight(self.options.max_buffered_chunks,
                                   self.options.chunk_timeout_s,
                                   lambda request_id: self._send(Cancel(request_id=request_id)))
@@ -275,7 +263,7 @@ class RunnerSupervisor:
 
     async def _spawn(self) -> None:
         def started(proc: asyncio.subprocess.Process) -> None:
-            self._process = _Process(proc=proc)
+            self._process = RunnerProcess(proc=proc)
 
         streams = await spawn_runner(runner_environment(self.options.env),
                                      self.options.load_timeout_s,
@@ -294,7 +282,7 @@ class RunnerSupervisor:
             self._read_loop(process, reader))
         self._own(self._load_deadline(process))
 
-    async def _read_loop(self, process: _Process, reader: asyncio.StreamReader) -> None:
+    async def _read_loop(self, process: RunnerProcess, reader: asyncio.StreamReader) -> None:
         reason = "its socket closed"
         try:
             while (raw := await read_frame(reader)) is not None:
@@ -309,7 +297,7 @@ class RunnerSupervisor:
         await stop_process(process.proc, 2.0, self.options.terminate_grace_s)
         await self._on_exit(process, f"{reason}; exit code {process.proc.returncode}")
 
-    def _dispatch(self, process: _Process, message: Any) -> None:
+    def _dispatch(self, process: RunnerProcess, message: Any) -> None:
         if isinstance(message, ChunkMessage):
             self._deliver(message.chunk)
         elif isinstance(message, ChunkBatch):
@@ -351,14 +339,14 @@ class RunnerSupervisor:
         hook = self.proposals or ProposalHook()
         self._send(await hook.ask(self.model_id, ask))
 
-    async def _load_deadline(self, process: _Process) -> None:
+    async def _load_deadline(self, process: RunnerProcess) -> None:
         await asyncio.sleep(self.options.load_timeout_s)
         if self._process is process and not process.ready:
             process.load_failed = f"loading took longer than {self.options.load_timeout_s:.0f} s"
             self.last_error = process.load_failed
             await stop_process(process.proc, 0.1, self.options.terminate_grace_s)
 
-    async def _on_exit(self, process: _Process, reason: str) -> None:
+    async def _on_exit(self, process: RunnerProcess, reason: str) -> None:
         if self._process is not process:
             return
         self._process = None

@@ -12,7 +12,8 @@ same layer range and heads, with the same block size: all of that names its dire
 A model split over ranks keeps one tier per rank, each on its rank's own disk with that
 rank's layers or heads: rank 0 saves its share and has the others save theirs (RankDisks,
 the plan's `saved`); a stored prompt is loaded only as far as every rank holds it, each
-rank into the block ids rank 0 chose (FollowerDisk on the other ranks).
+rank into the block ids rank 0 chose (RankTier on the other ranks). A model served whole
+is the case of no other ranks (LocalExecutor's RankDisks).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import hashlib
 import logging
 import re
 import time
-from pathlib import Path
-
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -32,7 +32,6 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.kv.disk_tier import DiskTier
 from shoal.engine.kv.prefix_cache import ROOT_HASH, CachedBlock, extend_block_hashes
 from shoal.engine.kv.transfer import (
-    Agreement,
     Layout,
     PrefixBlocks,
     PrefixTransfer,
@@ -101,7 +100,8 @@ def open_tier(config: EngineConfig, loaded, layout: Layout) -> DiskTier | None:
 
 
 class RankDisks(Protocol):
-    """Rank 0's way to the other ranks' tiers (parallel/executor.py: LeaderExecutor)."""
+    """Rank 0's way to the other ranks' tiers (parallel/executor.py: LeaderExecutor, or
+    LocalExecutor for a model served whole, which has none)."""
 
     def queue_saves(self, blocks: Sequence[CachedBlock]) -> None: ...
 
@@ -109,10 +109,9 @@ class RankDisks(Protocol):
 
 
 def open_disk_prefixes(config: EngineConfig, loaded, transfer: PrefixTransfer,
-                       scheduler: Scheduler, ranks: RankDisks | None = None
-                       ) -> DiskPrefixes | None:
+                       scheduler: Scheduler, ranks: RankDisks) -> DiskPrefixes | None:
     """The engine's SSD tier, or None when --kv-disk is off (or prefix caching is). ranks:
-    the other ranks of a split model, each with its own tier."""
+    the other ranks' tiers (none for a model served whole)."""
     tier = open_tier(config, loaded, transfer.layout)
     return None if tier is None else DiskPrefixes(tier, transfer, scheduler, ranks)
 
@@ -121,8 +120,9 @@ class DiskPrefixes:
     """Connects one engine's scheduler and cache to its DiskTier."""
 
     def __init__(self, tier: DiskTier, transfer: PrefixTransfer, scheduler: Scheduler,
-                 ranks: RankDisks | None = None) -> None:
+                 ranks: RankDisks) -> None:
         self.tier = tier
+        self._own = RankTier(tier, transfer.cache, transfer.block_size)
         self._transfer = transfer
         self._scheduler = scheduler
         self._ranks = ranks
@@ -145,11 +145,8 @@ class DiskPrefixes:
         """Queue the prompt blocks registered in this step (a copy each, made now; the
         other ranks copy theirs before the next step runs)."""
         blocks = self._scheduler.drain_cached_blocks()
-        for block in blocks:
-            if self.tier.enabled and not self.tier.has(block.block_hash):
-                self.tier.save(self._transfer.export_block(
-                    block.block_id, block.parent_hash, block.block_hash, block.token_ids))
-        if self._ranks is not None and blocks:
+        if blocks:
+            self._own.save(blocks)
             self._ranks.queue_saves(blocks)
 
     def load(self, request: Request, timeout_s: float | None = None) -> int:
@@ -167,9 +164,8 @@ class DiskPrefixes:
         if not loaded:
             return 0
         blocks = join_blocks(loaded)
-        agree: Agreement | None = None if self._ranks is None else self._ranks.agree_prefix
         try:
-            return self._transfer.import_(blocks, keep=in_ram, agree=agree)
+            return self._transfer.import_(blocks, keep=in_ram, agree=self._ranks.agree_prefix)
         except TransferError as error:
             log.warning("stored KV blocks do not fit this model's cache (%s); removed", error)
             self.tier.discard(blocks.block_hashes)
@@ -184,13 +180,12 @@ class DiskPrefixes:
                 "kv_disk_read_timeouts": tier.stats["read_timeouts"]}
 
     def close(self) -> None:
-        # Within the supervisor's grace for a runner asked to shut down (5 s).
-        self.tier.close(flush_timeout_s=3.0)
+        self._own.close()
 
 
-class FollowerDisk:
-    """A rank other than 0 of a split model: its share of each prefix block, on its own
-    disk. It saves the blocks rank 0 lists and loads the ones rank 0 asks for."""
+class RankTier:
+    """One rank's share of each prefix block, on its own disk: it saves the blocks rank 0
+    lists and (on the other ranks of a split model) loads the ones rank 0 asks for."""
 
     def __init__(self, tier: DiskTier, cache: Callable[[], list[torch.Tensor]],
                  block_size: int) -> None:
@@ -231,10 +226,11 @@ class FollowerDisk:
         return count
 
     def close(self) -> None:
+        # Within the supervisor's grace for a runner asked to shut down (5 s).
         self.tier.close(flush_timeout_s=3.0)
 
 
-def open_follower_disk(config: EngineConfig, loaded,
-                       cache: Callable[[], list[torch.Tensor]]) -> FollowerDisk | None:
+def open_rank_tier(config: EngineConfig, loaded,
+                   cache: Callable[[], list[torch.Tensor]]) -> RankTier | None:
     tier = open_tier(config, loaded, layout_of(cache()))
-    return None if tier is None else FollowerDisk(tier, cache, config.block_size)
+    return None if tier is None else RankTier(tier, cache, config.block_size)

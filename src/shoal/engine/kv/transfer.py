@@ -142,12 +142,12 @@ class PrefixTransfer:
     def __init__(self, pool: BlockPool, cache: Callable[[], list[torch.Tensor]],
                  block_size: int) -> None:
         self._pool = pool
-        self._cache = cache
+        self.cache = cache
         self.block_size = block_size
 
     @property
     def layout(self) -> Layout:
-        return layout_of(self._cache())
+        return layout_of(self.cache())
 
     def export(self, token_ids: Sequence[int], max_blocks: int | None = None
                ) -> PrefixBlocks | None:
@@ -160,14 +160,7 @@ class PrefixTransfer:
         count = len(block_ids)
         return PrefixBlocks(ROOT_HASH, tuple(token_ids[:count * self.block_size]),
                             tuple(hashes[:count]),
-                            read_blocks(self._cache(), block_ids, self.block_size),
-                            self.block_size)
-
-    def export_block(self, block_id: int, parent_hash: bytes, block_hash: bytes,
-                     token_ids: Sequence[int]) -> PrefixBlocks:
-        """One block's KV, as it is now (the caller knows its chain)."""
-        return PrefixBlocks(parent_hash, tuple(token_ids), (block_hash,),
-                            read_blocks(self._cache(), [block_id], self.block_size),
+                            read_blocks(self.cache(), block_ids, self.block_size),
                             self.block_size)
 
     def import_(self, blocks: PrefixBlocks, keep: Sequence[int] = (),
@@ -179,7 +172,7 @@ class PrefixTransfer:
         count it returns are registered (the others go back free). Returns how many blocks
         were stored; 0 when the pool has too few free blocks (nothing is evicted that a
         request holds). TransferError when the blocks fail verification."""
-        cache = self._cache()
+        cache = self.cache()
         verify(blocks, layout_of(cache), self.block_size)
         pool = self._pool
         if not pool.enable_prefix_caching:

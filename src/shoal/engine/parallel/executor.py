@@ -23,7 +23,7 @@ from typing import Protocol
 import msgpack
 import torch
 
-from shoal.engine.kv.disk_prefixes import FollowerDisk
+from shoal.engine.kv.disk_prefixes import RankTier
 from shoal.engine.kv.prefix_cache import CachedBlock
 from shoal.engine.kv.transfer import PrefixBlocks
 from shoal.engine.parallel.config import ParallelConfig
@@ -85,6 +85,11 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # The other ranks' KV disk tiers (kv/disk_prefixes.py: RankDisks).
+    def queue_saves(self, blocks: Sequence[CachedBlock]) -> None: ...
+
+    def agree_prefix(self, blocks: PrefixBlocks, placed: list[tuple[int, int]]) -> int: ...
+
 
 class LocalExecutor:
     """A model served whole by this process."""
@@ -104,6 +109,13 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         pass
+
+    # No other ranks: the disk tier's blocks are this rank's alone (kv/disk_prefixes.py).
+    def queue_saves(self, blocks: Sequence[CachedBlock]) -> None:
+        pass
+
+    def agree_prefix(self, blocks: PrefixBlocks, placed: list[tuple[int, int]]) -> int:
+        return blocks.num_blocks
 
 
 class LeaderExecutor:
@@ -187,7 +199,7 @@ class Follower:
 
     def __init__(self, runner, group: RankGroup, config: ParallelConfig, wire: HiddenWire,
                  mirror: SamplingMirror | None, tracer: StepTracer | None = None,
-                 disk: FollowerDisk | None = None) -> None:
+                 disk: RankTier | None = None) -> None:
         self._runner = runner
         self._group = group
         self._disk = disk  # this rank's KV disk tier

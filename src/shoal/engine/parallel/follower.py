@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.kv.disk_prefixes import open_follower_disk
+from shoal.engine.kv.disk_prefixes import open_rank_tier
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.parallel.executor import Follower
 from shoal.engine.parallel.sampling_mirror import SamplingMirror
@@ -47,7 +47,7 @@ class FollowerEngine:
         if parallel.sharding == "pipeline" and parallel.is_last:
             mirror = SamplingMirror(Sampler(eos_token_ids=setup.eos_token_ids), config.device)
         self.tracer = StepTracer(rank=parallel.rank)  # the runner reads its spans
-        disk = open_follower_disk(config, setup.loaded, self.runner.block_tensors)
+        disk = open_rank_tier(config, setup.loaded, self.runner.block_tensors)
         self._follower = Follower(self.runner, setup.group, parallel, setup.hidden_wire(),
                                   mirror, self.tracer, disk)
         report("ready", 1.0)
