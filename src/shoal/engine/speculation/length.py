@@ -5,10 +5,11 @@ every layer, off the fused decode kernel): StepCosts keeps what such steps measu
 engine, relative to a plain step. If each guess is kept with probability a (given the ones
 before it were), a step with k guesses yields (1 - a^(k+1)) / (1 - a) tokens on average;
 DraftLength estimates a from the request's recent verifications and picks the k with the
-best tokens per unit of cost, trying k up to twice the longest measured so far. When no k beats a plain step, speculation rests for a while
-(twice as long after each failed try, up to MAX_REST steps), then tries again. Guesses from
-a Proposer (a draft model, a proposer node) count their wait in the step's cost
-(Speculator.observe_step), so dear guesses buy fewer of them.
+best tokens per unit of cost, trying k up to twice the longest measured so far. When no k
+beats a plain step, speculation rests for a while (twice as long after each failed try, up
+to MAX_REST steps), then tries again. Guesses from a Proposer (a draft model, a proposer
+node) count their wait in the step's cost (Speculator.observe_step), so dear guesses buy
+fewer of them.
 """
 
 from __future__ import annotations
