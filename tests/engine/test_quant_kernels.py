@@ -122,16 +122,20 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
             assert torch.equal(part, everything[start:start + count]), (backend, prompt, count)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
-def test_generated_rows_take_the_same_bits_on_every_path(kernel, name):
+@pytest.mark.parametrize("name,out_features,cols", [
+    ("Q4_K", 64, 1024), ("Q6_K", 64, 1024), ("Q8_0", 64, 1024), ("F16", 64, 1024),
+    # Without AMX, many rows run over blocks of strips: several blocks per thread here.
+    ("Q4_K", 512, 4096)])
+def test_generated_rows_take_the_same_bits_on_every_path(kernel, name, out_features, cols):
     # Generated tokens sum in AMX's order everywhere: a few rows on vectors (tiles decoded in
-    # registers), more on AMX tiles, or without AMX on vectors over a decoded strip.
-    raw = random_blocks(name, 64, 1024, seed=6)
-    data = packed(kernel, name, raw, 64, 1024)
-    x = torch.randn(24, 1024, generator=torch.Generator().manual_seed(7)).bfloat16()
+    # registers), more on AMX tiles, or without AMX the same vectors 4 rows a pass.
+    raw = random_blocks(name, out_features, cols, seed=6)
+    data = packed(kernel, name, raw, out_features, cols)
+    x = torch.randn(24, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
     for backend in {backend for backend, _ in paths(kernel)}:
-        linear = kernel.QuantLinear([QTYPES[name]], [data], [64], 1024, None, backend)
-        many = linear.forward(x, True, False)  # 24 rows: AMX tiles, or a decoded strip
+        linear = kernel.QuantLinear([QTYPES[name]], [data], [out_features], cols, None, backend)
+        many = linear.forward(x, True, False)  # 24 rows: AMX tiles, or passes of 4 rows
+        assert torch.equal(linear.forward(x[:13], True, False), many[:13]), backend
         few = torch.cat([linear.forward(x[i:i + 3], True, False) for i in range(0, 24, 3)])
         assert torch.equal(few, many), backend
         if backend == AVX512:

@@ -88,9 +88,11 @@ class QuantLinear {
                   const float* second, int rows, int64_t row0) const;
   // The paths (quant_paths.cpp; run_portable in quant_matmul.cpp).
   void run_direct(const Call& call, bool prompt = false) const;
-  // Without AMX, more rows than direct takes: groups of strips decoded once, the rows run
-  // over them in each kind's order (quant_groups.cpp).
-  void run_groups(const Call& call, bool prompt) const;
+  void direct_rows(const Call& call, bool prompt, int64_t begin, int64_t end, int64_t row0,
+                   int rows) const;
+  // Without AMX, more prompt rows than direct takes: groups of strips decoded once, the
+  // rows run over them (quant_groups.cpp).
+  void run_groups(const Call& call) const;
   void run_tiles(const Call& call) const;
   void run_amx_prompt(const Call& call) const;
   void run_portable(const Call& call) const;

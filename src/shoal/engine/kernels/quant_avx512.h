@@ -9,9 +9,9 @@
 // (chain_order). Every path here and on AMX tiles (quant_amx.h, strip_tiles) issues the
 // same float operations for each row, so a row's result depends on nothing else in x.
 //
-// Few rows (decode): tiles decoded in registers and used at once, S strips side by side to
-// hide vdpbf16ps's latency (strips_direct). More rows, without AMX: strips decoded once
-// into buffers and rows run over them, 4 rows x 2 strips a pass (strips_buffered).
+// Generated rows: tiles decoded in registers and used at once, S strips side by side to
+// hide vdpbf16ps's latency (strips_direct), up to 4 rows a pass; without AMX more rows run
+// in such passes over blocks of strips that stay in L2.
 //
 // Prompt rows without AMX take an order of their own (strips_prompt): one chain per row,
 // strip and sub-block, scaled into the row's sum as the sub-block ends, R rows times S
@@ -133,45 +133,6 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
   }
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (s * R + r) * kCols, acc[s][r]);
-}
-
-// R rows x S strips decoded in chain layout, over sub-blocks [g0, g1), into acc [R][S][16]
-// (read and written): strips_direct's operations for each (row, strip), weights from memory,
-// every loaded weight vector serving R rows and every x pair S strips. Float types with
-// several planes run one strip at a time.
-template <QType T, int R, int S>
-void strips_buffered(const __m512i* const* vectors, const float* const* scales,
-                     const float* const* offsets, int64_t g0, int64_t g1, const bf16* xc,
-                     int64_t ldx, const float* sums, int64_t sum_stride, float* acc) {
-  using Tr = Traits<T>;
-  constexpr int V = Tr::kVectors;
-  static_assert(V == 1 || S == 1, "float types run one strip at a time");
-  for (int64_t g = g0; g < g1; ++g) {
-    SubBlockChains<S, V, R> chains;
-    // Vector index within its tile: sub-blocks of 16 start halfway through a tile.
-    const int first = static_cast<int>(g % (kTileK / Tr::f.sub_k)) * Tr::kSubPairs;
-    const bf16* xt = xc + g * Tr::f.sub_k - first * 2;
-    static_for<Tr::kSubPairs>([&](auto index) {
-      const int v = first + index;  // first is even: v's chain is index's
-      for (int s = 0; s < S; ++s)
-        for (int i = 0; i < V; ++i)
-          chains.add(s, i, index % 2 == 1,
-                     _mm512_load_si512(vectors[s] + (g * Tr::kSubPairs + index) * V + i),
-                     [&](int r) { return pair_of(xt + r * ldx + 2 * v); });
-    });
-    for (int s = 0; s < S; ++s) {
-      __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
-      if constexpr (!Tr::kFloat) {
-        scale = _mm512_loadu_ps(scales[s] + g * kCols);
-        offset = _mm512_loadu_ps(offsets[s] + g * kCols);
-      }
-      __m512 part[R], total[R];
-      chains.sum(s, part);
-      for (int r = 0; r < R; ++r) total[r] = _mm512_loadu_ps(acc + (r * S + s) * kCols);
-      add_sub<T, R>(total, part, scale, offset, sums + g, sum_stride);
-      for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (r * S + s) * kCols, total[r]);
-    }
-  }
 }
 
 // Prompt rows without AMX: R rows of x (chain order, stride ldx) times S strips decoded in

@@ -16,7 +16,7 @@
 // two consecutive elements of one of the chains AMX sums a tile op in (even k, odd k):
 // vector v = 2q + c holds k = 4q + c in its high word and k = 4q + c + 2 in its low word
 // (quant_strip.h, vector_of / word_of), so one vdpbf16ps advances a chain by two elements
-// in AMX's order. AMX's B tiles want pairs (k, k + 1) instead; the buffered paths
+// in AMX's order. AMX's B tiles want pairs (k, k + 1) instead; the AMX paths
 // rearrange decoded vectors into those (quant_simd.h, to_pairs). Planes of a tile, for
 // vector v and word j of a 64-byte chunk:
 //   nibbles (4 bits, 256 bytes): v = 4 * chunk + n, bits 4n .. 4n + 3;

@@ -1,7 +1,6 @@
-// QuantLinear's path for many rows on AVX512-BF16 vectors without AMX tiles: groups of
-// strips decoded once per call, the rows run over them a few rows and strips a pass, in
-// each kind's order: prompt rows strips_prompt, generated rows strips_buffered (AMX's
-// order, the same bits as run_direct's; quant_avx512.h). A few rows take run_direct.
+// QuantLinear's path for many prompt rows on AVX512-BF16 vectors without AMX tiles: groups
+// of strips decoded once per call, the rows run over them a few rows and strips a pass
+// (strips_prompt, quant_avx512.h). A few rows, and generated rows, take run_direct.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -22,14 +21,13 @@
 
 namespace shoal_quant {
 
-// Strips in groups of up to the kind's width, within one segment, each group decoded once
+// Strips in groups of up to the type's width, within one segment, each group decoded once
 // into a thread's buffers; then, per block of rows and chunk of k, the block's rows run
 // over the chunk kGroupRows at a time, their sums kept in `totals` [rows][strips][16]
 // between chunks, while the chunk's strips and x stay in cache.
-void QuantLinear::run_groups(const Call& call, bool prompt) const {
+void QuantLinear::run_groups(const Call& call) const {
 #if SHOAL_QUANT_AVX512
   const int64_t m = call.m, k = k_;
-  const GroupKernels Kernels::*kind = prompt ? &Kernels::prompt : &Kernels::generated;
   struct Group {
     const Segment* seg;
     int64_t local;  // the group's first strip within seg
@@ -37,7 +35,7 @@ void QuantLinear::run_groups(const Call& call, bool prompt) const {
   };
   std::vector<Group> groups;
   for (const Segment& seg : segments_) {
-    const int width = (kernels(seg.type).*kind).strips;
+    const int width = kernels(seg.type).prompt.strips;
     for (int64_t local = 0; local < seg.strips; local += width)
       groups.push_back(
           {&seg, local, static_cast<int>(std::min<int64_t>(width, seg.strips - local))});
@@ -53,7 +51,7 @@ void QuantLinear::run_groups(const Call& call, bool prompt) const {
       const Group& group = groups[index];
       const Segment& seg = *group.seg;
       const Kernels& type = kernels(seg.type);
-      const GroupKernels& kern = type.*kind;
+      const GroupKernels& kern = type.prompt;
       const __m512i* vectors[kGroupStrips];
       const float* scales[kGroupStrips];
       const float* offsets[kGroupStrips];

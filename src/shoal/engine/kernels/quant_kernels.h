@@ -10,15 +10,19 @@
 
 namespace shoal_quant {
 
-// Rows decoded tile by tile; more use a decoded strip.
+// Rows per pass with tiles decoded in registers. Without AMX, more generated rows run in
+// such passes over blocks of about kDirectBlockBytes of packed weights (QuantLinear::
+// run_direct): measured on an AVX512-BF16 core without AMX, 5 to 64 rows took 0.5-0.95x the
+// time of decoding strips into buffers once and running the rows over those (a 1.5B model's
+// 17920 x 1536 Q4_K matmul: 0.67 against 1.35 ms at 8 rows, 5.5 against 5.8 ms at 64).
 constexpr int kDirectRows = 4;
-// Rows over decoded strips without AMX: rows and strips per pass (16 chains in registers;
-// for prompt rows measured best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an
-// AVX512-BF16 core; generated rows keep two chains each, so half the strips), and k per
-// chunk (a chunk's decoded strips stay in L2 while every row pass runs over them).
+constexpr int64_t kDirectBlockBytes = 256 * 1024;
+// Prompt rows over decoded strips without AMX: rows and strips per pass (16 chains in
+// registers; measured best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an
+// AVX512-BF16 core), and k per chunk (a chunk's decoded strips stay in L2 while every row
+// pass runs over them).
 constexpr int kGroupRows = 4;
 constexpr int kGroupStrips = 4;
-constexpr int kGeneratedStrips = 2;
 constexpr int64_t kGroupChunkK = 2048;
 
 using DirectFn = void (*)(const uint8_t* const*, int64_t, const bf16*, int64_t, const float*,
@@ -31,7 +35,7 @@ using GroupFn = void (*)(const __m512i* const*, const float* const*, const float
                          int64_t, int64_t, const bf16*, int64_t, const float*, int64_t,
                          float*);
 
-// Rows over groups of decoded strips (QuantLinear::run_groups), for one kind of row.
+// Prompt rows over groups of decoded strips (QuantLinear::run_groups).
 struct GroupKernels {
   DecodeFn decode;
   GroupFn run[kGroupStrips][kGroupRows];  // [strips - 1][rows - 1]
@@ -42,17 +46,15 @@ struct GroupKernels {
 constexpr int strips_side_by_side(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
 struct Kernels {
-  // Vectors: tiles decoded in registers (several strips at once, or one), or a strip
-  // decoded in chain layout with rows over it.
+  // Vectors: tiles decoded in registers, several strips at once or one.
   DirectFn direct[kDirectRows];
   DirectFn direct_single[kDirectRows];
   // The same for prompt rows (strips_prompt_direct: strips_prompt's bits, few rows).
   DirectFn prompt_direct[kDirectRows];
   DirectFn prompt_direct_single[kDirectRows];
-  DecodeFn decode;
-  // Without AMX, more rows than direct takes: prompt rows (strips_prompt over strips
-  // decoded centred where kPromptCentred) and generated rows (strips_buffered).
-  GroupKernels prompt, generated;
+  // Without AMX, more prompt rows than direct takes: strips_prompt over strips decoded
+  // centred where kPromptCentred.
+  GroupKernels prompt;
   // AMX: a strip decoded in pair layout with rows over it on tiles (the same bits as the
   // vector paths), and prompt rows on split weights.
   DecodeFn decode_pairs;
@@ -71,19 +73,14 @@ Kernels kernels_of() {
     out.prompt_direct[r] = &strips_prompt_direct<T, r + 1, side>;
     out.prompt_direct_single[r] = &strips_prompt_direct<T, r + 1, 1>;
   });
-  out.decode = &decode_strip<T, false>;
   constexpr bool wide = Traits<T>::kVectors == 1;
   static_for<kGroupStrips>([&](auto s) {
     static_for<kGroupRows>([&](auto r) {
       out.prompt.run[s][r] = &strips_prompt<T, r + 1, wide ? s + 1 : 1>;
-      out.generated.run[s][r] =
-          &strips_buffered<T, r + 1, wide ? std::min<int>(s + 1, kGeneratedStrips) : 1>;
     });
   });
   out.prompt.strips = wide ? kGroupStrips : 1;
   out.prompt.decode = &decode_strip<T, false, kPromptCentred<T>>;
-  out.generated.strips = wide ? kGeneratedStrips : 1;
-  out.generated.decode = &decode_strip<T, false>;
   out.decode_pairs = &decode_strip<T, true>;
 #if SHOAL_QUANT_AMX
   out.tiles = &strip_tiles<T>;

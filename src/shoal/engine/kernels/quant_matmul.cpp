@@ -179,16 +179,13 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
     if (m <= kDirectRows) {
       run_direct(call, true);
     } else {
-      run_groups(call, true);
+      run_groups(call);
     }
-  } else if (m <= kDirectRows) {
-    call.chained = chain_order(call.x, m, k_);
-    run_direct(call);
-  } else if (backend_ == Backend::kAmx) {
+  } else if (m > kDirectRows && backend_ == Backend::kAmx) {
     run_tiles(call);
   } else {
     call.chained = chain_order(call.x, m, k_);
-    run_groups(call, false);
+    run_direct(call);
   }
 #endif
   return out;

@@ -132,36 +132,61 @@ bool QuantLinear::store_pair(const Call& call, const Segment& seg, int64_t local
   return true;
 }
 
-// Few rows: each thread decodes its strips' tiles in registers, up to four strips of one
-// segment side by side (prompt: in the prompt rows' order).
+// Rows decoded in registers: each thread decodes its strips' tiles, up to four strips of
+// one segment side by side (prompt: in the prompt rows' order), for up to kDirectRows rows
+// a pass. More rows run in groups of kDirectRows over a block of strips at a time, so a
+// block's bytes come from memory once and stay in L2 while every group decodes them again
+// (cheaper here than decoding into buffers: no stores, no reloads).
 void QuantLinear::run_direct(const Call& call, bool prompt) const {
 #if SHOAL_QUANT_AVX512
   const int64_t m = call.m, k = k_;
-  const int side = strips_side_by_side(static_cast<int>(m));
+  const int first = static_cast<int>(std::min<int64_t>(m, kDirectRows));
   // Enough strips per task that a task is worth a thread (~32k multiply-adds).
-  const int64_t grain = std::max<int64_t>(side, 32768 / (k * kCols * m));
+  const int64_t grain =
+      std::max<int64_t>(strips_side_by_side(first), 32768 / (k * kCols * m));
+  // A block of about kDirectBlockBytes of packed weights (~half a byte a weight), in whole
+  // fours of strips so that side-by-side runs never straddle blocks.
+  const int64_t block =
+      m <= kDirectRows ? strips_total_
+                       : std::max<int64_t>(4, kDirectBlockBytes / (k * kCols / 2) / 4 * 4);
   at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[4 * kDirectRows * kCols];
-    for (int64_t s = begin; s < end;) {
-      const Segment& seg = segment_of(s);
-      const int64_t local = s - seg.first_strip;
-      const Kernels& kern = kernels(seg.type);
-      // Side by side only within one segment and this task's strips; else one at a time.
-      const bool together = kern.vectors == 1 && s + side <= end && local + side <= seg.strips;
-      const int count = together ? side : 1;
-      const uint8_t* strips[4];
-      for (int i = 0; i < count; ++i)
-        strips[i] = seg.packed.data_ptr<uint8_t>() + (local + i) * seg.strip_bytes;
-      const float* sums = kern.sub_k == 16 ? call.sums16.data() : call.sums32.data();
-      const DirectFn run = prompt ? (together ? kern.prompt_direct[m - 1]
-                                              : kern.prompt_direct_single[m - 1])
-                                  : (together ? kern.direct[m - 1] : kern.direct_single[m - 1]);
-      run(strips, k, call.chained.data(), k, sums, k / kern.sub_k, acc);
-      for (int i = 0; i < count; ++i)
-        store(call, seg, local + i, acc + i * m * kCols, static_cast<int>(m), 0);
-      s += count;
+    for (int64_t b0 = begin; b0 < end; b0 += block) {
+      const int64_t b1 = std::min(end, b0 + block);
+      for (int64_t r0 = 0; r0 < m; r0 += kDirectRows)
+        direct_rows(call, prompt, b0, b1, r0,
+                    static_cast<int>(std::min<int64_t>(kDirectRows, m - r0)));
     }
   });
+#endif
+}
+
+// Rows [row0, row0 + rows) (rows <= kDirectRows) over strips [begin, end).
+void QuantLinear::direct_rows(const Call& call, bool prompt, int64_t begin, int64_t end,
+                              int64_t row0, int rows) const {
+#if SHOAL_QUANT_AVX512
+  const int64_t k = k_;
+  const int side = strips_side_by_side(rows);
+  alignas(64) float acc[4 * kDirectRows * kCols];
+  for (int64_t s = begin; s < end;) {
+    const Segment& seg = segment_of(s);
+    const int64_t local = s - seg.first_strip;
+    const Kernels& kern = kernels(seg.type);
+    // Side by side only within one segment and these strips; else one at a time.
+    const bool together = kern.vectors == 1 && s + side <= end && local + side <= seg.strips;
+    const int count = together ? side : 1;
+    const uint8_t* strips[4];
+    for (int i = 0; i < count; ++i)
+      strips[i] = seg.packed.data_ptr<uint8_t>() + (local + i) * seg.strip_bytes;
+    const int64_t sum_stride = k / kern.sub_k;
+    const float* sums = (kern.sub_k == 16 ? call.sums16.data() : call.sums32.data()) +
+                        row0 * sum_stride;
+    const DirectFn run =
+        prompt ? (together ? kern.prompt_direct[rows - 1] : kern.prompt_direct_single[rows - 1])
+               : (together ? kern.direct[rows - 1] : kern.direct_single[rows - 1]);
+    run(strips, k, call.chained.data() + row0 * k, k, sums, sum_stride, acc);
+    for (int i = 0; i < count; ++i) store(call, seg, local + i, acc + i * rows * kCols, rows, row0);
+    s += count;
+  }
 #endif
 }
 
