@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from shoal.engine.kv.transfer import TransferError
 from shoal.engine.parallel.plan import (
     NewRequest,
+    PrefixLoad,
     SampledStep,
     StepPlan,
     decode_plan,
     decode_sampled,
+    decode_tensors,
     encode_plan,
     encode_sampled,
+    encode_tensors,
 )
 from shoal.engine.sampler import SampledLogprobs
 from shoal.engine.sampling import SamplingParams
@@ -47,3 +52,20 @@ def test_a_sampled_step_round_trips():
     step = SampledStep(token_ids=(3, 9),
                        logprobs=(None, SampledLogprobs(9, -0.25, [(9, -0.25), (4, -1.5)])))
     assert decode_sampled(encode_sampled(step)) == step
+
+
+def test_a_prefix_write_plan_and_a_rank_s_share_round_trip():
+    order = PrefixLoad(b"p" * 16, (b"a" * 16, b"b" * 16), ((1, 40),))
+    plan = decode_plan(encode_plan(StepPlan(kind="prefix_write", prefix_load=order)))
+    assert plan.kind == "prefix_write" and plan.prefix_load == order
+    share = (torch.randn(6, 32, 64).bfloat16(), torch.randint(-128, 127, (6, 32, 68),
+                                                              dtype=torch.int8))
+    back = decode_tensors(encode_tensors(share))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(share, back))
+
+
+# not msgpack; a list of numbers; a list holding an empty map
+@pytest.mark.parametrize("data", [b"\xc1", b"\x92\x01\x02", b"\x91\x80"])
+def test_a_malformed_share_is_a_transfer_error(data):
+    with pytest.raises(TransferError, match="malformed"):
+        decode_tensors(data)

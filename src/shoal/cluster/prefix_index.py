@@ -8,8 +8,8 @@ LRU with a bound, so an instance costs bounded memory whatever it publishes.
 
 A pipeline or tensor instance's ranks keep the same block ids as rank 0 (rank 0 schedules),
 so rank 0's hashes stand for every rank; `compat` says what must match for blocks to move
-(weights, KV layout and dtype, block size, layer range), and blocks move only between equal
-values of it.
+(weights, every rank's KV layout and dtype, block size, the split), and blocks move only
+between equal values of it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from shoal.engine.errors import check_context
 from shoal.engine.grammar import Constraint, GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
 from shoal.engine.kv.disk_prefixes import open_disk_prefixes
-from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer, TransferError
+from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer
 from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
@@ -78,14 +78,16 @@ class Engine:
             self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,
                                       kv_plan.stage_tokens)
             self.executor: Executor = LocalExecutor(self.runner, self.sampler)
+            ranks = None  # no other ranks hold shares of the KV
         else:
             setup = set_up_rank(config, report, tuple(self.tokenizer.eos_token_ids))
             self.loaded = setup.loaded
             num_blocks, self.max_model_len = setup.num_blocks, setup.max_model_len
             self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,
                                       setup.stage_tokens)
-            self.executor = LeaderExecutor(self.runner, self.sampler, setup.group,
-                                           config.parallel, setup.hidden_wire())
+            self.executor = ranks = LeaderExecutor(self.runner, self.sampler, setup.group,
+                                                   config.parallel, setup.hidden_wire(),
+                                                   setup.share_layouts)
         self.model_id = config.source.model_id
         self.vocab_size = self.loaded.config.vocab_size
         self.num_blocks = num_blocks
@@ -102,7 +104,7 @@ class Engine:
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
         self.transfer = PrefixTransfer(self.scheduler.pool, self.runner.block_tensors,
-                                       config.block_size)
+                                       config.block_size, ranks)
         self.disk = open_disk_prefixes(config, self.loaded, self.transfer, self.scheduler,
                                        self.executor)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.vocab_size,
@@ -191,13 +193,11 @@ class Engine:
 
     def import_prefix(self, blocks: PrefixBlocks) -> int:
         """Verify prefix blocks (hash chain, shapes, dtypes, finite values) and store the
-        ones not cached yet, so a prompt starting with them skips computing them. Returns
-        how many were stored (0 when the pool is too full); TransferError when they fail
-        verification or this engine is one rank of a split model. Between steps."""
-        if self.config.parallel is not None:
-            raise TransferError("prefix blocks move only into a model served whole; every "
-                                "rank of a split model would need its own share")
-        return self.transfer.import_(blocks)
+        ones not cached yet, so a prompt starting with them skips computing them; a split
+        model's ranks each store their share (blocks from an instance split the same way).
+        Returns how many were stored (0 when the pool is too full); TransferError when they
+        fail verification. Between steps."""
+        return self.transfer.import_instance(blocks)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -8,13 +8,15 @@ this module.
 
 from __future__ import annotations
 
-import warnings
 from array import array
 from typing import Any
 
-import torch
-
-from shoal.engine.kv.transfer import PrefixBlocks, TransferError
+from shoal.engine.kv.transfer import (
+    PrefixBlocks,
+    TransferError,
+    tensor_from_wire,
+    tensor_to_wire,
+)
 
 # Tensor bytes per part: a frame (runner/framing.py, 16 MiB) holds one with room to spare.
 PART_BYTES = 8 * 1024 * 1024
@@ -24,23 +26,13 @@ def blocks_to_wire(blocks: PrefixBlocks) -> dict[str, Any]:
     return {"parent": blocks.parent_hash,
             "tokens": array("i", blocks.token_ids).tobytes(),
             "hashes": list(blocks.block_hashes), "block_size": blocks.block_size,
-            "tensors": [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                         "data": t.contiguous().view(torch.uint8).numpy().tobytes()}
-                        for t in blocks.tensors]}
+            "tensors": [tensor_to_wire(t) for t in blocks.tensors]}
 
 
 def blocks_from_wire(wire: dict[str, Any]) -> PrefixBlocks:
     """TransferError for a malformed part (the import then verifies its content)."""
     try:
-        tensors = []
-        for spec in wire["tensors"]:
-            dtype = getattr(torch, str(spec["dtype"]))
-            if not isinstance(dtype, torch.dtype):
-                raise TransferError(f"unknown dtype {spec['dtype']!r}")
-            with warnings.catch_warnings():  # read-only bytes: the import only reads them
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(spec["data"], dtype=dtype)
-            tensors.append(flat.view(*[int(n) for n in spec["shape"]]))
+        tensors = [tensor_from_wire(spec) for spec in wire["tensors"]]
         tokens = array("i")
         tokens.frombytes(wire["tokens"])
         return PrefixBlocks(bytes(wire["parent"]), tuple(tokens),

@@ -10,8 +10,9 @@
   whatever did not arrive, so a slow or dead holder costs an ordinary prefill.
 - Exporting: PrefixExport is answered at once with the blocks held, in parts.
 
-Blocks move only into and out of a model served whole (one rank); a split instance reports
-its hashes (rank 0 schedules for all ranks) for routing only.
+A split instance's runner is rank 0's: it reports the hashes (it schedules for all ranks),
+and its blocks carry every rank's share (engine/kv/transfer.py), so they move only between
+instances split the same way (compat_key).
 """
 
 from __future__ import annotations
@@ -70,13 +71,17 @@ def weights_fingerprint(path: Path) -> str:
 
 def compat_key(engine: Any) -> str:
     """What two instances must share to exchange prefix blocks: weights, KV layout (shapes
-    and dtypes per cache tensor), block size, and which part of the model this rank holds."""
+    and dtypes per cache tensor, every rank's), block size, and how the model is split: the
+    layers of each pipeline rank follow from their cache tensors, one per layer."""
     config = engine.config
     parallel = config.parallel
-    part = "whole" if parallel is None else (
-        f"rank{parallel.rank}/{parallel.world_size}:{parallel.sharding}:"
-        f"{parallel.layer_start}-{parallel.layer_end}")
-    layout = repr(engine.transfer.layout)
+    part = "whole"
+    if parallel is not None:
+        layers = [len(engine.transfer.layout)] + [len(share) for share in
+                                                  engine.executor.share_layouts]
+        part = (f"{parallel.sharding}x{parallel.world_size}:"
+                f"{parallel.layer_start}+{'/'.join(map(str, layers))}")
+    layout = repr(engine.transfer.instance_layout)
     return (f"{config.source.model_id}|{weights_fingerprint(Path(config.source.path))}|"
             f"bs{config.block_size}|{part}|"
             f"{hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()}")
@@ -90,7 +95,6 @@ class RunnerPrefixShare:
         self._send = send
         self._pool = engine.scheduler.pool
         self.block_size = engine.config.block_size
-        self.can_fetch = engine.config.parallel is None
         self.report_interval_s = report_interval_s
         self.fetch_wait_s = fetch_wait_s
         self.min_blocks = min_blocks
@@ -150,7 +154,7 @@ class RunnerPrefixShare:
     def hold(self, request: GenerationRequest, token_ids: list[int]) -> bool:
         """Hold request for a fetch when enough of its prompt's blocks are missing here;
         False: admit it now."""
-        if not self.can_fetch or request.request_id in self.held:
+        if request.request_id in self.held:
             return False
         # The scheduler leaves the prompt's last token to compute (it yields the logits).
         usable = (len(token_ids) - 1) // self.block_size
@@ -217,7 +221,7 @@ class RunnerPrefixShare:
             self._send(PrefixExportPart(export_id=message.export_id, seq=seq, last=last,
                                         **fields))
 
-        if message.compat != self.compat or not self.can_fetch:
+        if message.compat != self.compat:
             part(0, True, error="this instance's blocks do not fit the asker's cache")
             return
         blocks = self.engine.export_prefix(list(message.token_ids))

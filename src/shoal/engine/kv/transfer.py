@@ -6,6 +6,10 @@ cache adds its scale tensors ([2 * H_kv, slots] per layer) to the same list. Eve
 is generic over that list, so an exported prefix holds one CPU tensor per cache tensor with
 the slot axis cut down to the prefix's n * block_size slots.
 
+A model split over ranks moves as one instance: its blocks hold rank 0's tensors, then each
+other rank's in rank order (RankShares: rank 0 gathers them on export and hands each rank
+its own on import), so they move only between instances split the same way.
+
 An import is verified before anything is written: the hash chain (every block's hash follows
 from its parent's hash and its own tokens, so a sender cannot register KV under a prefix it
 does not hold), the tensors' shapes and dtypes against this cache, and finite values. The
@@ -15,8 +19,11 @@ scheduler's normal lookup finds them and the pool may evict them like any cached
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -34,10 +41,56 @@ class TransferError(ValueError):
     """Blocks that do not belong in this cache (broken chain, wrong shape or dtype, NaN)."""
 
 
+class RankShares(Protocol):
+    """The other ranks' shares of a split model's blocks (parallel/executor.py,
+    LeaderExecutor)."""
+
+    # Each other rank's cache layout, in rank order.
+    share_layouts: tuple[Layout, ...]
+
+    def read_prefix(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Every other rank's tensors of these blocks, rank after rank."""
+        ...
+
+    def write_prefix(self, blocks: PrefixBlocks, placed: list[tuple[int, int]],
+                     shares: Sequence[tuple[torch.Tensor, ...]]) -> int:
+        """Each other rank writes its share (shares[rank - 1], all of blocks' blocks) at
+        placed's block ids; how many leading blocks every rank wrote."""
+        ...
+
+
 def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
     """What must match between two caches for blocks to move between them."""
     return tuple(((t.shape[0], *t.shape[2:]), str(t.dtype).removeprefix("torch."))
                  for t in tensors)
+
+
+def tensor_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
+    """A CPU tensor as msgpack-able raw bytes."""
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "data": tensor.contiguous().view(torch.uint8).numpy().tobytes()}
+
+
+def tensor_from_wire(spec: dict[str, Any]) -> torch.Tensor:
+    """A read-only view of the bytes; TransferError when malformed."""
+    try:
+        dtype = getattr(torch, str(spec["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise TransferError(f"unknown dtype {spec['dtype']!r}")
+        with warnings.catch_warnings():  # read-only bytes: an import only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(spec["data"], dtype=dtype)
+        return flat.view(*[int(n) for n in spec["shape"]])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise TransferError(f"malformed tensor: {error}") from None
+
+
+def layout_to_wire(layout: Layout) -> list:
+    return [[list(shape), dtype] for shape, dtype in layout]
+
+
+def layout_from_wire(wire: list) -> Layout:
+    return tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in wire)
 
 
 @dataclass(frozen=True)
@@ -122,16 +175,19 @@ def verify(blocks: PrefixBlocks, layout: Layout, block_size: int) -> None:
         if parent != expected:
             raise TransferError(f"block {index}'s hash does not follow from its parent and "
                                 f"its tokens")
-    if len(blocks.tensors) != len(layout):
-        raise TransferError(f"{len(blocks.tensors)} tensors for a cache of {len(layout)}")
-    for index, (tensor, (shape, dtype)) in enumerate(zip(blocks.tensors, layout)):
+    check_tensors(blocks.tensors, layout, count * block_size)
+
+
+def check_tensors(tensors: Sequence[torch.Tensor], layout: Layout, slots: int) -> None:
+    """TransferError unless tensors match layout around `slots` slots, with finite values."""
+    if len(tensors) != len(layout):
+        raise TransferError(f"{len(tensors)} tensors for a cache of {len(layout)}")
+    for index, (tensor, (shape, dtype)) in enumerate(zip(tensors, layout)):
         got = (tensor.shape[0], *tensor.shape[2:])
         name = str(tensor.dtype).removeprefix("torch.")
-        if got != shape or name != dtype or tensor.dim() < 2 \
-                or tensor.shape[1] != count * block_size:
+        if got != shape or name != dtype or tensor.dim() < 2 or tensor.shape[1] != slots:
             raise TransferError(f"tensor {index} is {name} {tuple(tensor.shape)}; this cache "
-                                f"needs {dtype} with shape {shape} around "
-                                f"{count * block_size} slots")
+                                f"needs {dtype} with shape {shape} around {slots} slots")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise TransferError(f"tensor {index} holds values that are not finite")
 
@@ -140,28 +196,54 @@ class PrefixTransfer:
     """Export and import of prefix blocks for one engine (its pool and cache tensors)."""
 
     def __init__(self, pool: BlockPool, cache: Callable[[], list[torch.Tensor]],
-                 block_size: int) -> None:
+                 block_size: int, ranks: RankShares | None = None) -> None:
         self._pool = pool
         self.cache = cache
         self.block_size = block_size
+        self._ranks = ranks  # None: a model served whole
+        self._shares = ranks.share_layouts if ranks is not None else ()
 
     @property
     def layout(self) -> Layout:
+        """This rank's cache (its disk tier's blocks)."""
         return layout_of(self.cache())
+
+    @property
+    def instance_layout(self) -> Layout:
+        """Every rank's cache, rank after rank: what export() and import_instance() move."""
+        return self.layout + tuple(x for share in self._shares for x in share)
 
     def export(self, token_ids: Sequence[int], max_blocks: int | None = None
                ) -> PrefixBlocks | None:
-        """The KV of the longest cached prefix of token_ids (read as a prompt), None when
-        not even its first block is cached."""
+        """The KV of the longest cached prefix of token_ids (read as a prompt), every rank's
+        share; None when not even its first block is cached."""
         hashes = extend_block_hashes([], list(token_ids), self.block_size)[:max_blocks]
         block_ids = self._pool.find_cached(hashes)
         if not block_ids:
             return None
         count = len(block_ids)
+        tensors = read_blocks(self.cache(), block_ids, self.block_size)
+        if self._ranks is not None:
+            tensors += self._ranks.read_prefix(block_ids)
         return PrefixBlocks(ROOT_HASH, tuple(token_ids[:count * self.block_size]),
                             tuple(hashes[:count]),
-                            read_blocks(self.cache(), block_ids, self.block_size),
-                            self.block_size)
+                            tensors, self.block_size)
+
+    def import_instance(self, blocks: PrefixBlocks) -> int:
+        """import_() of blocks export() made on an instance split the same way: every
+        rank's share verified here, then each rank stores its own; a block counts only
+        once every rank stored it."""
+        verify(blocks, self.instance_layout, self.block_size)
+        ranks = self._ranks
+        if ranks is None:
+            return self.import_(blocks)
+        own = len(self.layout)
+        shares, first = [], own
+        for layout in self._shares:
+            shares.append(blocks.tensors[first:first + len(layout)])
+            first += len(layout)
+        return self.import_(dataclasses.replace(blocks, tensors=blocks.tensors[:own]),
+                            agree=lambda mine, placed: ranks.write_prefix(mine, placed, shares))
 
     def import_(self, blocks: PrefixBlocks, keep: Sequence[int] = (),
                 agree: Agreement | None = None) -> int:

@@ -9,7 +9,9 @@ own part and returns one token per sampled chunk.
 The other ranks run Follower.run(): take a plan, do their part, until a shutdown plan, a
 stop request, or a GroupError (rank 0 gone: no plan, not even a keep-alive, in time).
 With a KV disk tier, each rank saves its share of the blocks a plan lists and answers a
-"prefix_load" plan with how many stored blocks it loaded (kv/disk_prefixes.py).
+"prefix_load" plan with how many stored blocks it loaded (kv/disk_prefixes.py). Prefix
+blocks moving to or from another instance (kv/transfer.py, RankShares): each rank reads its
+share for rank 0 ("prefix_read") or writes the share rank 0 sends it ("prefix_write").
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ import torch
 
 from shoal.engine.kv.disk_prefixes import RankTier
 from shoal.engine.kv.prefix_cache import CachedBlock
-from shoal.engine.kv.transfer import PrefixBlocks
+from shoal.engine.kv.transfer import (
+    Layout,
+    PrefixBlocks,
+    TransferError,
+    check_tensors,
+    layout_of,
+    pick_blocks,
+    read_blocks,
+    write_blocks,
+)
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.parallel.group import GroupError, RankGroup
 from shoal.engine.parallel.plan import (
@@ -34,8 +45,10 @@ from shoal.engine.parallel.plan import (
     StepPlan,
     decode_plan,
     decode_sampled,
+    decode_tensors,
     encode_plan,
     encode_sampled,
+    encode_tensors,
 )
 from shoal.engine.parallel.sampling_mirror import SamplingMirror
 from shoal.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -122,7 +135,8 @@ class LeaderExecutor:
     """Rank 0's side of every step."""
 
     def __init__(self, runner, sampler: Sampler, group: RankGroup, config: ParallelConfig,
-                 wire: HiddenWire) -> None:
+                 wire: HiddenWire, share_layouts: tuple[Layout, ...]) -> None:
+        self.share_layouts = share_layouts  # ranks 1.. (RankShares, kv/transfer.py)
         self._runner = runner
         self._sampler = sampler
         self._group = group
@@ -175,6 +189,34 @@ class LeaderExecutor:
             count = min(count, int(msgpack.unpackb(self._group.recv_bytes(rank))))
         return count
 
+    def read_prefix(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Every other rank's copy of these blocks' slots, rank after rank (checked
+        against the layout each rank declared at start)."""
+        placed = tuple(enumerate(block_ids))
+        self._send_plan(StepPlan(kind="prefix_read", prefix_load=PrefixLoad(b"", (), placed)))
+        slots = len(block_ids) * self._runner.block_size
+        tensors: list[torch.Tensor] = []
+        for rank, layout in enumerate(self.share_layouts, start=1):
+            share = decode_tensors(self._group.recv_bytes(rank))
+            check_tensors(share, layout, slots)
+            tensors.extend(share)
+        return tuple(tensors)
+
+    def write_prefix(self, blocks: PrefixBlocks, placed: list[tuple[int, int]],
+                     shares: Sequence[tuple[torch.Tensor, ...]]) -> int:
+        """Each other rank writes its share of the placed blocks at their block ids; how
+        many leading blocks of `blocks` all of them stored."""
+        order = PrefixLoad(blocks.parent_hash, blocks.block_hashes, tuple(placed))
+        self._send_plan(StepPlan(kind="prefix_write", prefix_load=order))
+        indices = [index for index, _ in placed]
+        for rank, share in enumerate(shares, start=1):
+            picked = pick_blocks(dataclasses.replace(blocks, tensors=share), indices)
+            self._group.send_bytes(encode_tensors(picked), rank)
+        count = blocks.num_blocks
+        for rank in range(1, self._config.world_size):
+            count = min(count, int(msgpack.unpackb(self._group.recv_bytes(rank))))
+        return count
+
     def shutdown(self) -> None:
         """Tell the other ranks to stop (best effort: some may be gone), then leave."""
         try:
@@ -220,8 +262,8 @@ class Follower:
                     self._disk.save(plan.saved)
                 if plan.kind == "shutdown":
                     return
-                if plan.kind == "prefix_load":
-                    self._answer_prefix_load(plan.prefix_load)
+                if plan.kind in ("prefix_load", "prefix_read", "prefix_write"):
+                    self._answer_prefix(plan.kind, plan.prefix_load)
                     continue
                 if self._mirror is not None:
                     self._mirror.apply(plan)
@@ -239,9 +281,25 @@ class Follower:
                 self._disk.close()  # writes out what is queued
             self._group.close()
 
-    def _answer_prefix_load(self, order: PrefixLoad | None) -> None:
+    def _answer_prefix(self, kind: str, order: PrefixLoad | None) -> None:
+        cache, size = self._runner.block_tensors(), self._runner.block_size
+        block_ids = [block_id for _, block_id in order.placed] if order is not None else []
+        if kind == "prefix_read":
+            self._group.send_bytes(encode_tensors(read_blocks(cache, block_ids, size)), 0)
+            return
         count = 0
-        if self._disk is not None and order is not None:
+        if kind == "prefix_write":
+            # The blocks were verified on rank 0 against the layout this rank declared;
+            # checked again here, as anything a peer sends.
+            try:
+                share = decode_tensors(self._group.recv_bytes(0))
+                check_tensors(share, layout_of(cache), len(block_ids) * size)
+                write_blocks(cache, block_ids, size, share)
+                count = len(order.block_hashes)
+            except TransferError as error:
+                log.warning("rank %d refused its share of prefix blocks: %s",
+                            self._config.rank, error)
+        elif self._disk is not None and order is not None:
             count = self._disk.load(order.parent_hash, order.block_hashes, order.placed)
         self._group.send_bytes(msgpack.packb(count), 0)
 

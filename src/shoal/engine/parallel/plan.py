@@ -11,6 +11,10 @@ With a KV disk tier (--kv-disk), each rank keeps its own share of every prefix b
 own disk: a plan lists the prompt blocks rank 0 registered since the last one (`saved`,
 copied by each rank before the plan's step runs), and a "prefix_load" plan asks every rank
 to load stored blocks into the block ids rank 0 chose; each answers how many it loaded.
+Prefix blocks moving between instances (kv/transfer.py) take two more: "prefix_read" (each
+rank answers with its share of the listed blocks, encode_tensors) and "prefix_write" (rank
+0 then sends each rank its share; each writes it at the listed block ids and answers how
+many leading blocks it stored).
 
 Both travel as msgpack (never pickle: a rank must not run code a peer sends it).
 """
@@ -26,12 +30,14 @@ import numpy as np
 import torch
 
 from shoal.engine.kv.prefix_cache import CachedBlock
+from shoal.engine.kv.transfer import TransferError, tensor_from_wire, tensor_to_wire
 from shoal.engine.sampler import SampledLogprobs
 from shoal.engine.sampling import SamplingParams
 from shoal.engine.scheduler_output import ScheduledChunk
 from shoal.tracing.steps import RequestTrace
 
-PlanKind = Literal["step", "keepalive", "shutdown", "prefix_load"]
+PlanKind = Literal["step", "keepalive", "shutdown", "prefix_load", "prefix_read",
+                   "prefix_write"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,9 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class PrefixLoad:
-    """Stored blocks following parent_hash along block_hashes, which rank 0 loaded from its
-    disk and wrote at placed's block ids ((index in block_hashes, block id))."""
+    """Blocks following parent_hash along block_hashes, which rank 0 wrote at placed's
+    block ids ((index in block_hashes, block id)): loaded from its disk (prefix_load) or
+    received (prefix_write). A prefix_read lists the block ids to read in placed."""
 
     parent_hash: bytes
     block_hashes: tuple[bytes, ...]
@@ -63,7 +70,7 @@ class StepPlan:
     traced: dict[str, RequestTrace] = field(default_factory=dict)
     # prompt blocks registered since the last plan, for each rank's disk tier
     saved: tuple[CachedBlock, ...] = ()
-    prefix_load: PrefixLoad | None = None  # kind "prefix_load"
+    prefix_load: PrefixLoad | None = None  # the prefix_* kinds
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +124,21 @@ def decode_plan(data: bytes) -> StepPlan:
     return StepPlan(kind=raw["kind"], chunks=chunks, added=added,
                     removed=tuple(raw["removed"]), allowed=allowed, traced=traced,
                     saved=saved, prefix_load=prefix_load)
+
+
+def encode_tensors(tensors: tuple[torch.Tensor, ...]) -> bytes:
+    return msgpack.packb([tensor_to_wire(t) for t in tensors], use_bin_type=True)
+
+
+def decode_tensors(data: bytes) -> tuple[torch.Tensor, ...]:
+    """TransferError when malformed."""
+    try:
+        specs = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as error:
+        raise TransferError(f"malformed tensors: {error}") from None
+    if not isinstance(specs, list):
+        raise TransferError("malformed tensors: not a list")
+    return tuple(tensor_from_wire(spec) for spec in specs)
 
 
 def encode_sampled(step: SampledStep) -> bytes:

@@ -4,7 +4,9 @@ Every rank joins first and loads after, so no rank spends memory and minutes on 
 before all of them are there. The ranks' KV pools must have the same number of blocks (rank
 0's scheduler hands out block ids for all of them): each rank sizes its own pool for its
 layers and heads, and rank 0 takes the smallest, along with the context that allows.
-Rank 0 also tells the others its tokenizer's end tokens (the last pipeline rank samples).
+Rank 0 also tells the others its tokenizer's end tokens (the last pipeline rank samples),
+and learns each rank's KV cache layout (prefix blocks moving between instances carry every
+rank's share: kv/transfer.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import msgpack
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.kv.tensors import allocate_kv_cache
+from shoal.engine.kv.transfer import Layout, layout_from_wire, layout_of, layout_to_wire
 from shoal.engine.kv_budget import plan_kv_cache
 from shoal.engine.models.loader import LoadedModel, load_model
 from shoal.engine.parallel.config import ParallelConfig
@@ -35,6 +39,7 @@ class RankSetup:
     max_model_len: int
     stage_tokens: int  # the decode stage's slots (the same on every rank)
     eos_token_ids: tuple[int, ...]
+    share_layouts: tuple[Layout, ...]  # rank 0: ranks 1.. caches' layouts; others: ()
 
     def hidden_wire(self) -> HiddenWire:
         return HiddenWire(self.group, self.loaded.config.hidden_size,
@@ -59,30 +64,38 @@ def set_up_rank(config: EngineConfig, progress: Progress,
                             reduce=group.all_reduce_ if shard is not None else None,
                             kv_cache_dtype=config.kv_cache_dtype)
         own = plan_kv_cache(config, loaded.config, loaded)
+        start, end = loaded.layer_range
+        layout = layout_of(allocate_kv_cache(loaded.config, end - start, 1, config.block_size,
+                                             loaded.cache_dtype, "meta"))
         agreed = _agree(group, parallel, [own.num_blocks, own.max_model_len, own.stage_tokens],
-                        tuple(eos_token_ids))
+                        tuple(eos_token_ids), layout)
     except BaseException:
         group.close()
         raise
-    (num_blocks, max_len, stage_tokens), eos = agreed
-    return RankSetup(parallel, group, loaded, num_blocks, max_len, stage_tokens, eos)
+    (num_blocks, max_len, stage_tokens), eos, layouts = agreed
+    return RankSetup(parallel, group, loaded, num_blocks, max_len, stage_tokens, eos, layouts)
 
 
 def _agree(group: RankGroup, parallel: ParallelConfig, sizes: list[int],
-           eos_token_ids: tuple[int, ...]) -> tuple[list[int], tuple[int, ...]]:
-    """The smallest of each rank's sizes (blocks, context, stage slots), and rank 0's eos."""
+           eos_token_ids: tuple[int, ...], layout: Layout
+           ) -> tuple[list[int], tuple[int, ...], tuple[Layout, ...]]:
+    """The smallest of each rank's sizes (blocks, context, stage slots), rank 0's eos, and
+    (on rank 0) the other ranks' cache layouts."""
     # Ranks finish loading at different times: these waits get the group-formation bound.
     wait_s = parallel.connect_timeout_s
     if parallel.rank != 0:
-        group.send_bytes(msgpack.packb(sizes), 0)
+        group.send_bytes(msgpack.packb([sizes, layout_to_wire(layout)]), 0)
         agreed = msgpack.unpackb(group.recv_bytes(0, timeout_s=wait_s, spin=False))
-        return agreed[0], tuple(agreed[1])
+        return agreed[0], tuple(agreed[1]), ()
+    layouts = []
     for rank in range(1, parallel.world_size):
-        theirs = msgpack.unpackb(group.recv_bytes(rank, timeout_s=wait_s, spin=False))
+        theirs, their_layout = msgpack.unpackb(
+            group.recv_bytes(rank, timeout_s=wait_s, spin=False))
         sizes = [min(mine, other) for mine, other in zip(sizes, theirs)]
+        layouts.append(layout_from_wire(their_layout))
     if sizes[0] < 1:
         raise GroupError("a rank has no memory for its KV cache")
     answer = msgpack.packb([sizes, list(eos_token_ids)])
     for rank in range(1, parallel.world_size):
         group.send_bytes(answer, rank)
-    return sizes, eos_token_ids
+    return sizes, eos_token_ids, tuple(layouts)
