@@ -9,9 +9,14 @@ from __future__ import annotations
 import multiprocessing
 import queue
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from serve_process import free_port
+
+from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.parallel.config import ParallelConfig
+from shoal.engine.parallel.follower import FollowerEngine
 
 
 def _entry(target, rank, world_size, port, args, results) -> None:
@@ -48,3 +53,20 @@ def run_ranks(target: Callable[..., Any], world_size: int, *args: Any,
             if proc.is_alive():
                 proc.kill()
     return collected
+
+
+def split_config(rank: int, world: int, port: int, path: str, sharding: str,
+                 layers: list[tuple[int, int]], **fields: Any) -> EngineConfig:
+    """A float32, one-thread EngineConfig for `rank` of a model split as `layers` says."""
+    parallel = ParallelConfig(rank=rank, world_size=world, sharding=sharding,
+                              layer_start=layers[rank][0], layer_end=layers[rank][1],
+                              master_addr="127.0.0.1", master_port=port)
+    return EngineConfig(source=ModelSource("m", "gguf", Path(path)), dtype="float32",
+                        threads=1, kv_cache_bytes=32 * 2**20, parallel=parallel, **fields)
+
+
+def follow(config: EngineConfig) -> int:
+    """Serve as a rank other than 0 until rank 0 shuts the instance down: its step count."""
+    follower = FollowerEngine(config)
+    follower.run()
+    return follower.steps

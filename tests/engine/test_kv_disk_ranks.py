@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rank_processes import run_ranks
+from rank_processes import follow, run_ranks, split_config
 from tokenizer_fixtures import smollm2_path
 
-from shoal.engine.config import EngineConfig, KvDiskConfig, ModelSource
+from shoal.engine.config import KvDiskConfig
 from shoal.engine.engine import Engine
 from shoal.engine.kv.prefix_cache import extend_block_hashes
-from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -26,19 +25,10 @@ BLOCK = 16
 
 def rank_main(rank: int, world: int, port: int, path: str, sharding: str,
               layers: list[tuple[int, int]], disk_roots: list[str]):
-    parallel = ParallelConfig(rank=rank, world_size=world, sharding=sharding,
-                              layer_start=layers[rank][0], layer_end=layers[rank][1],
-                              master_addr="127.0.0.1", master_port=port)
-    config = EngineConfig(source=ModelSource("m", "gguf", Path(path)), dtype="float32",
-                          threads=1, kv_cache_bytes=32 * 2**20, parallel=parallel,
-                          kv_disk=KvDiskConfig(Path(disk_roots[rank]), 256 * 2**20,
-                                               3600.0))
+    config = split_config(rank, world, port, path, sharding, layers,
+                          kv_disk=KvDiskConfig(Path(disk_roots[rank]), 256 * 2**20, 3600.0))
     if rank != 0:
-        from shoal.engine.parallel.follower import FollowerEngine
-
-        follower = FollowerEngine(config)
-        follower.run()
-        return follower.steps
+        return follow(config)
     engine = Engine(config)
     try:
         ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)

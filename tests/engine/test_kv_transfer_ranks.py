@@ -8,17 +8,14 @@ anything."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
-from rank_processes import run_ranks
+from rank_processes import follow, run_ranks, split_config
 from tokenizer_fixtures import smollm2_path
 
-from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.engine import Engine
 from shoal.engine.kv.transfer import TransferError, join_blocks
-from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.sampling import SamplingParams
 from shoal.protocol import GenerationRequest
 from shoal.runner.kv_wire import blocks_from_wire
@@ -47,17 +44,9 @@ def rank_main(rank: int, world: int, port: int, path: str, sharding: str,
               layers: list[tuple[int, int]], parts: list[dict] | None):
     """Instance A (parts None): serve the prompt and export its blocks in parts. Instance B:
     refuse a tampered copy, hold the prompt for its prefix, import the parts, serve it."""
-    parallel = ParallelConfig(rank=rank, world_size=world, sharding=sharding,
-                              layer_start=layers[rank][0], layer_end=layers[rank][1],
-                              master_addr="127.0.0.1", master_port=port)
-    config = EngineConfig(source=ModelSource("m", "gguf", Path(path)), dtype="float32",
-                          threads=1, kv_cache_bytes=32 * 2**20, parallel=parallel)
+    config = split_config(rank, world, port, path, sharding, layers)
     if rank != 0:
-        from shoal.engine.parallel.follower import FollowerEngine
-
-        follower = FollowerEngine(config)
-        follower.run()
-        return follower.steps
+        return follow(config)
     engine = Engine(config)
     try:
         ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)

@@ -3,6 +3,8 @@ and the scheduler's side (drafts in a step, the KV tail cut, the prefix cache)."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from shoal.engine.kv.prefix_cache import extend_block_hashes
@@ -12,6 +14,7 @@ from shoal.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
 from shoal.engine.speculation.length import DraftLength, StepCosts, expected_tokens
 from shoal.engine.speculation.ngram import NgramIndex
+from shoal.engine.speculation.proposer import Proposal
 from shoal.engine.speculation.speculator import Speculator
 from shoal.engine.speculation.verify import kept_tokens
 
@@ -171,6 +174,51 @@ def measured_cheap(costs: StepCosts, most: int) -> None:
     costs.observe(0, 0.010)
     for guesses in range(1, most + 1):
         costs.observe(guesses, 0.010 * (1 + 0.1 * guesses))
+
+
+class SlowFeeder:
+    """A Proposer whose first ask for a request feeds it the context at 0.5 ms a token."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self._fed: set[str] = set()
+
+    def propose(self, request_id, context, k):
+        if request_id not in self._fed:
+            time.sleep(0.0005 * len(context))
+            self._fed.add(request_id)
+        self.asked.append(request_id)
+        return Proposal(tokens=[7] * k, probs=[1.0] * k)
+
+    def forget(self, request_id) -> None:
+        self._fed.discard(request_id)
+
+
+def test_a_proposer_is_fed_a_long_context_only_where_guessing_would_pay_for_it():
+    feeder = SlowFeeder()
+    speculator = Speculator(SpeculativeConfig("draft", 8, "d"), "m", feeder)
+    measured_cheap(speculator.proposer_costs, 8)  # a plain step: 10 ms
+    params = SamplingParams(max_tokens=100)
+
+    def first_guesses(request_id: str, prompt: list[int]) -> list[int]:
+        speculator.add(request_id, prompt, params, constrained=False)
+        request = Request(request_id, prompt, params)
+        speculator.propose([request], max_rows=64)
+        return request.draft_token_ids
+
+    # The first ask is priced by nothing: it is made, and its feeding time measured.
+    assert first_guesses("short", [1] * 40)
+    # Feeding 4,000 tokens (~2 s) costs more than guessing can save over 100 tokens of
+    # 10 ms (under 1 s at any kept rate): that request decodes alone.
+    assert first_guesses("long", [1] * 4000) == [] and "long" not in feeder.asked
+    # 40 more tokens (~20 ms) still pay, and so do 400 (~0.2 s) while guesses are kept.
+    assert first_guesses("another", [2] * 40)
+    assert first_guesses("medium", [3] * 400)
+    # Once the Proposer's guesses have been rejected over and over, on other requests
+    # too, no catch-up pays: a new request is not fed to it.
+    for _ in range(30):
+        speculator.record("another", 4, 0)
+    assert first_guesses("later", [4] * 400) == [] and "later" not in feeder.asked
 
 
 def test_guesses_keep_the_step_within_the_fused_kernel_s_rows():

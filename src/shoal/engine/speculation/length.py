@@ -9,7 +9,10 @@ best tokens per unit of cost, trying k up to twice the longest measured so far. 
 beats a plain step, speculation rests for a while (twice as long after each failed try, up
 to MAX_REST steps), then tries again. Guesses from a Proposer (a draft model, a proposer
 node) count their wait in the step's cost (Speculator.observe_step), so dear guesses buy
-fewer of them.
+fewer of them. A Proposer's first guesses for a request cost feeding it the whole context
+as well: it is asked only when the time guessing should save over the tokens the request
+may still generate, at the kept rate its guesses had over recent requests, exceeds that
+(Speculator, catch-up).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 PRIOR_ROW_COST = 0.35
 COST_MEMORY = 0.8      # weight of the previous estimate in each new cost average
 KEPT_MEMORY = 0.7      # how fast a request's acceptance estimate forgets old steps
+ENGINE_KEPT_MEMORY = 0.95  # the same over all requests' Proposer guesses (catch-up)
 PRIOR_KEPT, PRIOR_MISSED = 3.0, 0.5  # a fresh (or rested) request's hopeful start
 FIRST_REST = 8         # plain steps after the first time guessing did not pay
 MAX_REST = 256
@@ -57,6 +61,9 @@ class StepCosts:
         per_guess = max(self._seconds[nearest] / plain - 1.0, 0.0) / nearest
         return 1.0 + max(per_guess, PRIOR_ROW_COST if not below else 0.0) * guesses
 
+    def plain_seconds(self) -> float | None:
+        return self._seconds.get(0)
+
     def largest_measured(self) -> int:
         """The most guesses a measured step verified (0: none yet, or no plain step to
         compare with)."""
@@ -76,29 +83,56 @@ def expected_tokens(kept_rate: float, guesses: int) -> float:
     return (1.0 - kept_rate ** (guesses + 1)) / (1.0 - kept_rate)
 
 
+class KeptRate:
+    """How often a guess is kept, given the ones before it were: kept guesses against
+    verifications that rejected one, each older one weighing `memory` times less."""
+
+    def __init__(self, memory: float) -> None:
+        self._memory = memory
+        self._kept = PRIOR_KEPT
+        self._missed = PRIOR_MISSED
+
+    @property
+    def rate(self) -> float:
+        return self._kept / (self._kept + self._missed)
+
+    def record(self, proposed: int, kept: int) -> None:
+        self._kept = self._memory * self._kept + kept
+        self._missed = self._memory * self._missed + (1.0 if kept < proposed else 0.0)
+
+
 class DraftLength:
     def __init__(self, most: int, costs: StepCosts) -> None:
         self.most = most
         self._costs = costs
-        self._kept = PRIOR_KEPT
-        self._missed = PRIOR_MISSED
+        self._kept = KeptRate(KEPT_MEMORY)
         self._rest = FIRST_REST
         self._resting = 0
 
     @property
     def kept_rate(self) -> float:
-        return self._kept / (self._kept + self._missed)
+        return self._kept.rate
 
     def wanted(self) -> int:
         """Guesses to ask for this step; 0 while resting or when none would pay."""
         if self._resting > 0:
             self._resting -= 1
             if self._resting == 0:  # try again with fresh hopes
-                self._kept, self._missed = PRIOR_KEPT, PRIOR_MISSED
+                self._kept = KeptRate(KEPT_MEMORY)
             return 0
         if self._costs.wants_plain():
             return 0  # one plain step, so that guessing steps have a price
-        rate = self.kept_rate
+        best, _ = self.best()
+        if best == 0:
+            self._resting = self._rest
+            self._rest = min(MAX_REST, self._rest * 2)
+        return best
+
+    def best(self, rate: float | None = None) -> tuple[int, float]:
+        """The guess count with the most tokens per unit of cost at a kept rate (by default
+        this request's), and that value (tokens per plain step's time; (0, 1.0) when no
+        count beats a plain step)."""
+        rate = self.kept_rate if rate is None else rate
         best, best_value = 0, 1.0
         # Longer guesses are tried as shorter ones are measured (1, 2, 4, ...): an
         # unmeasured length is only an estimate, and a wrong one costs a whole step.
@@ -107,16 +141,22 @@ class DraftLength:
             value = expected_tokens(rate, guesses) / self._costs.relative(guesses)
             if value > best_value:
                 best, best_value = guesses, value
-        if best == 0:
-            self._resting = self._rest
-            self._rest = min(MAX_REST, self._rest * 2)
-        return best
+        return best, best_value
+
+    def catch_up_pays(self, catch_up_s: float, remaining_tokens: int, rate: float) -> bool:
+        """Whether guessing over the request's remaining tokens, at the best value the
+        kept rate allows, saves more time than catch_up_s (a Proposer first fed the whole
+        context)."""
+        plain_s = self._costs.plain_seconds()
+        if plain_s is None:
+            return True  # nothing measured yet: the first request finds out
+        _, value = self.best(rate)
+        return remaining_tokens * plain_s * (1.0 - 1.0 / value) > catch_up_s
 
     def record(self, proposed: int, kept: int) -> None:
         """One verification: `kept` of `proposed` guesses agreed with the model."""
         if proposed == 0:
             return
-        self._kept = KEPT_MEMORY * self._kept + kept
-        self._missed = KEPT_MEMORY * self._missed + (1.0 if kept < proposed else 0.0)
+        self._kept.record(proposed, kept)
         if kept == proposed:
             self._rest = FIRST_REST

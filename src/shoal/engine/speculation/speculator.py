@@ -15,11 +15,20 @@ from dataclasses import dataclass
 from shoal.engine.request import Request
 from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.engine.speculation.config import SpeculativeConfig
-from shoal.engine.speculation.length import DraftLength, StepCosts
+from shoal.engine.speculation.length import (
+    COST_MEMORY,
+    ENGINE_KEPT_MEMORY,
+    DraftLength,
+    KeptRate,
+    StepCosts,
+)
 from shoal.engine.speculation.ngram import NgramIndex
 from shoal.engine.speculation.proposer import Proposer
 
 NGRAM = SpeculativeConfig("ngram")
+# Tokens a request without max_tokens is taken to have left, when pricing a Proposer's
+# catch-up on its context.
+EXPECTED_OUTPUT = 256
 
 
 @dataclass
@@ -31,6 +40,7 @@ class _Guessing:
     # The Proposer guessed for this request last step: its answer now costs guessing only,
     # not catching up on the context (a first ask feeds a draft model the whole prompt).
     warm: bool = False
+    fed: bool = False  # the Proposer was asked for this request (it holds its context)
 
 
 class Speculator:
@@ -51,6 +61,10 @@ class Speculator:
         self.proposer = proposer
         self._asked_s = 0.0  # this step's wait for the Proposer's guesses
         self._asked: bool | None = None
+        # Seconds per context token of a Proposer's first ask for a request, and how often
+        # its guesses were kept over recent requests: what a catch-up is priced with.
+        self._feed_s: float | None = None
+        self._proposer_kept = KeptRate(ENGINE_KEPT_MEMORY)
 
     def add(self, request_id: str, prompt_token_ids: list[int],
             params: SamplingParams, constrained: bool) -> None:
@@ -100,6 +114,8 @@ class Speculator:
                 # The step adds the kept guesses plus one token of the model's own.
                 count = min(count, max_tokens - len(outputs) - 1)
             count = min(count, spare)
+            if count > 0 and guessing.index is None and not guessing.fed:
+                count = count if self._catch_up_pays(request, guessing) else 0
             if count > 0:
                 request.draft_token_ids = self._guess(request.request_id, guessing, count)
                 spare -= len(request.draft_token_ids)
@@ -113,11 +129,30 @@ class Speculator:
             return []
         started = time.perf_counter()
         proposal = self.proposer.propose(request_id, guessing.context, count)
-        self._asked_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self._asked_s += seconds
         self._asked = guessing.warm
+        if not guessing.fed:
+            guessing.fed = True
+            per_token = seconds / max(1, len(guessing.context))
+            self._feed_s = per_token if self._feed_s is None else \
+                COST_MEMORY * self._feed_s + (1 - COST_MEMORY) * per_token
         tokens = [] if proposal is None else list(proposal.tokens[:count])
         guessing.warm = bool(tokens)
         return tokens
+
+    def _catch_up_pays(self, request: Request, guessing: _Guessing) -> bool:
+        """Before a Proposer's first ask for a request: whether feeding it the context
+        (priced by earlier first asks) pays over the tokens the request may still make
+        (its max_tokens, or EXPECTED_OUTPUT without one), at the rate the Proposer's
+        guesses were kept over recent requests."""
+        if self._feed_s is None:
+            return True
+        limit = request.params.max_tokens
+        remaining = (limit if limit is not None else EXPECTED_OUTPUT) \
+            - len(request.output_token_ids)
+        return guessing.length.catch_up_pays(self._feed_s * len(guessing.context), remaining,
+                                             self._proposer_kept.rate)
 
     def observe_step(self, guesses: int, seconds: float) -> None:
         """A step of one request took `seconds` to verify `guesses` guesses; getting them
@@ -134,6 +169,8 @@ class Speculator:
         guessing = self._guessing.get(request_id)
         if guessing is not None:
             guessing.length.record(proposed, kept)
+            if guessing.index is None and proposed:
+                self._proposer_kept.record(proposed, kept)
 
     def _config_for(self, params: SamplingParams) -> SpeculativeConfig | None:
         choice = params.speculative
