@@ -10,7 +10,7 @@
 // same float operations for each row, so a row's result depends on nothing else in x.
 //
 // Generated rows: tiles decoded in registers and used at once, S strips side by side to
-// hide vdpbf16ps's latency (strips_direct), up to 4 rows a pass; without AMX more rows run
+// hide vdpbf16ps's latency (strips_direct), up to 8 rows a pass; without AMX more rows run
 // in such passes over blocks of strips that stay in L2.
 //
 // Prompt rows without AMX take an order of their own (strips_prompt): one chain per row,

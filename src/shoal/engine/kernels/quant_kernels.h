@@ -10,12 +10,15 @@
 
 namespace shoal_quant {
 
-// Rows per pass with tiles decoded in registers. Without AMX, more generated rows run in
-// such passes over blocks of about kDirectBlockBytes of packed weights (QuantLinear::
-// run_direct): measured on an AVX512-BF16 core without AMX, 5 to 64 rows took 0.5-0.95x the
-// time of decoding strips into buffers once and running the rows over those (a 1.5B model's
-// 17920 x 1536 Q4_K matmul: 0.67 against 1.35 ms at 8 rows, 5.5 against 5.8 ms at 64).
+// Rows per pass with tiles decoded in registers: prompt rows kDirectRows, generated rows
+// kGeneratedRows (two chains a row: 16 in registers at 8 rows). Without AMX, more generated
+// rows run in such passes over blocks of about kDirectBlockBytes of packed weights
+// (QuantLinear::run_direct). Measured on an AVX512-BF16 core without AMX (a 1.5B model's
+// 17920 x 1536 Q4_K matmul): passes of 4 rows took 0.67 ms at 8 rows and 5.2 ms at 64,
+// against 1.35 and 5.8 ms decoding strips into buffers once and running the rows over those;
+// passes of 8 rows 0.58 and 4.6 ms.
 constexpr int kDirectRows = 4;
+constexpr int kGeneratedRows = 8;
 constexpr int64_t kDirectBlockBytes = 256 * 1024;
 // Prompt rows over decoded strips without AMX: rows and strips per pass (16 chains in
 // registers; measured best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an
@@ -47,8 +50,8 @@ constexpr int strips_side_by_side(int rows) { return rows == 1 ? 4 : rows == 2 ?
 
 struct Kernels {
   // Vectors: tiles decoded in registers, several strips at once or one.
-  DirectFn direct[kDirectRows];
-  DirectFn direct_single[kDirectRows];
+  DirectFn direct[kGeneratedRows];
+  DirectFn direct_single[kGeneratedRows];
   // The same for prompt rows (strips_prompt_direct: strips_prompt's bits, few rows).
   DirectFn prompt_direct[kDirectRows];
   DirectFn prompt_direct_single[kDirectRows];
@@ -66,10 +69,13 @@ struct Kernels {
 template <QType T>
 Kernels kernels_of() {
   Kernels out{};
-  static_for<kDirectRows>([&](auto r) {
+  static_for<kGeneratedRows>([&](auto r) {
     constexpr int side = Traits<T>::kVectors == 1 ? strips_side_by_side(r + 1) : 1;
     out.direct[r] = &strips_direct<T, r + 1, side>;
     out.direct_single[r] = &strips_direct<T, r + 1, 1>;
+  });
+  static_for<kDirectRows>([&](auto r) {
+    constexpr int side = Traits<T>::kVectors == 1 ? strips_side_by_side(r + 1) : 1;
     out.prompt_direct[r] = &strips_prompt_direct<T, r + 1, side>;
     out.prompt_direct_single[r] = &strips_prompt_direct<T, r + 1, 1>;
   });

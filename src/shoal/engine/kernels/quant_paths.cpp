@@ -133,40 +133,40 @@ bool QuantLinear::store_pair(const Call& call, const Segment& seg, int64_t local
 }
 
 // Rows decoded in registers: each thread decodes its strips' tiles, up to four strips of
-// one segment side by side (prompt: in the prompt rows' order), for up to kDirectRows rows
-// a pass. More rows run in groups of kDirectRows over a block of strips at a time, so a
-// block's bytes come from memory once and stay in L2 while every group decodes them again
-// (cheaper here than decoding into buffers: no stores, no reloads).
+// one segment side by side (prompt: in the prompt rows' order), for up to a pass's rows
+// (kDirectRows prompt rows, kGeneratedRows generated ones). More rows run a pass at a time
+// over a block of strips, so a block's bytes come from memory once and stay in L2 while
+// every pass decodes them again (cheaper here than decoding into buffers: no stores, no
+// reloads).
 void QuantLinear::run_direct(const Call& call, bool prompt) const {
 #if SHOAL_QUANT_AVX512
   const int64_t m = call.m, k = k_;
-  const int first = static_cast<int>(std::min<int64_t>(m, kDirectRows));
+  const int64_t pass = prompt ? kDirectRows : kGeneratedRows;
+  const int first = static_cast<int>(std::min<int64_t>(m, pass));
   // Enough strips per task that a task is worth a thread (~32k multiply-adds).
   const int64_t grain =
       std::max<int64_t>(strips_side_by_side(first), 32768 / (k * kCols * m));
   // A block of about kDirectBlockBytes of packed weights (~half a byte a weight), in whole
   // fours of strips so that side-by-side runs never straddle blocks.
-  const int64_t block =
-      m <= kDirectRows ? strips_total_
-                       : std::max<int64_t>(4, kDirectBlockBytes / (k * kCols / 2) / 4 * 4);
+  const int64_t strips_per_block = kDirectBlockBytes / (k * kCols / 2) / 4 * 4;
+  const int64_t block = m <= pass ? strips_total_ : std::max<int64_t>(4, strips_per_block);
   at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b0 = begin; b0 < end; b0 += block) {
       const int64_t b1 = std::min(end, b0 + block);
-      for (int64_t r0 = 0; r0 < m; r0 += kDirectRows)
-        direct_rows(call, prompt, b0, b1, r0,
-                    static_cast<int>(std::min<int64_t>(kDirectRows, m - r0)));
+      for (int64_t r0 = 0; r0 < m; r0 += pass)
+        direct_rows(call, prompt, b0, b1, r0, static_cast<int>(std::min<int64_t>(pass, m - r0)));
     }
   });
 #endif
 }
 
-// Rows [row0, row0 + rows) (rows <= kDirectRows) over strips [begin, end).
+// Rows [row0, row0 + rows) (at most a pass's) over strips [begin, end).
 void QuantLinear::direct_rows(const Call& call, bool prompt, int64_t begin, int64_t end,
                               int64_t row0, int rows) const {
 #if SHOAL_QUANT_AVX512
   const int64_t k = k_;
   const int side = strips_side_by_side(rows);
-  alignas(64) float acc[4 * kDirectRows * kCols];
+  alignas(64) float acc[4 * kGeneratedRows * kCols];
   for (int64_t s = begin; s < end;) {
     const Segment& seg = segment_of(s);
     const int64_t local = s - seg.first_strip;
