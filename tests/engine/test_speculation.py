@@ -219,6 +219,13 @@ def test_a_proposer_is_fed_a_long_context_only_where_guessing_would_pay_for_it()
     for _ in range(30):
         speculator.record("another", 4, 0)
     assert first_guesses("later", [4] * 400) == [] and "later" not in feeder.asked
+    # Each request turned away moves the rate back towards the hopeful start, so a run of
+    # them is not held against every later request.
+    turned_away = 0
+    while not first_guesses(f"r{turned_away}", [5] * 400):
+        turned_away += 1
+        assert turned_away < 60, "the rate never recovered"
+    assert turned_away >= 3
 
 
 def test_guesses_keep_the_step_within_the_fused_kernel_s_rows():

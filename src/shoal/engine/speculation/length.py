@@ -100,6 +100,12 @@ class KeptRate:
         self._kept = self._memory * self._kept + kept
         self._missed = self._memory * self._missed + (1.0 if kept < proposed else 0.0)
 
+    def relax(self) -> None:
+        """A step back towards the hopeful start, for a time without new evidence (so a
+        bad spell is not held against every later request)."""
+        self._kept = self._memory * self._kept + (1 - self._memory) * PRIOR_KEPT
+        self._missed = self._memory * self._missed + (1 - self._memory) * PRIOR_MISSED
+
 
 class DraftLength:
     def __init__(self, most: int, costs: StepCosts) -> None:

@@ -41,6 +41,7 @@ class _Guessing:
     # not catching up on the context (a first ask feeds a draft model the whole prompt).
     warm: bool = False
     fed: bool = False  # the Proposer was asked for this request (it holds its context)
+    declined: bool = False  # feeding the Proposer its context did not pay (yet)
 
 
 class Speculator:
@@ -151,8 +152,14 @@ class Speculator:
         limit = request.params.max_tokens
         remaining = (limit if limit is not None else EXPECTED_OUTPUT) \
             - len(request.output_token_ids)
-        return guessing.length.catch_up_pays(self._feed_s * len(guessing.context), remaining,
-                                             self._proposer_kept.rate)
+        if guessing.length.catch_up_pays(self._feed_s * len(guessing.context), remaining,
+                                         self._proposer_kept.rate):
+            return True
+        if not guessing.declined:
+            # An untried request brings no evidence: later ones hope again, slowly.
+            guessing.declined = True
+            self._proposer_kept.relax()
+        return False
 
     def observe_step(self, guesses: int, seconds: float) -> None:
         """A step of one request took `seconds` to verify `guesses` guesses; getting them
