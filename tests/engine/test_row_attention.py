@@ -71,6 +71,7 @@ SHAPES = [  # head size, heads, KV heads, cache dtype, sliding window
     (128, 4, 2, torch.bfloat16, None),
     (256, 4, 1, torch.bfloat16, 40),
     (40, 4, 2, torch.float32, 7),  # a head size with no vector form
+    (80, 10, 2, torch.bfloat16, None),  # a last column pass of one vector; 5 heads a group
     (64, 14, 2, torch.int8, None),  # int8 rows with their scales
     (128, 4, 2, torch.int8, None),
     (256, 4, 1, torch.int8, 40),

@@ -5,12 +5,15 @@
 //
 // First each request's keys, per KV head, are transposed once into blocks of 16 positions
 // aligned to absolute positions ([block][D][16] floats), so a score takes 16 keys per vector
-// op with no horizontal sums. Then items of up to kRowsPerItem consecutive rows of one
-// request and one KV head: per row and query head, scores block by block (one chain over d,
-// in order), a two-pass softmax (the max, then exp and lane sums in key order) with exact
-// zero weight outside the row's range [lo, position], and the values added key by key, read
-// straight from the cache. Keys outside a row's range add exact zeros, so whatever else
-// shares its item or call changes nothing.
+// op with no horizontal sums, and its values widened to floats. Then items of up to
+// kRowsPerItem consecutive rows of one request and one KV head: scores in register tiles of
+// 4 (row, head) pairs x 6 blocks (one chain over d per score, in order), a two-pass softmax
+// per pair (the max, then exp and lane sums in key order) with exact zero weight outside the
+// row's range [lo, position], and the values added key by key in tiles of 6 pairs x 64
+// columns (one chain per output element, in key order). A tile loads each key or value
+// vector once for all its pairs: ~2x the speed of pair-at-a-time chains, the same bits.
+// Keys outside a row's range add exact zeros, so whatever else shares its item or call
+// changes nothing.
 
 #pragma once
 
@@ -20,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kv_layout.h"
@@ -98,28 +102,58 @@ void load_block(const Rows& rows, const E* cache, int64_t slots, const Segment& 
   }
 }
 
-// Scores of one (row, head) over blocks [0, blocks) ([blocks * 16] into w), eight blocks at
-// a time so independent chains hide the FMA latency; each score is one chain over d.
-template <int B>
-inline void score_blocks(const float* q, const float* kt, int64_t dim, float scale, float* w) {
+// Scores of P (row, head) pairs over B blocks (16 keys each, into w[p] + b * 16): each key
+// vector is loaded once for P pairs, and the P * B independent chains hide the FMA latency.
+// Each score is still one chain over d, in order, so the tile shape changes no bit.
+template <int P, int B>
+inline void score_tile(const float* const* q, const float* kt, int64_t dim, float scale,
+                       float* const* w) {
   const int64_t stride = dim * kLanes;
-  f32x16 s[B] = {};
+  f32x16 s[P][B] = {};
   for (int64_t d = 0; d < dim; ++d) {
-    const f32x16 qd = shoal_vec::splat(q[d]);
-    for (int b = 0; b < B; ++b) s[b] = shoal_vec::fma(qd, shoal_vec::load(kt + b * stride +
-                                                                       d * kLanes), s[b]);
+    f32x16 qd[P];
+    for (int p = 0; p < P; ++p) qd[p] = shoal_vec::splat(q[p][d]);
+    for (int b = 0; b < B; ++b) {
+      const f32x16 key = shoal_vec::load(kt + b * stride + d * kLanes);
+      for (int p = 0; p < P; ++p) s[p][b] = shoal_vec::fma(qd[p], key, s[p][b]);
+    }
   }
-  for (int b = 0; b < B; ++b) shoal_vec::store(w + b * kLanes, s[b] * scale);
+  for (int p = 0; p < P; ++p)
+    for (int b = 0; b < B; ++b) shoal_vec::store(w[p] + b * kLanes, s[p][b] * scale);
 }
 
-inline void scores(const float* q, const float* keys_t, int64_t blocks, int64_t dim,
-                   float scale, float* w) {
+// Blocks per tile: P * B accumulators, P query values and a key within 32 registers.
+constexpr int kScoreBlocks = 6;
+
+// Scores of P pairs over blocks [0, blocks) of keys_t ([blocks * 16] into each w[p]).
+template <int P>
+void scores(const float* const* q, const float* keys_t, int64_t blocks, int64_t dim,
+            float scale, float* const* w) {
   const int64_t stride = dim * kLanes;
+  float* at[P];
   int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8)
-    score_blocks<8>(q, keys_t + b * stride, dim, scale, w + b * kLanes);
-  for (; b < blocks; ++b)
-    score_blocks<1>(q, keys_t + b * stride, dim, scale, w + b * kLanes);
+  auto tile = [&](auto blocks_at_once) {
+    for (int p = 0; p < P; ++p) at[p] = w[p] + b * kLanes;
+    score_tile<P, decltype(blocks_at_once)::value>(q, keys_t + b * stride, dim, scale, at);
+    b += decltype(blocks_at_once)::value;
+  };
+  while (b + kScoreBlocks <= blocks) tile(std::integral_constant<int, kScoreBlocks>{});
+  while (b + 2 <= blocks) tile(std::integral_constant<int, 2>{});
+  while (b < blocks) tile(std::integral_constant<int, 1>{});
+}
+
+using Scores = void (*)(const float* const*, const float*, int64_t, int64_t, float,
+                        float* const*);
+
+constexpr int kScorePairs = 4;
+
+inline Scores pick_scores(int64_t pairs) {
+  switch (pairs) {
+    case 1: return scores<1>;
+    case 2: return scores<2>;
+    case 3: return scores<3>;
+    default: return scores<kScorePairs>;
+  }
 }
 
 // Scores to weights in place: exp(score - peak) for keys [lo, position] (counted from w's
@@ -149,54 +183,57 @@ inline float weights_of(float* w, int64_t blocks, int64_t lo, int64_t position) 
   return 1.f / shoal_vec::hsum(totals);
 }
 
-// The weighted values of P pairs at once, head size NV * 16, over keys [from, to]: each
-// output element one chain in key order; held in registers.
-template <int NV, int P>
-void add_values(const float* values, int64_t from, int64_t to, const float* const* w,
-                const float* inverse, bf16* const* out) {
-  constexpr int64_t D = NV * kLanes;
-  f32x16 acc[P][NV] = {};
+// The weighted values of P pairs over keys [from, to] for C column vectors (16 values each)
+// starting at column `column`: each output element one chain in key order, held in
+// registers; each value vector is loaded once for P pairs. The column split changes no bit.
+template <int C, int P>
+void add_value_columns(const float* values, int64_t dim, int64_t column, int64_t from,
+                       int64_t to, const float* const* w, const float* inverse,
+                       bf16* const* out) {
+  f32x16 acc[P][C] = {};
   for (int64_t key = from; key <= to; ++key) {
-    const float* v = values + key * D;
+    const float* v = values + key * dim + column;
     f32x16 weight[P];
     for (int p = 0; p < P; ++p) weight[p] = shoal_vec::splat(w[p][key]);
-    for (int c = 0; c < NV; ++c) {
+    for (int c = 0; c < C; ++c) {
       const f32x16 vc = shoal_vec::load(v + c * kLanes);
       for (int p = 0; p < P; ++p) acc[p][c] = shoal_vec::fma(weight[p], vc, acc[p][c]);
     }
   }
   for (int p = 0; p < P; ++p)
-    for (int c = 0; c < NV; ++c) shoal_vec::store(out[p] + c * kLanes, acc[p][c] * inverse[p]);
+    for (int c = 0; c < C; ++c)
+      shoal_vec::store(out[p] + column + c * kLanes, acc[p][c] * inverse[p]);
 }
 
-using AddValues = void (*)(const float*, int64_t, int64_t, const float* const*, const float*,
-                           bf16* const*);
+// Column vectors per pass and pairs at once: C * P accumulators, P weights and a value
+// within 32 registers, with 24 chains to hide the FMA latency.
+constexpr int kValueColumns = 4;
+constexpr int kValuePairs = 6;
 
-// Pairs at a time for a head size: enough chains to hide the FMA latency, few enough
-// accumulators for the registers.
-inline int64_t pairs_at_once(int64_t dim) { return dim <= 64 ? 4 : dim <= 128 ? 2 : 1; }
-
-template <int NV>
-AddValues add_values_for(int64_t at_once) {
-  switch (at_once) {
-    case 4: return add_values<NV, 4>;
-    case 2: return add_values<NV, 2>;
-    default: return add_values<NV, 1>;
-  }
+// The weighted values of P pairs over the whole head (dim a multiple of 16), kValueColumns
+// vectors a pass.
+template <int P>
+void add_values(const float* values, int64_t dim, int64_t from, int64_t to,
+                const float* const* w, const float* inverse, bf16* const* out) {
+  constexpr int64_t pass = kValueColumns * kLanes;
+  int64_t column = 0;
+  for (; column + pass <= dim; column += pass)
+    add_value_columns<kValueColumns, P>(values, dim, column, from, to, w, inverse, out);
+  for (; column < dim; column += kLanes)
+    add_value_columns<1, P>(values, dim, column, from, to, w, inverse, out);
 }
 
-// nullptr where the head size is not a multiple of 16 up to 256.
-inline AddValues pick_add_values(int64_t dim, int64_t at_once) {
-  switch (dim) {
-    case 16: return add_values_for<1>(at_once);
-    case 32: return add_values_for<2>(at_once);
-    case 48: return add_values_for<3>(at_once);
-    case 64: return add_values_for<4>(at_once);
-    case 80: return add_values_for<5>(at_once);
-    case 96: return add_values_for<6>(at_once);
-    case 128: return add_values_for<8>(at_once);
-    case 256: return add_values<16, 1>;
-    default: return nullptr;
+using AddValues = void (*)(const float*, int64_t, int64_t, int64_t, const float* const*,
+                           const float*, bf16* const*);
+
+inline AddValues pick_add_values(int64_t pairs) {
+  switch (pairs) {
+    case 1: return add_values<1>;
+    case 2: return add_values<2>;
+    case 3: return add_values<3>;
+    case 4: return add_values<4>;
+    case 5: return add_values<5>;
+    default: return add_values<kValuePairs>;
   }
 }
 
@@ -234,38 +271,47 @@ inline void attend_item(const Rows& rows, const Segment& s, const float* keys_t,
   const int64_t pairs = count * group;
   scratch.weights.resize(pairs * length);
   scratch.inverse.resize(pairs);
+  auto weights_at = [&](int64_t pair) { return scratch.weights.data() + pair * length; };
+  // Where a pair's query and output sit: [rows, heads, dim].
+  auto pair_at = [&](int64_t pair) {
+    return ((first + pair / group) * rows.heads + g * group + pair % group) * dim;
+  };
+  for (int64_t pair = 0; pair < pairs;) {
+    const int64_t at_once = std::min<int64_t>(kScorePairs, pairs - pair);
+    const float* q[kScorePairs];
+    float* w[kScorePairs];
+    for (int64_t p = 0; p < at_once; ++p) {
+      q[p] = rows.q + pair_at(pair + p);
+      w[p] = weights_at(pair + p);
+    }
+    pick_scores(at_once)(q, keys_t + skip * dim * kLanes, blocks, dim, rows.scale, w);
+    pair += at_once;
+  }
   for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t r = first + pair / group, head = g * group + pair % group;
-    float* w = scratch.weights.data() + pair * length;
-    scores(rows.q + (r * rows.heads + head) * dim, keys_t + skip * dim * kLanes, blocks, dim,
-           rows.scale, w);
-    scratch.inverse[pair] = weights_of(w, blocks, rows.lo[r] - item_key,
+    const int64_t r = first + pair / group;
+    scratch.inverse[pair] = weights_of(weights_at(pair), blocks, rows.lo[r] - item_key,
                                        rows.position[r] - item_key);
   }
   // Values: keys outside [lowest, last] have zero weight in every pair; skipping them
   // adds nothing. Pointers are shifted so w[key] and values[key * dim] are that position's.
   const float* shifted = values - s.first_key * dim;
   auto weights = [&](int64_t pair) { return scratch.weights.data() + pair * length - item_key; };
-  auto output = [&](int64_t pair) {
-    return out + ((first + pair / group) * rows.heads + g * group + pair % group) * dim;
-  };
-  if (pick_add_values(dim, 1) == nullptr) {
+  if (dim % kLanes != 0) {
     scratch.acc.resize(dim);
     for (int64_t pair = 0; pair < pairs; ++pair)
       add_values_scalar(shifted, dim, lowest, last, weights(pair), scratch.inverse[pair],
-                        scratch.acc.data(), output(pair));
+                        scratch.acc.data(), out + pair_at(pair));
     return;
   }
-  const int64_t most = pairs_at_once(dim);
   for (int64_t pair = 0; pair < pairs;) {
-    const int64_t at_once = pairs - pair >= most ? most : 1;
-    const float* w[4];
-    bf16* o[4];
+    const int64_t at_once = std::min<int64_t>(kValuePairs, pairs - pair);
+    const float* w[kValuePairs];
+    bf16* o[kValuePairs];
     for (int64_t p = 0; p < at_once; ++p) {
       w[p] = weights(pair + p);
-      o[p] = output(pair + p);
+      o[p] = out + pair_at(pair + p);
     }
-    pick_add_values(dim, at_once)(shifted, lowest, last, w, scratch.inverse.data() + pair, o);
+    pick_add_values(at_once)(shifted, dim, lowest, last, w, scratch.inverse.data() + pair, o);
     pair += at_once;
   }
 }
