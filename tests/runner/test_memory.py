@@ -4,6 +4,8 @@ heartbeat), and kept by the supervisor (fake engines; the last test spawns a run
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -200,4 +202,36 @@ def test_loading_maps_large_blocks_then_serving_gets_the_usual_threshold(monkeyp
         calls.append(("load",))
         raise RuntimeError("the load failed")  # the heap is restored all the same
     assert calls == [("mallopt", -3, memory.LOADING_MMAP_THRESHOLD), ("load",),
-                     ("mallopt", -3, memory.SERVING_MMAP_THRESHOLD), ("trim",)]
+                     ("mallopt", -3, memory.SERVING_MMAP_THRESHOLD),
+                     ("mallopt", -1, memory.SERVING_TRIM_THRESHOLD), ("trim",)]
+
+
+# In a fresh interpreter (its heap untouched by other tests): after loading, an 8 MiB step
+# buffer freed at the heap's top keeps its pages, so the next op does not fault them in
+# again; the idle-time trim still hands them back.
+_FREED_TOP = """
+import ctypes, psutil
+from shoal.runner import memory
+with memory.loading_heap():
+    pass
+libc, process = ctypes.CDLL(None), psutil.Process()
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+size = 8 * 2**20
+buffer = libc.malloc(size)
+ctypes.memset(buffer, 1, size)
+held = process.memory_info().rss
+libc.free(buffer)
+after_free = process.memory_info().rss
+memory.return_freed_heap()
+after_trim = process.memory_info().rss
+print(held - after_free, held - after_trim)
+"""
+
+
+@pytest.mark.skipif(memory._MALLOPT is None, reason="glibc's malloc tuning is absent")
+def test_serving_keeps_freed_step_buffers_until_the_runner_goes_idle():
+    result = subprocess.run([sys.executable, "-c", _FREED_TOP], capture_output=True,
+                            text=True, timeout=60, check=True)
+    dropped_at_free, dropped_at_trim = map(int, result.stdout.split())
+    assert dropped_at_free < 2**20
+    assert dropped_at_trim > 6 * 2**20
