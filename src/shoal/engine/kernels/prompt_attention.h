@@ -145,6 +145,7 @@ void scores(const float* const* q, const float* keys_t, int64_t blocks, int64_t 
 using Scores = void (*)(const float* const*, const float*, int64_t, int64_t, float,
                         float* const*);
 
+// Pairs per score tile: with kScoreBlocks, 24 chains and 29 of the 32 registers.
 constexpr int kScorePairs = 4;
 
 inline Scores pick_scores(int64_t pairs) {
@@ -295,7 +296,7 @@ inline void attend_item(const Rows& rows, const Segment& s, const float* keys_t,
   // Values: keys outside [lowest, last] have zero weight in every pair; skipping them
   // adds nothing. Pointers are shifted so w[key] and values[key * dim] are that position's.
   const float* shifted = values - s.first_key * dim;
-  auto weights = [&](int64_t pair) { return scratch.weights.data() + pair * length - item_key; };
+  auto weights = [&](int64_t pair) { return weights_at(pair) - item_key; };
   if (dim % kLanes != 0) {
     scratch.acc.resize(dim);
     for (int64_t pair = 0; pair < pairs; ++pair)
