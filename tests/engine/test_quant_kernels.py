@@ -181,29 +181,66 @@ def test_bad_shapes_are_refused_with_a_message(kernel):
         kernel.quant_pack(99, torch.zeros(4, dtype=torch.uint8), 1, 32)
 
 
-def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch):
+def test_the_int8_estimate_of_a_q8_0_matmul_is_within_its_rounding(kernel):
+    if not kernel.quant_int8_estimate_available():
+        pytest.skip("this CPU has no AVX512-VNNI and VBMI")
+    out_features, cols = 40, 512  # 40: a strip of 16 columns is padded
+    raw = random_blocks("Q8_0", out_features, cols, seed=14)
+    weights = gguf_values("Q8_0", raw, out_features, cols)
+    data = packed(kernel, "Q8_0", raw, out_features, cols)
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(15)).bfloat16()
+    estimate = kernel.quant_int8_estimate(data, out_features, cols, x)
+    assert estimate.shape == (20, out_features) and estimate.dtype == torch.float32
+    # x is rounded to int8 steps of max|x| / 127 per 32 values: at most half a step each.
+    step = x.float().view(20, cols // 32, 32).abs().amax(dim=-1) / 127          # [20, 16]
+    weight_mass = weights.abs().view(out_features, cols // 32, 32).sum(dim=-1)  # [40, 16]
+    bound = (step / 2) @ weight_mass.t()
+    exact = x.double() @ weights.double().t()
+    assert ((estimate.double() - exact).abs() <= bound * 1.001 + 1e-4).all()
+    assert (estimate.double() - exact).abs().max() > 0  # an estimate, not the exact path
+    for start, count in ((0, 1), (3, 4), (5, 9), (19, 1)):  # rows independent of the batch
+        part = kernel.quant_int8_estimate(data, out_features, cols, x[start:start + count])
+        assert torch.equal(part, estimate[start:start + count])
+    with pytest.raises(RuntimeError, match="not a packed Q8_0"):
+        kernel.quant_int8_estimate(data[:-64], out_features, cols, x)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 512\] bfloat16"):
+        kernel.quant_int8_estimate(data, out_features, cols, x.float())
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
+def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name):
     from shoal.engine.models.layers import head as head_module
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
     vocab, hidden = 4096, 256
-    raw = RawTensor((vocab, hidden), "Q8_0", random_blocks("Q8_0", vocab, hidden, seed=12))
+    raw = RawTensor((vocab, hidden), name, random_blocks(name, vocab, hidden, seed=12))
     plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
-    assert not isinstance(head_module.build_head(raw, plan, None, spare_bytes=1000),
-                          head_module.EstimatedHead)  # no room for it
-    head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
-    assert isinstance(head, head_module.EstimatedHead)
+    # No room for a 4-bit copy: a Q8_0 head estimates from its own codes where VNNI allows.
+    cramped = head_module.build_head(raw, plan, None, spare_bytes=1000)
+    if name == "Q8_0" and kernel.quant_int8_estimate_available():
+        assert isinstance(cramped, head_module.EstimatedHead)
+        assert isinstance(cramped.estimate, head_module.Int8Estimate)
+        assert cramped.nbytes() == cramped.exact.nbytes()  # no bytes of its own
+        heads = [cramped, head_module.build_head(raw, plan, None, spare_bytes=10**9)]
+    else:
+        assert not isinstance(cramped, head_module.EstimatedHead)
+        heads = [head_module.build_head(raw, plan, None, spare_bytes=10**9)]
+    assert not isinstance(heads[-1].estimate, head_module.Int8Estimate)  # the 4-bit copy
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13)).bfloat16()
-    exact = head.exact(x)  # the exact head, as generated rows compute it
-    ours = head(x)
-    candidates = head.estimate.forward(x, True, False).topk(head_module.RESCORE_CANDIDATES,
-                                                             dim=-1).indices
-    assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
-    assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
-    # Prompt rows (from prompt_from on) get the exact head all through, on the
-    # generated-token arithmetic (a row's logits are the same bits alone or in a batch).
-    assert torch.equal(head(x, 1)[1:], exact[1:])
-    assert torch.equal(head(x[2:], 0), exact[2:])
+    for head in heads:
+        assert isinstance(head, head_module.EstimatedHead)
+        exact = head.exact(x)  # the exact head, as generated rows compute it
+        ours = head(x)
+        candidates = head.estimate.forward(x, True, False).topk(
+            head_module.RESCORE_CANDIDATES, dim=-1).indices
+        assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
+        assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
+        # Prompt rows (from prompt_from on) get the exact head all through, on the
+        # generated-token arithmetic (a row's logits are the same bits alone or in a batch).
+        assert torch.equal(head(x, 1)[1:], exact[1:])
+        assert torch.equal(head(x[2:], 0), exact[2:])
+    monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 10**12)
     plain = head_module.build_head(raw, plan, None, spare_bytes=0)
     assert torch.equal(plain(x, 0), plain(x)) and torch.equal(plain(x, 0), exact)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
                                           "quant_paths.cpp", "quant_groups.cpp",
-                                          "quant_bindings.cpp"))
+                                          "quant_estimate.cpp", "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
     "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "quant.h",
     "quant_amx.h", "quant_avx512.h", "quant_buffers.h", "quant_formats.h", "quant_kernels.h",

@@ -1,11 +1,13 @@
 """The output head [vocab, hidden], possibly tied to the embedding.
 
 The head is the biggest single read of a decode step (SmolLM2's tied Q8_0 table is 28 MB,
-Qwen2.5-Coder-0.5B's untied one 145 MB). Where memory allows, generated rows read a 4-bit
-estimate of it instead (Q4_1, 5 bits per weight) and recompute the estimate's top
-RESCORE_CANDIDATES tokens of each row exactly: the tokens sampling can realistically pick
-get the head's exact values, the far tail keeps the estimate. Prompt rows (the first token
-of each request) use the exact head.
+Qwen2.5-Coder-0.5B's untied one 145 MB, Gemma 3's tied one 178 MB). Generated rows read an
+estimate of it and recompute the estimate's top RESCORE_CANDIDATES tokens of each row
+exactly: the tokens sampling can realistically pick get the head's exact values, the far
+tail keeps the estimate. The estimate is a 4-bit copy (Q4_1, 5 bits per weight) where memory
+allows one; else, for a Q8_0 head on a CPU with VNNI, the head's own int8 codes times x
+quantized to int8 (no memory of its own; the exact path's widening of the codes to bf16 costs
+more than reading them). Prompt rows (the first token of each request) use the exact head.
 
 Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
 last prompt row too: it is one row per request, where the prompt path's tile split would
@@ -58,10 +60,12 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     op = plan.kernel.QuantLinear([code], [packed], [vocab], hidden, None)
     exact = QuantLinear(op, float_out=True)
     tied = embedding is not None
-    if (raw.quant in _WIDE_TYPES and vocab * hidden >= ESTIMATE_MIN_WEIGHTS
-            and _estimate_bytes(vocab, hidden) <= spare_bytes):
-        estimate = _estimate(plan.kernel, code, packed, vocab, hidden)
-        return EstimatedHead(exact, estimate, tied)
+    if raw.quant not in _WIDE_TYPES or vocab * hidden < ESTIMATE_MIN_WEIGHTS:
+        return ExactHead(exact, tied)
+    if _estimate_bytes(vocab, hidden) <= spare_bytes:
+        return EstimatedHead(exact, _estimate(plan.kernel, code, packed, vocab, hidden), tied)
+    if code == QTYPES["Q8_0"] and plan.kernel.quant_int8_estimate_available():
+        return EstimatedHead(exact, Int8Estimate(plan.kernel, packed, vocab, hidden), tied)
     return ExactHead(exact, tied)
 
 
@@ -110,6 +114,22 @@ class EstimatedHead(Layer):
 
     def nbytes(self) -> int:
         return self.estimate.nbytes() + (0 if self.tied else self.exact.nbytes())
+
+
+class Int8Estimate:
+    """A packed Q8_0 head's own codes times x quantized per 32 values to int8 (the kernel's
+    quant_int8_estimate, on VNNI): QuantLinear's forward for the estimate's one use."""
+
+    def __init__(self, kernel, packed: torch.Tensor, vocab: int, hidden: int) -> None:
+        self.kernel, self.packed, self.vocab, self.hidden = kernel, packed, vocab, hidden
+
+    def forward(self, x: torch.Tensor, float_out: bool = True, prompt: bool = False
+                ) -> torch.Tensor:
+        """x: [S, hidden] bf16 -> float32 [S, vocab]."""
+        return self.kernel.quant_int8_estimate(self.packed, self.vocab, self.hidden, x)
+
+    def nbytes(self) -> int:
+        return 0  # the exact head's bytes
 
 
 def _estimate_bytes(vocab: int, hidden: int) -> int:
