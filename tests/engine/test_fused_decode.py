@@ -275,3 +275,20 @@ def test_a_broken_build_is_built_again(monkeypatch, tmp_path):
 
     monkeypatch.setattr(build, "_compile", fresh_compile)
     assert build._Kernel().load() is rebuilt
+
+
+def test_the_kernels_link_the_cxx_runtime_torch_loaded(monkeypatch, tmp_path):
+    # A compiler whose own C++ library is static only would put a second runtime in the
+    # extension, whose first number formatted into an error message crashed the process
+    # (seen on an image whose $CXX wrapper links libstdc++.a alone).
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    runtime = build._cxx_runtime()
+    assert len(runtime) == 1 and Path(runtime[0]).name.startswith("libstdc++.so")
+    assert Path(runtime[0]).is_file()
+    seen = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: seen.update(kwargs))
+    build._compile(tmp_path / "kernels")
+    assert seen["extra_ldflags"] == runtime

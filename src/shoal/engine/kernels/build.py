@@ -43,12 +43,32 @@ NAME = "shoal_kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 
 
+def _cxx_runtime() -> list[str]:
+    """The C++ runtime torch itself loaded (its libstdc++.so.6), named to the linker ahead of
+    the compiler's own libraries, so that the extension links that shared library. A compiler
+    whose C++ library is static only ($CXX a wrapper whose own lib folder has libstdc++.a
+    and no libstdc++.so, as some images have) would otherwise put a second copy of the
+    runtime inside the extension: its locale facets carry other ids than the ones torch's
+    copy registered, and the first number streamed into a string (a TORCH_CHECK message)
+    calls a wrong facet and crashes the process."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and Path(fields[5].strip()).name.startswith("libstdc++.so"):
+                    return [fields[5].strip()]
+    except OSError:
+        pass
+    return []
+
+
 def build_dir() -> Path:
     root = os.environ.get("SHOAL_KERNEL_DIR") or Path.home() / ".cache" / "shoal" / "kernels"
     digest = hashlib.sha256()
     sources = (*SOURCES, *HEADERS)
     for part in (*(path.read_bytes() for path in sources), " ".join(FLAGS).encode(),
-                 torch.__version__.encode(), _cpu_features().encode()):
+                 " ".join(_cxx_runtime()).encode(), torch.__version__.encode(),
+                 _cpu_features().encode()):
         digest.update(part)
     return Path(root) / f"{NAME}-{digest.hexdigest()[:16]}"
 
@@ -129,7 +149,7 @@ def _compile(directory: Path) -> ModuleType:
         pass
     _put_ninja_on_path()
     return load(NAME, [str(path) for path in SOURCES], extra_cflags=list(FLAGS),
-                build_directory=str(directory), verbose=False)
+                extra_ldflags=_cxx_runtime(), build_directory=str(directory), verbose=False)
 
 
 def _put_ninja_on_path() -> None:
