@@ -103,6 +103,9 @@ class QuantLinear {
 
   std::vector<Segment> segments_;
   int64_t k_, n_total_ = 0, strips_total_ = 0;
+  // Whether some segment's type scales runs of 16 / 32 along k: the run sums a forward
+  // call needs (the other size is not computed).
+  bool runs16_ = false, runs32_ = false;
   Backend backend_;
   at::Tensor bias_;  // [n_total] float32, or undefined
 };

@@ -393,8 +393,10 @@ at::Tensor QuantLinear::forward_columns(const at::Tensor& input,
                 wanted_p[i], " out of range");
 #if SHOAL_QUANT_AVX512
   const std::vector<bf16> chained = chain_order(x.data_ptr<bf16>(), m, k);
-  const std::vector<float> sums16 = run_sums(x.data_ptr<bf16>(), m, k, 16);
-  const std::vector<float> sums32 = run_sums(x.data_ptr<bf16>(), m, k, 32);
+  const std::vector<float> sums16 = runs16_ ? run_sums(x.data_ptr<bf16>(), m, k, 16)
+                                            : std::vector<float>();
+  const std::vector<float> sums32 = runs32_ ? run_sums(x.data_ptr<bf16>(), m, k, 32)
+                                            : std::vector<float>();
   // Each (row, column): its strip for that row alone, as a one-row forward computes it.
   at::parallel_for(0, m * count, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kCols];
