@@ -35,7 +35,7 @@ KVCache = torch.Tensor  # [2 * H_kv, slots, D]: key heads then value heads (kv/t
 def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan,
               dtype: torch.dtype | None = None) -> RMSNorm:
     weight = raw.dequantize().to(device=plan.device, dtype=dtype or plan.compute_dtype)
-    return RMSNorm(weight, config.rms_eps)
+    return RMSNorm(weight, config.rms_eps, plan.kernel)
 
 
 def make_attention(config: ModelConfig, index: int, weights: Weights,
