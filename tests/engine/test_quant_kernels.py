@@ -181,15 +181,16 @@ def test_bad_shapes_are_refused_with_a_message(kernel):
         kernel.quant_pack(99, torch.zeros(4, dtype=torch.uint8), 1, 32)
 
 
-def test_the_int8_estimate_of_a_q8_0_matmul_is_within_its_rounding(kernel):
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_the_int8_estimate_of_a_matmul_is_within_its_rounding(kernel, name):
     if not kernel.quant_int8_estimate_available():
         pytest.skip("this CPU has no AVX512-VNNI and VBMI")
     out_features, cols = 40, 512  # 40: a strip of 16 columns is padded
-    raw = random_blocks("Q8_0", out_features, cols, seed=14)
-    weights = gguf_values("Q8_0", raw, out_features, cols)
-    data = packed(kernel, "Q8_0", raw, out_features, cols)
+    raw = random_blocks(name, out_features, cols, seed=14)
+    weights = gguf_values(name, raw, out_features, cols)
+    data = packed(kernel, name, raw, out_features, cols)
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(15)).bfloat16()
-    estimate = kernel.quant_int8_estimate(data, out_features, cols, x)
+    estimate = kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols, x)
     assert estimate.shape == (20, out_features) and estimate.dtype == torch.float32
     # x is rounded to int8 steps of max|x| / 127 per 32 values: at most half a step each.
     step = x.float().view(20, cols // 32, 32).abs().amax(dim=-1) / 127          # [20, 16]
@@ -199,12 +200,15 @@ def test_the_int8_estimate_of_a_q8_0_matmul_is_within_its_rounding(kernel):
     assert ((estimate.double() - exact).abs() <= bound * 1.001 + 1e-4).all()
     assert (estimate.double() - exact).abs().max() > 0  # an estimate, not the exact path
     for start, count in ((0, 1), (3, 4), (5, 9), (19, 1)):  # rows independent of the batch
-        part = kernel.quant_int8_estimate(data, out_features, cols, x[start:start + count])
+        part = kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols,
+                                          x[start:start + count])
         assert torch.equal(part, estimate[start:start + count])
-    with pytest.raises(RuntimeError, match="not a packed Q8_0"):
-        kernel.quant_int8_estimate(data[:-64], out_features, cols, x)
+    with pytest.raises(RuntimeError, match=f"not a packed {name}"):
+        kernel.quant_int8_estimate(QTYPES[name], data[:-64], out_features, cols, x)
     with pytest.raises(RuntimeError, match=r"x must be \[M, 512\] bfloat16"):
-        kernel.quant_int8_estimate(data, out_features, cols, x.float())
+        kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols, x.float())
+    with pytest.raises(RuntimeError, match="must be Q8_0 or Q4_1, not Q4_K"):
+        kernel.quant_int8_estimate(QTYPES["Q4_K"], data, out_features, cols, x)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
@@ -222,12 +226,16 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
     if name == "Q8_0" and kernel.quant_int8_estimate_available():
         assert isinstance(cramped, head_module.EstimatedHead)
         assert isinstance(cramped.estimate, head_module.Int8Estimate)
+        assert cramped.estimate.code == QTYPES["Q8_0"]
         assert cramped.nbytes() == cramped.exact.nbytes()  # no bytes of its own
         heads = [cramped, head_module.build_head(raw, plan, None, spare_bytes=10**9)]
     else:
         assert not isinstance(cramped, head_module.EstimatedHead)
         heads = [head_module.build_head(raw, plan, None, spare_bytes=10**9)]
-    assert not isinstance(heads[-1].estimate, head_module.Int8Estimate)  # the 4-bit copy
+    copy = heads[-1]  # the 4-bit copy: 20 bytes per 32 weights of its own
+    assert copy.nbytes() == copy.exact.nbytes() + vocab * hidden // 32 * 20
+    if kernel.quant_int8_estimate_available():
+        assert copy.estimate.code == QTYPES["Q4_1"]
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13)).bfloat16()
     for head in heads:
         assert isinstance(head, head_module.EstimatedHead)

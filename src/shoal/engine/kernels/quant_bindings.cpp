@@ -15,8 +15,8 @@ void bind(pybind11::module& m) {
   m.def("quant_fast_kernels", &fast_kernels);
   m.def("quant_default_backend", &default_backend, "amx, avx512 or portable");
   m.def("quant_int8_estimate_available", &int8_estimate_available);
-  m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 matmul estimated with int8 x",
-        pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
+  m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 or Q4_1 matmul estimated with int8 x",
+        pybind11::arg("type"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(pybind11::init<const std::vector<int64_t>&, const std::vector<at::Tensor>&,

@@ -5,9 +5,12 @@ Qwen2.5-Coder-0.5B's untied one 145 MB, Gemma 3's tied one 178 MB). Generated ro
 estimate of it and recompute the estimate's top RESCORE_CANDIDATES tokens of each row
 exactly: the tokens sampling can realistically pick get the head's exact values, the far
 tail keeps the estimate. The estimate is a 4-bit copy (Q4_1, 5 bits per weight) where memory
-allows one; else, for a Q8_0 head on a CPU with VNNI, the head's own int8 codes times x
-quantized to int8 (no memory of its own; the exact path's widening of the codes to bf16 costs
-more than reading them). Prompt rows (the first token of each request) use the exact head.
+allows one; else, for a Q8_0 head, the head's own codes (no memory of its own). On a CPU with
+VNNI either is multiplied with x rounded to int8 per 32 values (Int8Estimate): a Q8_0 table is
+then read at memory speed (the exact path's widening of its codes to bf16 costs more than
+reading them), and a batch's rows take ~0.7x the time of bf16 products. Without VNNI a Q4_1
+copy takes the generated-token arithmetic, and a Q8_0 head has no estimate. Prompt rows (the
+first token of each request) use the exact head.
 
 Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
 last prompt row too: it is one row per request, where the prompt path's tile split would
@@ -62,10 +65,16 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     tied = embedding is not None
     if raw.quant not in _WIDE_TYPES or vocab * hidden < ESTIMATE_MIN_WEIGHTS:
         return ExactHead(exact, tied)
+    int8 = plan.kernel.quant_int8_estimate_available()
     if _estimate_bytes(vocab, hidden) <= spare_bytes:
-        return EstimatedHead(exact, _estimate(plan.kernel, code, packed, vocab, hidden), tied)
-    if code == QTYPES["Q8_0"] and plan.kernel.quant_int8_estimate_available():
-        return EstimatedHead(exact, Int8Estimate(plan.kernel, packed, vocab, hidden), tied)
+        copy = _estimate(plan.kernel, code, packed, vocab, hidden)
+        estimate = (Int8Estimate(plan.kernel, QTYPES["Q4_1"], copy, vocab, hidden, owned=True)
+                    if int8 else plan.kernel.QuantLinear([QTYPES["Q4_1"]], [copy], [vocab],
+                                                         hidden, None))
+        return EstimatedHead(exact, estimate, tied)
+    if code == QTYPES["Q8_0"] and int8:
+        return EstimatedHead(exact, Int8Estimate(plan.kernel, code, packed, vocab, hidden,
+                                                 owned=False), tied)
     return ExactHead(exact, tied)
 
 
@@ -117,26 +126,31 @@ class EstimatedHead(Layer):
 
 
 class Int8Estimate:
-    """A packed Q8_0 head's own codes times x quantized per 32 values to int8 (the kernel's
-    quant_int8_estimate, on VNNI): QuantLinear's forward for the estimate's one use."""
+    """A packed Q8_0 or Q4_1 [vocab, hidden] weight times x quantized per 32 values to int8
+    (the kernel's quant_int8_estimate, on VNNI): QuantLinear's forward for the estimate's
+    one use. owned: the bytes are the estimate's own (a copy), not the exact head's."""
 
-    def __init__(self, kernel, packed: torch.Tensor, vocab: int, hidden: int) -> None:
-        self.kernel, self.packed, self.vocab, self.hidden = kernel, packed, vocab, hidden
+    def __init__(self, kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int,
+                 owned: bool) -> None:
+        self.kernel, self.code, self.packed = kernel, code, packed
+        self.vocab, self.hidden, self.owned = vocab, hidden, owned
 
     def forward(self, x: torch.Tensor, float_out: bool = True, prompt: bool = False
                 ) -> torch.Tensor:
         """x: [S, hidden] bf16 -> float32 [S, vocab]."""
-        return self.kernel.quant_int8_estimate(self.packed, self.vocab, self.hidden, x)
+        return self.kernel.quant_int8_estimate(self.code, self.packed, self.vocab, self.hidden,
+                                               x)
 
     def nbytes(self) -> int:
-        return 0  # the exact head's bytes
+        return self.packed.numel() if self.owned else 0
 
 
 def _estimate_bytes(vocab: int, hidden: int) -> int:
     return vocab * hidden // 32 * 20  # Q4_1: 20 bytes per 32 weights
 
 
-def _estimate(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int):
+def _estimate(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int
+              ) -> torch.Tensor:
     """A Q4_1 requantization of the packed head, packed: per 32 weights d = (max - min) / 15
     and m = min in fp16, codes round((w - m) / d)."""
     blocks = []
@@ -145,8 +159,7 @@ def _estimate(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int):
         values = kernel.quant_dequantize_rows(code, packed, vocab, hidden, rows)  # [R, H]
         blocks.append(_q4_1_blocks(values))
     data = torch.from_numpy(np.concatenate(blocks).reshape(-1))
-    estimate = kernel.quant_pack(QTYPES["Q4_1"], data, vocab, hidden)
-    return kernel.QuantLinear([QTYPES["Q4_1"]], [estimate], [vocab], hidden, None)
+    return kernel.quant_pack(QTYPES["Q4_1"], data, vocab, hidden)
 
 
 def _q4_1_blocks(values: torch.Tensor) -> np.ndarray:
