@@ -292,3 +292,24 @@ def test_the_kernels_link_the_cxx_runtime_torch_loaded(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: seen.update(kwargs))
     build._compile(tmp_path / "kernels")
     assert seen["extra_ldflags"] == runtime
+
+
+def test_bf16_rows_are_normed_in_one_rounding(kernel):
+    from shoal.engine.models.layers.norm import RMSNorm
+
+    generator = torch.Generator().manual_seed(21)
+    x = (torch.randn(37, 640, generator=generator) * 3).bfloat16()
+    weight = (torch.rand(640, generator=generator) + 0.5).bfloat16()
+    norm = RMSNorm(weight, 1e-6, kernel)
+    ours = norm(x)
+    assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
+    # float32 arithmetic, rounded once: within half a bf16 step of the float32 result.
+    exact = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
+    assert ((ours.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    assert torch.equal(norm(x[5:9]), ours[5:9])  # each row alone
+    assert torch.equal(norm(x.float()), torch.nn.functional.rms_norm(
+        x.float(), (640,), weight, 1e-6))  # other inputs take torch's
+    with pytest.raises(RuntimeError, match=r"weight must be \[640\] bfloat16"):
+        kernel.rms_norm_rows(x, weight[:320], 1e-6)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernel.rms_norm_rows(x.float(), weight, 1e-6)
