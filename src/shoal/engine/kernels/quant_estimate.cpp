@@ -36,7 +36,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && \
     defined(__AVX512F__)
 #define SHOAL_ESTIMATE_VNNI 1
-#include <immintrin.h>
+#include "quant_prefetch.h"
 #else
 #define SHOAL_ESTIMATE_VNNI 0
 #endif
@@ -52,8 +52,6 @@ namespace {
 // after pass over blocks of about kEstimateBlockBytes of weights, which stay in L2.
 constexpr int kEstimateRows = 8;
 constexpr int64_t kEstimateBlockBytes = 256 * 1024;
-// Lines asked for this far ahead of the one being read (batch-1 streams every weight once).
-constexpr int kAhead = 2048;
 
 // Where each of a tile's 32 x codes goes: code i of a tile, in kernel order, is x's k =
 // order[i] (header comment).
@@ -163,8 +161,7 @@ void estimate_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* tile = view.tile(b);
-    for (int line = 0; line < Tile::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(tile) + line + kAhead, _MM_HINT_T0);
+    prefetch_ahead<Tile::kBytes>(tile + kPrefetchBytes);
     const Tile codes(tile, q8_index);
     __m512i dot[R][kChains];
     for (int r = 0; r < R; ++r)

@@ -11,13 +11,7 @@
 
 #include "quant.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SHOAL_QUANT_AVX512 1
-#include "quant_buffers.h"
-#include "quant_kernels.h"
-#else
-#define SHOAL_QUANT_AVX512 0
-#endif
+#include "quant_backend.h"
 
 namespace shoal_quant {
 

@@ -20,14 +20,9 @@
 
 #include "quant.h"
 #include "quant_strip.h"
+#include "vector.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SHOAL_QUANT_AVX512 1
-#include "quant_kernels.h"
-#else
-#define SHOAL_QUANT_AVX512 0
-#define SHOAL_QUANT_AMX 0
-#endif
+#include "quant_backend.h"
 
 namespace shoal_quant {
 
@@ -71,12 +66,6 @@ Backend resolve(int64_t requested) {
 namespace {
 
 #if SHOAL_QUANT_AVX512
-// 16 bf16 at p as float32.
-inline __m512 widen16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // r[j]'s lane i -> r[i]'s lane j (16 x 16 float32).
 inline void transpose16(__m512 r[16]) {
   __m512 t[16];
@@ -123,7 +112,7 @@ std::vector<float> run_sums(const bf16* x, int64_t m, int64_t k, int run) {
         __m512 total = _mm512_setzero_ps();
         for (int h = 0; h < run; h += 16) {
           __m512 v[16];  // v[j]: run g + j's elements h .. h + 15, then transposed
-          for (int j = 0; j < 16; ++j) v[j] = widen16(row + (g + j) * run + h);
+          for (int j = 0; j < 16; ++j) v[j] = shoal_vec::load(row + (g + j) * run + h);
           transpose16(v);
           for (int i = 0; i < 16; ++i) total = _mm512_add_ps(total, v[i]);
         }

@@ -18,14 +18,7 @@
 #include "quant.h"
 #include "vector.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SHOAL_QUANT_AVX512 1
-#include "quant_buffers.h"
-#include "quant_kernels.h"
-#else
-#define SHOAL_QUANT_AVX512 0
-#define SHOAL_QUANT_AMX 0
-#endif
+#include "quant_backend.h"
 
 namespace shoal_quant {
 

@@ -17,33 +17,11 @@
 #include <utility>
 
 #include "quant_formats.h"
+#include "quant_prefetch.h"
 
 namespace shoal_quant {
 
 using bf16 = at::BFloat16;
-
-template <int N, class F, int... I>
-inline void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-
-// f(0), f(1), ... f(N - 1) with compile-time indices (register indices and shift counts).
-template <int N, class F>
-inline void static_for(F&& f) {
-  static_for_impl<N>(f, std::make_integer_sequence<int, N>{});
-}
-
-// Batch-1 decode streams each weight from memory once: asking for the tiles this far ahead
-// keeps enough lines in flight for the memory to run at full speed.
-constexpr int64_t kPrefetchBytes = 2048;
-
-// Prefetches the `Bytes` bytes at p, one request per 64-byte line.
-template <int Bytes>
-inline void prefetch_ahead(const uint8_t* p) {
-  static_for<(Bytes + 63) / 64>([&](auto line) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * line, _MM_HINT_T0);
-  });
-}
 
 template <QType T>
 struct Traits {

@@ -1,0 +1,37 @@
+// Compile-time loops and prefetching for the x86 vector kernels (quant_simd.h and the int8
+// estimate, quant_estimate.cpp): only included where the build has AVX-512.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace shoal_quant {
+
+template <int N, class F, int... I>
+inline void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+// f(0), f(1), ... f(N - 1) with compile-time indices (register indices and shift counts).
+template <int N, class F>
+inline void static_for(F&& f) {
+  static_for_impl<N>(f, std::make_integer_sequence<int, N>{});
+}
+
+// Batch-1 decode streams each weight from memory once: asking for the tiles this far ahead
+// keeps enough lines in flight for the memory to run at full speed.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Prefetches the `Bytes` bytes at p, one request per 64-byte line.
+template <int Bytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  static_for<(Bytes + 63) / 64>([&](auto line) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * line, _MM_HINT_T0);
+  });
+}
+
+}  // namespace shoal_quant
