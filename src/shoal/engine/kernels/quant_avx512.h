@@ -56,12 +56,12 @@ struct SubBlockChains {
   }
 
   // A vector of strip s, plane i (of the odd chain or the even one), for each row's x pair
-  // (pair_of_row(r)).
+  // (at pair_of_row(r)).
   template <class PairOfRow>
   inline void add(int s, int i, bool odd_chain, __m512i w, const PairOfRow& pair_of_row) {
     __m512(&chain)[S * V][R] = odd_chain ? odd : even;
     for (int r = 0; r < R; ++r)
-      chain[s * V + i][r] = _mm512_dpbf16_ps(chain[s * V + i][r], as_bh(w), pair_of_row(r));
+      chain[s * V + i][r] = dot_pair<S * V>(chain[s * V + i][r], w, pair_of_row(r));
   }
 
   // part = even + odd per plane, planes added in order (a float type's planes each sum like
@@ -76,8 +76,8 @@ struct SubBlockChains {
 };
 
 // Tile t's planes and its super-block's meta in each of S strips (of `tiles` tiles), the
-// planes a little ahead asked for.
-template <QType T, int S>
+// planes a little ahead (for a pass of R rows) asked for.
+template <QType T, int S, int R>
 inline void tiles_at(const uint8_t* const* strips, int64_t t, int64_t tiles,
                      const uint8_t* (&tile)[S], const uint8_t* (&meta)[S]) {
   using Tr = Traits<T>;
@@ -85,7 +85,7 @@ inline void tiles_at(const uint8_t* const* strips, int64_t t, int64_t tiles,
   for (int s = 0; s < S; ++s) {
     tile[s] = strips[s] + t * Tr::kTileBytes;
     meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
-    prefetch_ahead<Tr::kTileBytes>(tile[s] + kPrefetchBytes);
+    prefetch_ahead<Tr::kTileBytes>(tile[s] + prefetch_bytes(R));
   }
 }
 
@@ -108,7 +108,7 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
     const int64_t k0 = t * kTileK;
     const uint8_t* tile[S];
     const uint8_t* meta[S];
-    tiles_at<T, S>(strips, t, tiles, tile, meta);
+    tiles_at<T, S, R>(strips, t, tiles, tile, meta);
     static_for<subs_per_tile>([&](auto sub) {
       SubBlockChains<S, V, R> chains;
       static_for<Tr::kSubPairs>([&](auto index) {
@@ -118,7 +118,7 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
           decode_vector<T, v>(tile[s], c, w);
           for (int i = 0; i < V; ++i)
             chains.add(s, i, v % 2 == 1, w[i],
-                       [&](int r) { return pair_of(xc + r * ldx + k0 + 2 * v); });
+                       [&](int r) { return xc + r * ldx + k0 + 2 * v; });
         }
       });
       const int in_block = static_cast<int>(t % tiles_per_block) * subs_per_tile + sub;
@@ -212,7 +212,7 @@ void strips_prompt_direct(const uint8_t* const* strips, int64_t k, const bf16* x
   for (int64_t t = 0; t < tiles; ++t) {
     const uint8_t* tile[S];
     const uint8_t* meta[S];
-    tiles_at<T, S>(strips, t, tiles, tile, meta);
+    tiles_at<T, S, R>(strips, t, tiles, tile, meta);
     static_for<subs_per_tile>([&](auto sub) {
       __m512 chain[S][R];
       for (int s = 0; s < S; ++s)
@@ -227,9 +227,8 @@ void strips_prompt_direct(const uint8_t* const* strips, int64_t k, const bf16* x
             w[0] = to_bf16(_mm512_add_ps(bf16_half(w[0], 1), centre),
                            _mm512_add_ps(bf16_half(w[0], 0), centre));
           for (int r = 0; r < R; ++r) {
-            const __m512bh x = pair_of(xc + r * ldx + g * Tr::f.sub_k + 2 * index);
-            for (int i = 0; i < V; ++i)
-              chain[s][r] = _mm512_dpbf16_ps(chain[s][r], as_bh(w[i]), x);
+            const bf16* x = xc + r * ldx + g * Tr::f.sub_k + 2 * index;
+            for (int i = 0; i < V; ++i) chain[s][r] = dot_pair<S * V>(chain[s][r], w[i], x);
           }
         }
       });

@@ -26,6 +26,13 @@ inline void static_for(F&& f) {
 // keeps enough lines in flight for the memory to run at full speed.
 constexpr int64_t kPrefetchBytes = 2048;
 
+// How far ahead a pass of `rows` rows over tiles decoded in registers asks for them. Passes
+// of several rows go further ahead (measured on a 1.5B model's layers, 2 threads: 4 rows
+// ~12% faster with 8 KiB than with 2 KiB, while one row was ~8% slower).
+constexpr int64_t prefetch_bytes(int rows) {
+  return rows == 1 ? kPrefetchBytes : 4 * kPrefetchBytes;
+}
+
 // Prefetches the `Bytes` bytes at p, one request per 64-byte line.
 template <int Bytes>
 inline void prefetch_ahead(const uint8_t* p) {

@@ -44,11 +44,33 @@ struct Traits {
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 inline __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
-// x[k], x[k + 1] in every lane (folds into vdpbf16ps's broadcast operand).
+// x[k], x[k + 1] in every lane.
 inline __m512bh pair_of(const bf16* x) {
   int32_t bits;
   std::memcpy(&bits, x, 4);
   return as_bh(_mm512_set1_epi32(bits));
+}
+
+// A bf16 pair read as one 32-bit word (x's buffers are bf16).
+typedef int32_t __attribute__((may_alias)) pair_bits;
+
+// _mm512_dpbf16_ps(chain, w, pair_of(x)) for a pair that serves `Uses` products of a pass.
+// The compiler emits a vpbroadcastd for pair_of; where a pair serves one product, that extra
+// instruction per product limits the rate, so the pair is read by the instruction's own
+// broadcast operand ({1to16}) instead: the same instruction on the same values, so the
+// same bits. Passes of 8 generated rows ran ~12% faster this way on an AVX512-BF16 core;
+// where a pair serves several products (strips side by side), one broadcast shared by them
+// is cheaper than a load each.
+template <int Uses>
+inline __m512 dot_pair(__m512 chain, __m512i w, const bf16* x) {
+  if constexpr (Uses > 1) {
+    return _mm512_dpbf16_ps(chain, as_bh(w), pair_of(x));
+  } else {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0"
+            : "+v"(chain)
+            : "v"(w), "m"(*reinterpret_cast<const pair_bits*>(x)));
+    return chain;
+  }
 }
 
 template <int S>
