@@ -76,7 +76,12 @@ struct SubBlockChains {
 };
 
 // Tile t's planes and its super-block's meta in each of S strips (of `tiles` tiles), the
-// planes a little ahead (for a pass of R rows) asked for.
+// planes a little ahead (for a pass of R rows) asked for. A strip's meta follows its tiles,
+// so the tiles' stream of requests reaches it only late in the strip, while the first
+// super-blocks' scales are needed at once: one strip at a time (passes of 3 rows and more),
+// at a strip's first tile the next strip's meta is asked for too. Measured on a 1.5B
+// model's layers, 2 threads: 4 and 8 rows ~18% faster, 16 rows ~8%; passes of one or two
+// rows over strips side by side, which stream at memory speed, gained nothing.
 template <QType T, int S, int R>
 inline void tiles_at(const uint8_t* const* strips, int64_t t, int64_t tiles,
                      const uint8_t* (&tile)[S], const uint8_t* (&meta)[S]) {
@@ -86,6 +91,12 @@ inline void tiles_at(const uint8_t* const* strips, int64_t t, int64_t tiles,
     tile[s] = strips[s] + t * Tr::kTileBytes;
     meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
     prefetch_ahead<Tr::kTileBytes>(tile[s] + prefetch_bytes(R));
+    if (S == 1 && t == 0) {
+      // A prefetch past the last strip is dropped by the CPU, never a fault.
+      const uint8_t* next = meta[s] + strip_bytes(Tr::f, tiles * kTileK);
+      for (int64_t line = 0; line < tiles / tiles_per_block * Tr::kMetaBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + line, _MM_HINT_T0);
+    }
   }
 }
 
