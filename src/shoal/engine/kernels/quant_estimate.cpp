@@ -75,12 +75,13 @@ struct Int8Rows {
   std::vector<int8_t> codes;  // [m, k]
   std::vector<float> scales;  // [m, k / 32]: d of each block
   std::vector<int32_t> sums;  // [m, k / 32]: each block's code sum
+  std::vector<float> offsets; // [m, k / 32]: d x the code sum (what a block's offset scales)
 };
 
 Int8Rows quantize_rows(const bf16* x, int64_t m, int64_t k, const Order& order) {
   const int64_t blocks = k / kTileK;
   Int8Rows out{std::vector<int8_t>(m * k), std::vector<float>(m * blocks),
-               std::vector<int32_t>(m * blocks)};
+               std::vector<int32_t>(m * blocks), std::vector<float>(m * blocks)};
   for (int64_t r = 0; r < m; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const bf16* v = x + r * k + b * kTileK;
@@ -97,6 +98,7 @@ Int8Rows quantize_rows(const bf16* x, int64_t m, int64_t k, const Order& order) 
       }
       out.scales[r * blocks + b] = d;
       out.sums[r * blocks + b] = sum;
+      out.offsets[r * blocks + b] = d * static_cast<float>(sum);
     }
   return out;
 }
@@ -193,12 +195,10 @@ void estimate_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t
       for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[r][c]);
       if constexpr (kShift != 0)
         sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kShift * xq.sums[at]));
-      const __m512 dx = _mm512_set1_ps(xq.scales[at]);
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, dx), total[r]);
+      const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xq.scales[at]));
+      total[r] = _mm512_fmadd_ps(dots, scale, total[r]);
       if constexpr (T == QType::kQ4_1)
-        total[r] = _mm512_fmadd_ps(
-            offset, _mm512_mul_ps(dx, _mm512_set1_ps(static_cast<float>(xq.sums[at]))),
-            total[r]);
+        total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xq.offsets[at]), total[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, total[r]);
