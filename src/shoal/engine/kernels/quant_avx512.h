@@ -91,12 +91,9 @@ inline void tiles_at(const uint8_t* const* strips, int64_t t, int64_t tiles,
     tile[s] = strips[s] + t * Tr::kTileBytes;
     meta[s] = strips[s] + tiles * Tr::kTileBytes + t / tiles_per_block * Tr::kMetaBytes;
     prefetch_ahead<Tr::kTileBytes>(tile[s] + prefetch_bytes(R));
-    if (S == 1 && t == 0) {
-      // A prefetch past the last strip is dropped by the CPU, never a fault.
-      const uint8_t* next = meta[s] + strip_bytes(Tr::f, tiles * kTileK);
-      for (int64_t line = 0; line < tiles / tiles_per_block * Tr::kMetaBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next) + line, _MM_HINT_T0);
-    }
+    if (S == 1 && t == 0)  // the next strip's meta
+      prefetch_span(meta[s] + strip_bytes(Tr::f, tiles * kTileK),
+                    tiles / tiles_per_block * Tr::kMetaBytes);
   }
 }
 

@@ -164,13 +164,8 @@ void estimate_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* tile = view.tile(b);
     prefetch_ahead<Tile::kBytes>(tile + kPrefetchBytes);
-    if (b == 0) {
-      // The next strip's meta (after its tiles, so the tiles' prefetch reaches it last);
-      // a prefetch past the last strip is dropped, never a fault.
-      const uint8_t* next = view.meta(0) + strip_bytes(f, k);
-      for (int64_t line = 0; line < blocks * meta_bytes(f); line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next) + line, _MM_HINT_T0);
-    }
+    // The next strip's meta: it follows that strip's tiles, so their prefetch reaches it last.
+    if (b == 0) prefetch_span(view.meta(0) + strip_bytes(f, k), blocks * meta_bytes(f));
     const Tile codes(tile, q8_index);
     __m512i dot[R][kChains];
     for (int r = 0; r < R; ++r)

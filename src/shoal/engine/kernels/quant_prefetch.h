@@ -41,4 +41,11 @@ inline void prefetch_ahead(const uint8_t* p) {
   });
 }
 
+// Prefetches `bytes` bytes at p (a length known at run time: a strip's meta), one request per
+// 64-byte line. A prefetch past the end of the weights is dropped by the CPU, never a fault.
+inline void prefetch_span(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + line, _MM_HINT_T0);
+}
+
 }  // namespace shoal_quant
