@@ -181,8 +181,8 @@ def test_bad_shapes_are_refused_with_a_message(kernel):
         kernel.quant_pack(99, torch.zeros(4, dtype=torch.uint8), 1, 32)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
-def test_the_int8_estimate_of_a_matmul_is_within_its_rounding(kernel, name):
+def test_the_int8_estimate_of_a_matmul_is_within_its_rounding(kernel):
+    name = "Q8_0"
     if not kernel.quant_int8_estimate_available():
         pytest.skip("this CPU has no AVX512-VNNI and VBMI")
     out_features, cols = 40, 512  # 40: a strip of 16 columns is padded
@@ -203,21 +203,67 @@ def test_the_int8_estimate_of_a_matmul_is_within_its_rounding(kernel, name):
         part = kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols,
                                           x[start:start + count])
         assert torch.equal(part, estimate[start:start + count])
-    with pytest.raises(RuntimeError, match=f"not a packed {name}"):
+    with pytest.raises(RuntimeError, match=r"not a packed \[40, 512\] weight"):
         kernel.quant_int8_estimate(QTYPES[name], data[:-64], out_features, cols, x)
     with pytest.raises(RuntimeError, match=r"x must be \[M, 512\] bfloat16"):
         kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols, x.float())
-    with pytest.raises(RuntimeError, match="must be Q8_0 or Q4_1, not Q4_K"):
+    with pytest.raises(RuntimeError, match="must be Q8_0, not Q4_K"):
         kernel.quant_int8_estimate(QTYPES["Q4_K"], data, out_features, cols, x)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
-def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name):
+@pytest.mark.parametrize("bits", [3, 4])
+def test_a_head_copy_and_its_int8_estimate(kernel, bits):
+    if not kernel.quant_int8_estimate_available():
+        pytest.skip("this CPU has no AVX512-VNNI and VBMI")
+    out_features, cols = 40, 512  # 40: a strip of 16 rows is padded
+    weights = torch.randn(out_features, cols, generator=torch.Generator().manual_seed(16))
+    weights[3, :64] = 0.25  # a constant block: d = 0
+    packed = kernel.quant_head_copy_pack(weights, bits)
+    assert packed.numel() == 3 * (cols // 64) * (64 + 128 * bits)
+    values = kernel.quant_head_copy_values(packed, out_features, cols, bits)
+    # Per 64 weights: 2^bits levels from the minimum to the maximum, each weight rounded to one.
+    groups = weights.view(out_features, cols // 64, 64)
+    step = (groups.amax(dim=-1) - groups.amin(dim=-1)) / (2**bits - 1)           # [40, 8]
+    error = (values - weights).abs().view(out_features, cols // 64, 64).amax(dim=-1)
+    assert (error <= step * 0.51 + 1e-3).all()
+    assert torch.equal(values[3, :64], torch.full((64,), 0.25))
+    assert all(len(block.unique()) <= 2**bits for block in values.view(-1, 64))
+    assert len(values.view(-1, 64)[0].unique()) > 2**(bits - 1)  # every code bit in use
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(17)).bfloat16()
+    estimate = kernel.quant_int8_estimate_copy(packed, out_features, cols, bits, x)
+    assert estimate.shape == (20, out_features) and estimate.dtype == torch.float32
+    # x is rounded to int8 steps of max|x| / 127 per 64 values: at most half a step each.
+    x_step = x.float().view(20, cols // 64, 64).abs().amax(dim=-1) / 127          # [20, 8]
+    mass = values.abs().view(out_features, cols // 64, 64).sum(dim=-1)            # [40, 8]
+    exact = x.double() @ values.double().t()
+    assert ((estimate.double() - exact).abs() <= (x_step / 2) @ mass.t() * 1.001 + 1e-4).all()
+    for start, count in ((0, 1), (3, 4), (5, 9), (19, 1)):  # rows independent of the batch
+        part = kernel.quant_int8_estimate_copy(packed, out_features, cols, bits,
+                                               x[start:start + count])
+        assert torch.equal(part, estimate[start:start + count])
+    with pytest.raises(RuntimeError, match="not a packed"):
+        kernel.quant_int8_estimate_copy(packed[:-64], out_features, cols, bits, x)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 512\] bfloat16"):
+        kernel.quant_int8_estimate_copy(packed, out_features, cols, bits, x.float())
+    with pytest.raises(RuntimeError, match="bits must be 3 or 4, not 5"):
+        kernel.quant_int8_estimate_copy(packed, out_features, cols, 5, x)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernel.quant_head_copy_pack(torch.zeros(4, 96), bits)
+    with pytest.raises(RuntimeError, match="fp16's range"):
+        kernel.quant_head_copy_pack(torch.full((1, 64), 1e6), bits)
+
+
+@pytest.mark.parametrize("name,hidden", [("Q8_0", 256), ("Q6_K", 256), ("Q6_K", 1024)])
+@pytest.mark.parametrize("without_vnni", [False, True])
+def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name, hidden,
+                                                           without_vnni):
     from shoal.engine.models.layers import head as head_module
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
-    vocab, hidden = 4096, 256
+    if without_vnni:  # the heads a CPU without VNNI builds: a Q4_1 copy on the exact kernels
+        monkeypatch.setattr(kernel, "quant_int8_estimate_available", lambda: False)
+    vocab = 4096
     raw = RawTensor((vocab, hidden), name, random_blocks(name, vocab, hidden, seed=12))
     plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
@@ -226,23 +272,29 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
     if name == "Q8_0" and kernel.quant_int8_estimate_available():
         assert isinstance(cramped, head_module.EstimatedHead)
         assert isinstance(cramped.estimate, head_module.Int8Estimate)
-        assert cramped.estimate.code == QTYPES["Q8_0"]
+        assert cramped.estimate.bits is None
         assert cramped.nbytes() == cramped.exact.nbytes()  # no bytes of its own
         heads = [cramped, head_module.build_head(raw, plan, None, spare_bytes=10**9)]
     else:
         assert not isinstance(cramped, head_module.EstimatedHead)
         heads = [head_module.build_head(raw, plan, None, spare_bytes=10**9)]
-    copy = heads[-1]  # the 4-bit copy: 20 bytes per 32 weights of its own
-    assert copy.nbytes() == copy.exact.nbytes() + vocab * hidden // 32 * 20
-    if kernel.quant_int8_estimate_available():
-        assert copy.estimate.code == QTYPES["Q4_1"]
+    copy = heads[-1]  # a copy of the head, bytes of its own
+    if kernel.quant_int8_estimate_available():  # per 16 x 64 weights, 448 or 576 bytes
+        bits = 3 if hidden >= head_module.COPY_3_BITS_MIN_HIDDEN else 4
+        assert copy.estimate.bits == bits
+        assert copy.candidates == (head_module.RESCORE_CANDIDATES if bits == 3
+                                   else head_module.NARROW_RESCORE_CANDIDATES)
+        assert copy.nbytes() == copy.exact.nbytes() + vocab * hidden // 1024 * (64 + 128 * bits)
+    else:  # Q4_1: 20 bytes per 32 weights
+        assert copy.estimate.out_features == vocab  # a QuantLinear
+        assert copy.nbytes() == copy.exact.nbytes() + vocab * hidden // 32 * 20
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13)).bfloat16()
     for head in heads:
         assert isinstance(head, head_module.EstimatedHead)
         exact = head.exact(x)  # the exact head, as generated rows compute it
         ours = head(x)
         candidates = head.estimate.forward(x, True, False).topk(
-            head_module.RESCORE_CANDIDATES, dim=-1).indices
+            head.candidates, dim=-1).indices
         assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
         assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
         # Prompt rows (from prompt_from on) get the exact head all through, on the

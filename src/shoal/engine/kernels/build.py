@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
                                           "quant_paths.cpp", "quant_groups.cpp",
-                                          "quant_estimate.cpp", "quant_bindings.cpp"))
+                                          "quant_estimate.cpp", "quant_head_copy.cpp",
+                                          "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
     "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "quant.h",
     "quant_amx.h", "quant_avx512.h", "quant_backend.h", "quant_buffers.h", "quant_formats.h",
-    "quant_kernels.h", "quant_prefetch.h", "quant_simd.h", "quant_strip.h"))
+    "quant_kernels.h", "quant_prefetch.h", "quant_head_copy.h", "quant_simd.h",
+    "quant_strip.h"))
 NAME = "shoal_kernels"
 # -fopenmp compiles at::parallel_for's OpenMP regions; nothing links an OpenMP runtime here,
 # so they bind to the one torch itself loaded (two runtimes would fight over the cores).

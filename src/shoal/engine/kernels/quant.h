@@ -30,12 +30,15 @@ int64_t packed_bytes(int64_t type, int64_t n, int64_t k);
 // keep weights dense).
 bool fast_kernels();
 bool amx_usable();
-// An output head's int8 estimate (quant_estimate.cpp): float32 [M, n] from a packed Q8_0 or
-// Q4_1 [n, k] weight and x [M, k] bf16, x quantized per 32 to int8; only where the build
-// has AVX512-VNNI and VBMI.
+// An output head's int8 estimate (quant_estimate.cpp): float32 [M, n] from a packed Q8_0
+// [n, k] weight and x [M, k] bf16, x quantized per 32 to int8; only where the build has
+// AVX512-VNNI and VBMI.
 bool int8_estimate_available();
 at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
                          const at::Tensor& x);
+// The same from the head's 3- or 4-bit copy (quant_head_copy.h), x quantized per 64.
+at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
+                              const at::Tensor& x);
 
 // Which arithmetic a QuantLinear uses; kAuto: AMX where usable, else AVX512-BF16.
 enum class Backend : int { kAuto = 0, kAvx512 = 1, kAmx = 2, kPortable = 3 };

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "quant.h"
+#include "quant_head_copy.h"
 
 namespace shoal_quant {
 
@@ -15,9 +16,18 @@ void bind(pybind11::module& m) {
   m.def("quant_fast_kernels", &fast_kernels);
   m.def("quant_default_backend", &default_backend, "amx, avx512 or portable");
   m.def("quant_int8_estimate_available", &int8_estimate_available);
-  m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 or Q4_1 matmul estimated with int8 x",
+  m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 matmul estimated with int8 x",
         pybind11::arg("type"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_int8_estimate_copy", &int8_estimate_copy, "a matmul with the head's 3- or "
+        "4-bit copy, estimated with int8 x", pybind11::arg("packed"), pybind11::arg("n"),
+        pybind11::arg("k"), pybind11::arg("bits"), pybind11::arg("x"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_head_copy_pack", &head_copy_pack, "float32 [n, k] -> the head's estimate copy",
+        pybind11::arg("values"), pybind11::arg("bits"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_head_copy_values", &head_copy_values, "a head copy's weights as float32 [n, k]",
+        pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("bits"));
   pybind11::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(pybind11::init<const std::vector<int64_t>&, const std::vector<at::Tensor>&,
                           const std::vector<int64_t>&, int64_t, const std::optional<at::Tensor>&,

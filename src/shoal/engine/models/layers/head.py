@@ -1,16 +1,21 @@
 """The output head [vocab, hidden], possibly tied to the embedding.
 
 The head is the biggest single read of a decode step (SmolLM2's tied Q8_0 table is 28 MB,
-Qwen2.5-Coder-0.5B's untied one 145 MB, Gemma 3's tied one 178 MB). Generated rows read an
-estimate of it and recompute the estimate's top RESCORE_CANDIDATES tokens of each row
-exactly: the tokens sampling can realistically pick get the head's exact values, the far
-tail keeps the estimate. The estimate is a 4-bit copy (Q4_1, 5 bits per weight) where memory
-allows one; else, for a Q8_0 head, the head's own codes (no memory of its own). On a CPU with
-VNNI either is multiplied with x rounded to int8 per 32 values (Int8Estimate): a Q8_0 table is
-then read at memory speed (the exact path's widening of its codes to bf16 costs more than
-reading them), and a batch's rows take ~0.7x the time of bf16 products. Without VNNI a Q4_1
-copy takes the generated-token arithmetic, and a Q8_0 head has no estimate. Prompt rows (the
-first token of each request) use the exact head.
+Qwen2.5-Coder-0.5B's untied one 145 MB, Gemma 3's tied one 178 MB, Qwen2.5-Coder-1.5B's
+Q6_K one 191 MB). Generated rows read an estimate of it and recompute the estimate's top 64
+tokens of each row exactly (256 for a narrow head's 4-bit copy): the tokens sampling can
+realistically pick get the head's exact values, the far tail keeps the estimate.
+
+The estimate is a copy of the head where memory allows one; else, for a Q8_0 head, the head's
+own codes (no memory of its own). On a CPU with VNNI the copy has 3-bit codes (heads of
+hidden >= COPY_3_BITS_MIN_HIDDEN) or 4-bit codes, with a scale and minimum per 64 weights
+(3.5 or 4.5 bits a weight, kernels/quant_head_copy.h), and the copy or the Q8_0 codes are
+multiplied with x rounded to int8 (Int8Estimate): a Q8_0 table is then read at memory speed
+(the exact path's widening of its codes to bf16 costs more than reading them), a copy as one
+stream. On Qwen2.5-Coder-1.5B's head the 3-bit copy (102 MB) takes 1.3-2.1 ms a row where a
+Q4_1 copy (146 MB) took 2.7-3.7. Without VNNI the copy is Q4_1 (5 bits a weight) on the
+generated-token arithmetic, and a Q8_0 head has no estimate. Prompt rows (the first token of
+each request) use the exact head.
 
 Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
 last prompt row too: it is one row per request, where the prompt path's tile split would
@@ -36,14 +41,24 @@ from shoal.engine.models.layers.linear import (
 )
 from shoal.engine.weights.quant import RawTensor
 
-# Candidates recomputed exactly per generated row. The exact winner lies inside the 4-bit
-# estimate's top 64 on every row measured, so greedy decoding is unchanged.
+# Candidates recomputed exactly per generated row. The exact winner lies inside the
+# estimate's top 64 on every row measured, so greedy decoding is unchanged. A narrow head's
+# 4-bit copy orders the next few more loosely (SmolLM2: the exact top 8 within the top 93
+# and 145 in two runs of sampled rows of synthetic text; 51 on real text), so it rescores
+# 256: 0.04 ms more a row than 64 on SmolLM2, 1.1 ms more for 16 rows.
 RESCORE_CANDIDATES = 64
+NARROW_RESCORE_CANDIDATES = 256
 # An estimate pays for itself only for big heads stored in 6 bits or more.
 ESTIMATE_MIN_WEIGHTS = 8 * 2**20
 _WIDE_TYPES = {"Q6_K", "Q8_0", "F16", "BF16", "F32"}
-# Rows requantized at a time while the estimate is built (bounds the float32 scratch).
+# Rows requantized at a time while a copy is built (bounds the float32 scratch; a multiple of
+# the layouts' 16-row strips).
 _ESTIMATE_CHUNK_ROWS = 4096
+COPY_BLOCK = 64  # weights per scale and minimum of a copy
+# 3-bit codes order the top tokens well enough only for wide heads. Worst estimate rank of
+# the exact top 8 over ~900 rows of real text, with 3-bit / 4-bit codes: hidden 1536
+# (Qwen2.5-Coder-1.5B) 36 / 18, 896 (the 0.5B) 62 / 17, 576 (SmolLM2) 326 / 51.
+COPY_3_BITS_MIN_HIDDEN = 1024
 
 
 def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
@@ -66,15 +81,20 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     if raw.quant not in _WIDE_TYPES or vocab * hidden < ESTIMATE_MIN_WEIGHTS:
         return ExactHead(exact, tied)
     int8 = plan.kernel.quant_int8_estimate_available()
-    if _estimate_bytes(vocab, hidden) <= spare_bytes:
-        copy = _estimate(plan.kernel, code, packed, vocab, hidden)
-        estimate = (Int8Estimate(plan.kernel, QTYPES["Q4_1"], copy, vocab, hidden, owned=True)
-                    if int8 else plan.kernel.QuantLinear([QTYPES["Q4_1"]], [copy], [vocab],
-                                                         hidden, None))
-        return EstimatedHead(exact, estimate, tied)
+    if int8 and hidden % COPY_BLOCK == 0:
+        bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
+        if _copy_bytes(vocab, hidden, bits) <= spare_bytes:
+            copy = _copy(plan.kernel, code, packed, vocab, hidden,
+                         lambda values: plan.kernel.quant_head_copy_pack(values, bits))
+            return EstimatedHead(exact, Int8Estimate(plan.kernel, copy, vocab, hidden,
+                                                     bits=bits), tied,
+                                 RESCORE_CANDIDATES if bits == 3 else NARROW_RESCORE_CANDIDATES)
+    elif not int8 and _q4_1_bytes(vocab, hidden) <= spare_bytes:
+        copy = _copy(plan.kernel, code, packed, vocab, hidden, _q4_1_packer(plan.kernel))
+        return EstimatedHead(exact, plan.kernel.QuantLinear([QTYPES["Q4_1"]], [copy], [vocab],
+                                                            hidden, None), tied)
     if code == QTYPES["Q8_0"] and int8:
-        return EstimatedHead(exact, Int8Estimate(plan.kernel, code, packed, vocab, hidden,
-                                                 owned=False), tied)
+        return EstimatedHead(exact, Int8Estimate(plan.kernel, packed, vocab, hidden), tied)
     return ExactHead(exact, tied)
 
 
@@ -95,13 +115,14 @@ class ExactHead(Layer):
 
 
 class EstimatedHead(Layer):
-    """logits of generated rows: the estimate, with each row's top RESCORE_CANDIDATES
-    recomputed exactly; of prompt rows (from prompt_from on): the exact head."""
+    """logits of generated rows: the estimate, with each row's top `candidates` recomputed
+    exactly; of prompt rows (from prompt_from on): the exact head."""
 
-    def __init__(self, exact: QuantLinear, estimate, tied: bool) -> None:
+    def __init__(self, exact: QuantLinear, estimate, tied: bool,
+                 candidates: int = RESCORE_CANDIDATES) -> None:
         super().__init__()
         self.exact, self.estimate, self.tied = exact, estimate, tied
-        self.out_features = exact.out_features
+        self.out_features, self.candidates = exact.out_features, candidates
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         """x: [S, hidden] bf16 -> float32 logits [S, vocab]."""
@@ -118,7 +139,7 @@ class EstimatedHead(Layer):
 
     def _rescored(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.estimate.forward(x, True, False)  # [S, V]
-        candidates = logits.topk(RESCORE_CANDIDATES, dim=-1).indices  # [S, C]
+        candidates = logits.topk(self.candidates, dim=-1).indices  # [S, C]
         return logits.scatter_(1, candidates, self.exact.op.forward_columns(x, candidates))
 
     def nbytes(self) -> int:
@@ -126,40 +147,57 @@ class EstimatedHead(Layer):
 
 
 class Int8Estimate:
-    """A packed Q8_0 or Q4_1 [vocab, hidden] weight times x quantized per 32 values to int8
-    (the kernel's quant_int8_estimate, on VNNI): QuantLinear's forward for the estimate's
-    one use. owned: the bytes are the estimate's own (a copy), not the exact head's."""
+    """A packed [vocab, hidden] weight times x quantized to int8 on VNNI: the head's own Q8_0
+    codes, or (bits 3 or 4) its copy, whose bytes are the estimate's own. QuantLinear's
+    forward for the estimate's one use."""
 
-    def __init__(self, kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int,
-                 owned: bool) -> None:
-        self.kernel, self.code, self.packed = kernel, code, packed
-        self.vocab, self.hidden, self.owned = vocab, hidden, owned
+    def __init__(self, kernel, packed: torch.Tensor, vocab: int, hidden: int,
+                 bits: int | None = None) -> None:
+        self.kernel, self.packed, self.vocab, self.hidden = kernel, packed, vocab, hidden
+        self.bits = bits
 
     def forward(self, x: torch.Tensor, float_out: bool = True, prompt: bool = False
                 ) -> torch.Tensor:
         """x: [S, hidden] bf16 -> float32 [S, vocab]."""
-        return self.kernel.quant_int8_estimate(self.code, self.packed, self.vocab, self.hidden,
-                                               x)
+        if self.bits is None:
+            return self.kernel.quant_int8_estimate(QTYPES["Q8_0"], self.packed, self.vocab,
+                                                   self.hidden, x)
+        return self.kernel.quant_int8_estimate_copy(self.packed, self.vocab, self.hidden,
+                                                    self.bits, x)
 
     def nbytes(self) -> int:
-        return self.packed.numel() if self.owned else 0
+        return 0 if self.bits is None else self.packed.numel()
 
 
-def _estimate_bytes(vocab: int, hidden: int) -> int:
+def _copy_bytes(vocab: int, hidden: int, bits: int) -> int:
+    """kernels/quant_head_copy.h: per 16 rows x 64 weights, 32 bytes of scales and minima
+    and the codes."""
+    return -(-vocab // 16) * (hidden // COPY_BLOCK) * (64 + 128 * bits)
+
+
+def _q4_1_bytes(vocab: int, hidden: int) -> int:
     return vocab * hidden // 32 * 20  # Q4_1: 20 bytes per 32 weights
 
 
-def _estimate(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int
-              ) -> torch.Tensor:
-    """A Q4_1 requantization of the packed head, packed: per 32 weights d = (max - min) / 15
-    and m = min in fp16, codes round((w - m) / d)."""
-    blocks = []
+def _copy(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int, packer
+          ) -> torch.Tensor:
+    """The packed head requantized by packer (float32 [R, H] -> its bytes, R a multiple of
+    16 but for the last chunk) a chunk of rows at a time: both copies' layouts are strips of
+    16 rows, so the chunks' bytes join in order."""
+    parts = []
     for start in range(0, vocab, _ESTIMATE_CHUNK_ROWS):
         rows = torch.arange(start, min(vocab, start + _ESTIMATE_CHUNK_ROWS))
-        values = kernel.quant_dequantize_rows(code, packed, vocab, hidden, rows)  # [R, H]
-        blocks.append(_q4_1_blocks(values))
-    data = torch.from_numpy(np.concatenate(blocks).reshape(-1))
-    return kernel.quant_pack(QTYPES["Q4_1"], data, vocab, hidden)
+        parts.append(packer(kernel.quant_dequantize_rows(code, packed, vocab, hidden, rows)))
+    return torch.cat(parts)
+
+
+def _q4_1_packer(kernel):
+    """float32 [R, H] -> a packed Q4_1 copy: per 32 weights d = (max - min) / 15 and m = min
+    in fp16, codes round((w - m) / d)."""
+    def pack_rows(values: torch.Tensor) -> torch.Tensor:
+        blocks = torch.from_numpy(_q4_1_blocks(values).reshape(-1))
+        return kernel.quant_pack(QTYPES["Q4_1"], blocks, values.shape[0], values.shape[1])
+    return pack_rows
 
 
 def _q4_1_blocks(values: torch.Tensor) -> np.ndarray:
