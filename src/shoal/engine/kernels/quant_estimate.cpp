@@ -45,12 +45,6 @@ using bf16 = at::BFloat16;
 
 namespace {
 
-#if SHOAL_ESTIMATE_VNNI
-// Rows per pass: an int32 and a float32 accumulator each, in registers. More rows run pass
-// after pass over blocks of about kEstimateBlockBytes of weights, which stay in L2.
-constexpr int kEstimateRows = 8;
-constexpr int64_t kEstimateBlockBytes = 256 * 1024;
-
 // x [m, k] as int8 blocks of `block` values along k.
 struct Int8Rows {
   std::vector<int8_t> codes;  // [m, k]
@@ -58,6 +52,15 @@ struct Int8Rows {
   std::vector<int32_t> sums;  // [m, k / block]: each block's code sum
   std::vector<float> offsets; // [m, k / block]: d x the code sum (what a block's offset scales)
 };
+
+// One strip's estimate for some rows of x: (strip, k, x, first row, out [rows][16]).
+using EstimateFn = void (*)(const uint8_t*, int64_t, const Int8Rows&, int64_t, float*);
+
+#if SHOAL_ESTIMATE_VNNI
+// Rows per pass: an int32 and a float32 accumulator each, in registers. More rows run pass
+// after pass over blocks of about kEstimateBlockBytes of weights, which stay in L2.
+constexpr int kEstimateRows = 8;
+constexpr int64_t kEstimateBlockBytes = 256 * 1024;
 
 Int8Rows quantize_rows(const bf16* x, int64_t m, int64_t k, int block) {
   const int64_t blocks = k / block;
@@ -137,7 +140,8 @@ void estimate_q8_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int6
                        float* out) {
   const Format& f = format_of(QType::kQ8_0);
   const StripView view{f, k, strip};
-  const int64_t blocks = k / kTileK;
+  const int64_t blocks = k / kTileK, next_strip = strip_bytes(f, k);
+  const int scale_at = meta_pos(f).d;
   const __m512i index = q8_order(), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int8_t* codes_x[R];
   for (int r = 0; r < R; ++r) codes_x[r] = xq.codes.data() + (row0 + r) * k;
@@ -147,13 +151,13 @@ void estimate_q8_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int6
     const uint8_t* tile = view.tile(b);
     prefetch_ahead<512>(tile + kPrefetchBytes);
     // The next strip's meta: it follows that strip's tiles, so their prefetch reaches it last.
-    _mm_prefetch(reinterpret_cast<const char*>(view.meta(b) + strip_bytes(f, k)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(view.meta(b) + next_strip), _MM_HINT_T0);
     __m512i sums[R];
     block_dots<R, kTileK / 4>([&](int p) {
       return _mm512_xor_si512(_mm512_permutexvar_epi8(index, _mm512_loadu_si512(tile + 64 * p)),
                               flip);
     }, codes_x, b * kTileK, sums);
-    const __m512 scale = halves(view.meta(b) + meta_pos(f).d);
+    const __m512 scale = halves(view.meta(b) + scale_at);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * blocks + b;
       const __m512i dot = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(128 * xq.sums[at]));
@@ -215,8 +219,6 @@ void estimate_copy_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, total[r]);
 }
 
-using EstimateFn = void (*)(const uint8_t*, int64_t, const Int8Rows&, int64_t, float*);
-
 template <template <int> class Kernel>
 struct ByRows {
   static constexpr EstimateFn run[kEstimateRows] = {
@@ -259,11 +261,20 @@ void estimate_strips(const EstimateFn* run, const uint8_t* weights, int64_t stri
       }
   });
 }
+
+// Each type's kernels by rows (1 .. kEstimateRows); none where the build lacks VNNI.
+constexpr const EstimateFn* kQ8Kernels = ByRows<Q8Kernel>::run;
+constexpr const EstimateFn* kCopy3Kernels = ByRows<Copy3Kernel>::run;
+constexpr const EstimateFn* kCopy4Kernels = ByRows<Copy4Kernel>::run;
+#else
+constexpr const EstimateFn* kQ8Kernels = nullptr;
+constexpr const EstimateFn* kCopy3Kernels = nullptr;
+constexpr const EstimateFn* kCopy4Kernels = nullptr;
 #endif
 
 // Checks the weights' size and x; runs run[] over x quantized per `block` -> float32 [M, n].
 at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_t k,
-                    int64_t bytes, const at::Tensor& input, int block, const void* run) {
+                    int64_t bytes, const at::Tensor& input, int block, const EstimateFn* run) {
   TORCH_CHECK(SHOAL_ESTIMATE_VNNI, who, ": this build has no AVX512-VNNI and VBMI");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == strip_count(n) * bytes,
@@ -276,8 +287,8 @@ at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_
 #if SHOAL_ESTIMATE_VNNI
   if (m == 0) return out;
   const Int8Rows xq = quantize_rows(x.data_ptr<bf16>(), m, k, block);
-  estimate_strips(static_cast<const EstimateFn*>(run), packed.data_ptr<uint8_t>(),
-                  strip_count(n), bytes, n, k, xq, m, out.data_ptr<float>());
+  estimate_strips(run, packed.data_ptr<uint8_t>(), strip_count(n), bytes, n, k, xq, m,
+                  out.data_ptr<float>());
 #endif
   return out;
 }
@@ -292,12 +303,8 @@ at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int6
   TORCH_CHECK(qt == QType::kQ8_0, "int8_estimate: weights must be Q8_0, not ",
               format_of(qt).name);
   TORCH_CHECK(k % kTileK == 0, "int8_estimate: k must be a multiple of ", kTileK);
-#if SHOAL_ESTIMATE_VNNI
-  const void* run = ByRows<Q8Kernel>::run;
-#else
-  const void* run = nullptr;
-#endif
-  return estimate("int8_estimate", packed, n, k, strip_bytes(format_of(qt), k), x, kTileK, run);
+  return estimate("int8_estimate", packed, n, k, strip_bytes(format_of(qt), k), x, kTileK,
+                  kQ8Kernels);
 }
 
 at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
@@ -305,13 +312,8 @@ at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, in
   TORCH_CHECK(bits == 3 || bits == 4, "int8_estimate_copy: bits must be 3 or 4, not ", bits);
   TORCH_CHECK(k % kCopyBlockK == 0, "int8_estimate_copy: k must be a multiple of ",
               kCopyBlockK);
-#if SHOAL_ESTIMATE_VNNI
-  const void* run = bits == 3 ? ByRows<Copy3Kernel>::run : ByRows<Copy4Kernel>::run;
-#else
-  const void* run = nullptr;
-#endif
   return estimate("int8_estimate_copy", packed, n, k, copy_strip_bytes(bits, k), x,
-                  kCopyBlockK, run);
+                  kCopyBlockK, bits == 3 ? kCopy3Kernels : kCopy4Kernels);
 }
 
 }  // namespace shoal_quant
