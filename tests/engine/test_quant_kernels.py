@@ -21,15 +21,20 @@ FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
                "IQ4_NL": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
                "Q6_K": [208], "IQ4_XS": [0]}
 ROWS = (1, 4, 16, 128)
-AUTO, AVX512, AMX = 0, 1, 2
+AUTO, AVX512, AMX, AVX2 = 0, 1, 2, 4
 
 
 def paths(kernel) -> list[tuple[int, bool]]:
-    """(backend, prompt rows) pairs this machine can run: the vector order; with AMX also
-    AMX's order (generated tokens) and the split-weight tiles (prompt tokens)."""
-    found = [(AVX512, False), (AVX512, True)]
+    """(backend, prompt rows) pairs this machine can run: on AVX512-BF16 the vector order,
+    with AMX also AMX's order (generated tokens) and the split-weight tiles (prompt tokens);
+    on any AVX2 machine (AVX-512 ones too) the float32 AVX2 path."""
+    found = []
+    if kernel.quant_default_backend() in ("avx512", "amx"):
+        found += [(AVX512, False), (AVX512, True)]
     if kernel.quant_default_backend() == "amx":
         found += [(AMX, False), (AMX, True)]
+    if kernel.quant_avx2_available():
+        found += [(AVX2, False), (AVX2, True)]
     return found
 
 
@@ -127,21 +132,22 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
     # Without AMX, many rows run over blocks of strips: several blocks per thread here.
     ("Q4_K", 512, 4096)])
 def test_generated_rows_take_the_same_bits_on_every_path(kernel, name, out_features, cols):
-    # Generated tokens sum in AMX's order everywhere: a few rows on vectors (tiles decoded in
-    # registers), more on AMX tiles, or without AMX the same vectors 4 rows a pass.
+    # Generated tokens sum in AMX's order on AVX512-BF16: a few rows on vectors (tiles
+    # decoded in registers), more on AMX tiles, or without AMX the same vectors 4 rows a pass.
+    # The AVX2 path has a float32 order of its own, the same for any rows.
     raw = random_blocks(name, out_features, cols, seed=6)
     data = packed(kernel, name, raw, out_features, cols)
     x = torch.randn(24, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
-    for backend in {backend for backend, _ in paths(kernel)}:
+    results = {}
+    for backend in sorted({backend for backend, _ in paths(kernel)}):
         linear = kernel.QuantLinear([QTYPES[name]], [data], [out_features], cols, None, backend)
         many = linear.forward(x, True, False)  # 24 rows: AMX tiles, or passes of 4 rows
         assert torch.equal(linear.forward(x[:13], True, False), many[:13]), backend
         few = torch.cat([linear.forward(x[i:i + 3], True, False) for i in range(0, 24, 3)])
         assert torch.equal(few, many), backend
-        if backend == AVX512:
-            vectors = many
-        else:
-            assert torch.equal(many, vectors)
+        results[backend] = many
+    if AMX in results:
+        assert torch.equal(results[AMX], results[AVX512])
 
 
 def test_segments_of_different_types_stack_with_a_bias(kernel):

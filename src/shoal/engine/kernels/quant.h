@@ -12,6 +12,13 @@
 
 #include "quant_formats.h"
 
+// The AVX2 path (quant_avx2.h): x86 CPUs with AVX2, FMA and F16C, AVX-512 ones included.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SHOAL_QUANT_AVX2 1
+#else
+#define SHOAL_QUANT_AVX2 0
+#endif
+
 namespace shoal_quant {
 
 QType qtype(int64_t code);
@@ -26,9 +33,11 @@ at::Tensor dequantize_rows(int64_t type, const at::Tensor& packed, int64_t n, in
                            const at::Tensor& rows);
 at::Tensor dequantize(int64_t type, const at::Tensor& packed, int64_t n, int64_t k);
 int64_t packed_bytes(int64_t type, int64_t n, int64_t k);
-// Whether this build multiplies on AVX512-BF16 (else a slow portable loop: callers then
-// keep weights dense).
+// Whether this build multiplies packed weights fast: on AVX512-BF16 or on AVX2 (else a slow
+// portable loop: callers then keep weights dense).
 bool fast_kernels();
+// Whether this build has the AVX2 path (quant_avx2.h).
+bool avx2_available();
 bool amx_usable();
 // An output head's int8 estimate (quant_estimate.cpp): float32 [M, n] from a packed Q8_0
 // [n, k] weight and x [M, k] bf16, x quantized per 32 to int8; only where the build has
@@ -40,9 +49,10 @@ at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int6
 at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
                               const at::Tensor& x);
 
-// Which arithmetic a QuantLinear uses; kAuto: AMX where usable, else AVX512-BF16.
-enum class Backend : int { kAuto = 0, kAvx512 = 1, kAmx = 2, kPortable = 3 };
-// The backend kAuto resolves to here: "amx", "avx512" or "portable".
+// Which arithmetic a QuantLinear uses; kAuto: AMX where usable, else AVX512-BF16, else AVX2
+// (float32 arithmetic, quant_avx2.h).
+enum class Backend : int { kAuto = 0, kAvx512 = 1, kAmx = 2, kPortable = 3, kAvx2 = 4 };
+// The backend kAuto resolves to here: "amx", "avx512", "avx2" or "portable".
 std::string default_backend();
 
 // y = x @ W.T (+ bias) for packed weights W: segments of output rows stacked in order (a
@@ -105,6 +115,13 @@ class QuantLinear {
   void run_tiles(const Call& call) const;
   void run_amx_prompt(const Call& call) const;
   void run_portable(const Call& call) const;
+  // The AVX2 paths (quant_avx2.cpp): every row of a call; strips [begin, end) of one segment
+  // on dequantized weights (x float32 [m, k]); one row times one strip as a generated row.
+  void run_avx2(const Call& call, bool prompt) const;
+  void avx2_dequantized(const Call& call, const Segment& seg, int64_t begin, int64_t end,
+                        const float* x) const;
+  void avx2_strip_row(const Segment& seg, int64_t local, const at::BFloat16* row,
+                      float* out) const;
 
   std::vector<Segment> segments_;
   int64_t k_, n_total_ = 0, strips_total_ = 0;

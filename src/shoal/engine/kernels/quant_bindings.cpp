@@ -14,7 +14,8 @@ void bind(pybind11::module& m) {
   m.def("quant_dequantize_rows", &dequantize_rows, "rows of a packed weight as float32");
   m.def("quant_packed_bytes", &packed_bytes);
   m.def("quant_fast_kernels", &fast_kernels);
-  m.def("quant_default_backend", &default_backend, "amx, avx512 or portable");
+  m.def("quant_avx2_available", &avx2_available, "whether the AVX2 path is built");
+  m.def("quant_default_backend", &default_backend, "amx, avx512, avx2 or portable");
   m.def("quant_int8_estimate_available", &int8_estimate_available);
   m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 matmul estimated with int8 x",
         pybind11::arg("type"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),

@@ -48,13 +48,19 @@ Backend resolve(int64_t requested) {
   const bool amx = amx_usable();
   switch (static_cast<Backend>(requested)) {
     case Backend::kAuto:
-      return amx ? Backend::kAmx : SHOAL_QUANT_AVX512 ? Backend::kAvx512 : Backend::kPortable;
+      return amx                  ? Backend::kAmx
+             : SHOAL_QUANT_AVX512 ? Backend::kAvx512
+             : SHOAL_QUANT_AVX2   ? Backend::kAvx2
+                                  : Backend::kPortable;
     case Backend::kAmx:
       TORCH_CHECK(amx, "QuantLinear: AMX is not available on this machine");
       return Backend::kAmx;
     case Backend::kAvx512:
       TORCH_CHECK(SHOAL_QUANT_AVX512, "QuantLinear: built without AVX512-BF16");
       return Backend::kAvx512;
+    case Backend::kAvx2:
+      TORCH_CHECK(SHOAL_QUANT_AVX2, "QuantLinear: built without AVX2, FMA and F16C");
+      return Backend::kAvx2;
     case Backend::kPortable:
       return Backend::kPortable;
   }
@@ -143,12 +149,13 @@ bool amx_usable() {
 #endif
 }
 
-bool fast_kernels() { return SHOAL_QUANT_AVX512; }
+bool fast_kernels() { return SHOAL_QUANT_AVX512 || SHOAL_QUANT_AVX2; }
 
 const char* backend_name(Backend backend) {
   switch (backend) {
     case Backend::kAmx: return "amx";
     case Backend::kAvx512: return "avx512";
+    case Backend::kAvx2: return "avx2";
     case Backend::kPortable: return "portable";
     default: return "auto";
   }
@@ -213,6 +220,12 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
     run_portable(call);
     return out;
   }
+#if SHOAL_QUANT_AVX2
+  if (backend_ == Backend::kAvx2) {
+    run_avx2(call, prompt);
+    return out;
+  }
+#endif
   if (prompt && backend_ == Backend::kAmx) {
     run_amx_prompt(call);
     return out;

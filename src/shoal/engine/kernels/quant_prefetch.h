@@ -1,5 +1,5 @@
-// Compile-time loops and prefetching for the x86 vector kernels (quant_simd.h and the int8
-// estimate, quant_estimate.cpp): only included where the build has AVX-512.
+// Compile-time loops and prefetching for the x86 vector kernels (quant_simd.h, the int8
+// estimate in quant_estimate.cpp, and the AVX2 path in quant_avx2.h).
 
 #pragma once
 

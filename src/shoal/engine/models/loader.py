@@ -52,7 +52,9 @@ def read_model_config(source: ModelSource) -> ModelConfig:
 
 
 def resolve_compute_dtype(dtype: str, device: str) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA and on CPUs with AVX512-BF16, float32 otherwise."""
+    """'auto' -> bfloat16 on CUDA, on CPUs with AVX512-BF16, and on CPUs where the packed
+    kernels run (AVX2: float32 arithmetic on packed weights, bf16 activations and KV, a
+    quarter of float32's memory); float32 otherwise (dequantized weights, torch's kernels)."""
     if dtype == "float32":
         return torch.float32
     if dtype == "bfloat16":
@@ -61,7 +63,7 @@ def resolve_compute_dtype(dtype: str, device: str) -> torch.dtype:
         raise ValueError(f"dtype must be auto, bfloat16 or float32, not {dtype!r}")
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if _cpu_has_bf16() or _packed_kernels_run() else torch.float32
 
 
 def _cpu_has_bf16() -> bool:
@@ -70,6 +72,13 @@ def _cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _packed_kernels_run() -> bool:
+    """Whether the compiled packed-weight kernels built and multiply fast here (builds them
+    on first use, as loading the model would)."""
+    kernel = KERNEL.load()
+    return kernel is not None and kernel.quant_fast_kernels()
 
 
 def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
@@ -124,7 +133,8 @@ def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype,
 
 def packing_kernel(device: torch.device, compute_dtype: torch.dtype) -> ModuleType | None:
     """The compiled kernel when weights can stay packed here (CPU, bf16 compute, a CPU with
-    AVX512-BF16); None means dequantized weights (said once in the log when it is a loss)."""
+    AVX512-BF16 or AVX2); None means dequantized weights (said once in the log when it is a
+    loss)."""
     if device.type != "cpu" or compute_dtype != torch.bfloat16:
         return None
     kernel = KERNEL.load()

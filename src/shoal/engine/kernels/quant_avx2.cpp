@@ -1,0 +1,251 @@
+// QuantLinear on AVX2 (quant_avx2.h): how a forward call's rows and strips are split over
+// torch's threads. Built wherever the compiler targets AVX2 with FMA and F16C, AVX-512
+// machines included, so that both paths are tested there.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "quant.h"
+
+#if SHOAL_QUANT_AVX2
+#include "quant_avx2.h"
+#endif
+
+namespace shoal_quant {
+
+using bf16 = at::BFloat16;
+
+bool avx2_available() { return SHOAL_QUANT_AVX2; }
+
+#if SHOAL_QUANT_AVX2
+
+namespace {
+
+// Generated rows per pass over tiles decoded in registers (4 rows x 2 halves of int32 sums
+// beside the codes and x).
+constexpr int kAvx2Rows = 4;
+// More generated rows run pass after pass over a block of about this many packed bytes,
+// which stays in L2 meanwhile.
+constexpr int64_t kAvx2BlockBytes = 256 * 1024;
+// Dequantized paths: strips per group, k per chunk (a group's chunks, 4 x 1024 x 64 bytes,
+// stay in L2 while every block of rows runs over them; a block's x, 6 x 1024 floats, in
+// L1), rows per block.
+constexpr int kGroupStrips = 4;
+constexpr int64_t kChunkK = 1024;
+constexpr int kBlockRows = 6;
+
+using GeneratedFn = void (*)(const uint8_t*, int64_t, const X16&, const float*, int64_t,
+                             float*);
+using DequantizeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
+using RowsFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
+
+struct Avx2Kernels {
+  GeneratedFn generated[kAvx2Rows] = {};  // [rows - 1]
+  DequantizeFn dequantize = nullptr;
+  bool buffered = false;  // float and IQ4 types: dequantized for every row
+  int sub_k = 32;
+};
+
+template <QType T>
+Avx2Kernels avx2_kernels_of() {
+  using A = Avx2<T>;
+  Avx2Kernels out;
+  out.dequantize = &avx2_dequantize<T>;
+  out.buffered = A::kBuffered;
+  out.sub_k = A::f.sub_k;
+  if constexpr (!A::kBuffered)
+    static_for<kAvx2Rows>([&](auto r) { out.generated[r] = &avx2_generated<T, r + 1>; });
+  return out;
+}
+
+const Avx2Kernels& avx2_kernels(QType type) {
+  static const Avx2Kernels table[kNumTypes] = {
+      avx2_kernels_of<QType::kF32>(),    avx2_kernels_of<QType::kF16>(),
+      avx2_kernels_of<QType::kBF16>(),   avx2_kernels_of<QType::kQ4_0>(),
+      avx2_kernels_of<QType::kQ4_1>(),   avx2_kernels_of<QType::kQ5_0>(),
+      avx2_kernels_of<QType::kQ5_1>(),   avx2_kernels_of<QType::kQ8_0>(),
+      avx2_kernels_of<QType::kQ2_K>(),   avx2_kernels_of<QType::kQ3_K>(),
+      avx2_kernels_of<QType::kQ4_K>(),   avx2_kernels_of<QType::kQ5_K>(),
+      avx2_kernels_of<QType::kQ6_K>(),   avx2_kernels_of<QType::kIQ4_NL>(),
+      avx2_kernels_of<QType::kIQ4_XS>(),
+  };
+  return table[static_cast<int>(type)];
+}
+
+constexpr RowsFn kRows[kBlockRows] = {&avx2_rows<1>, &avx2_rows<2>, &avx2_rows<3>,
+                                      &avx2_rows<4>, &avx2_rows<5>, &avx2_rows<6>};
+
+// x [m, k] bf16 -> float32 (exact).
+std::vector<float> to_float(const bf16* x, int64_t m, int64_t k) {
+  std::vector<float> out(m * k);
+  at::parallel_for(0, m * k, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(x[i]);
+  });
+  return out;
+}
+
+// x [m, k] as generated rows' int16 pairs and tile scales (quant_avx2.h, X16): q = x /
+// 2^(e - 14), e the largest exponent of the tile's 32 values. A bf16 value within 2^7 of the
+// tile's largest is exact; a smaller one rounds to a multiple of 2^(e - 14), at most 2^-15
+// of the largest value away (bf16's own rounding moves the largest by up to 2^-9).
+struct X16Buffers {
+  std::vector<int32_t> pairs;
+  std::vector<float> scales;
+  X16 view(int64_t row, int64_t k) const {
+    return {pairs.data() + row * (k / 2), scales.data() + row * (k / kTileK), k / 2,
+            k / kTileK};
+  }
+};
+
+// 2^n as a float (n within float's normal exponents).
+inline float power_of_two(int n) {
+  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+X16Buffers avx2_x16(const std::vector<float>& x, int64_t m, int64_t k) {
+  X16Buffers out{std::vector<int32_t>(m * k / 2), std::vector<float>(m * k / kTileK)};
+  at::parallel_for(0, m * (k / kTileK), 256, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const float* from = x.data() + tile * kTileK;
+      __m256 v[4], largest = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(from + 8 * i);
+        largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, largest);
+      const float top = *std::max_element(lanes, lanes + 8);
+      // top < 2^e with e its exponent + 1; q = x * 2^(15 - e) rounds to nearest even.
+      uint32_t bits;
+      std::memcpy(&bits, &top, sizeof bits);
+      const int e = static_cast<int>(bits >> 23) - 126;
+      const int shift = top > 0.f && bits >> 23 != 0 ? std::clamp(15 - e, -126, 126) : 0;
+      out.scales[tile] = power_of_two(-shift);
+      const __m256 to_q = _mm256_set1_ps(power_of_two(shift));
+      alignas(32) int32_t q[kTileK];
+      for (int i = 0; i < 4; ++i)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i),
+                           _mm256_cvtps_epi32(_mm256_mul_ps(v[i], to_q)));
+      int32_t* pairs = out.pairs.data() + tile * kPairs;
+      for (int p = 0; p < kPairs; ++p)
+        pairs[p] = (q[pair_k(p) + 2] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(q[pair_k(p)]) << 16);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// Strips [begin, end) of one segment for every row, on dequantized weights: groups of
+// strips, a chunk of k at a time.
+void QuantLinear::avx2_dequantized(const Call& call, const Segment& seg, int64_t begin,
+                                   int64_t end, const float* x) const {
+  const Avx2Kernels& kern = avx2_kernels(seg.type);
+  const int64_t m = call.m, k = k_;
+  const int64_t chunk = std::min(k, kChunkK);
+  thread_local std::vector<float> weights, acc;
+  weights.resize(kGroupStrips * chunk * kCols);
+  for (int64_t g0 = begin; g0 < end; g0 += kGroupStrips) {
+    const int strips = static_cast<int>(std::min<int64_t>(kGroupStrips, end - g0));
+    acc.assign(strips * m * kCols, 0.f);
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+      const int64_t kc = std::min(chunk, k - k0);
+      for (int s = 0; s < strips; ++s)
+        kern.dequantize(seg.packed.data_ptr<uint8_t>() + (g0 - seg.first_strip + s) * seg.strip_bytes,
+                        k, k0 / kTileK, (k0 + kc) / kTileK, weights.data() + s * chunk * kCols);
+      for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, m - r0));
+        for (int s = 0; s < strips; ++s)
+          kRows[rows - 1](x + r0 * k + k0, k, weights.data() + s * chunk * kCols, kc,
+                          acc.data() + (s * m + r0) * kCols);
+      }
+    }
+    for (int s = 0; s < strips; ++s)
+      store(call, seg, g0 - seg.first_strip + s, acc.data() + s * m * kCols,
+            static_cast<int>(m), 0);
+  }
+}
+
+void QuantLinear::run_avx2(const Call& call, bool prompt) const {
+  const int64_t m = call.m, k = k_;
+  const std::vector<float> x = to_float(call.x, m, k);
+  // Generated rows of the plane types: x as int16 pairs, and its sums per sub-block.
+  bool any_generated = false;
+  for (const Segment& seg : segments_)
+    any_generated |= !prompt && !avx2_kernels(seg.type).buffered;
+  X16Buffers x16;
+  std::vector<float> sums16, sums32;
+  if (any_generated) {
+    x16 = avx2_x16(x, m, k);
+    if (runs16_) sums16 = run_sums(call.x, m, k, 16);
+    if (runs32_) sums32 = run_sums(call.x, m, k, 32);
+  }
+  const int64_t grain = std::max<int64_t>(1, 32768 / (k * kCols * m));
+  const int64_t strips_per_block = std::max<int64_t>(4, kAvx2BlockBytes / (k * kCols / 2) / 4 * 4);
+  const int64_t block = m <= kAvx2Rows ? strips_total_ : strips_per_block;
+  at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += block) {
+      const int64_t b1 = std::min(end, b0 + block);
+      // Each segment's part of the block: dequantized, or passes of rows in registers.
+      for (int64_t s0 = b0; s0 < b1;) {
+        const Segment& seg = segment_of(s0);
+        const int64_t s1 = std::min(b1, seg.first_strip + seg.strips);
+        const Avx2Kernels& kern = avx2_kernels(seg.type);
+        if (prompt || kern.buffered) {
+          avx2_dequantized(call, seg, s0, s1, x.data());
+          s0 = s1;
+          continue;
+        }
+        const float* sums = kern.sub_k == 16 ? sums16.data() : sums32.data();
+        const int64_t sum_stride = k / kern.sub_k;
+        alignas(32) float acc[kAvx2Rows * kCols];
+        for (int64_t r0 = 0; r0 < m; r0 += kAvx2Rows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kAvx2Rows, m - r0));
+          const X16 rows_x = x16.view(r0, k);
+          for (int64_t s = s0; s < s1; ++s) {
+            const int64_t local = s - seg.first_strip;
+            kern.generated[rows - 1](seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes,
+                                     k, rows_x, sums + r0 * sum_stride, sum_stride, acc);
+            store(call, seg, local, acc, rows, r0);
+          }
+        }
+        s0 = s1;
+      }
+    }
+  });
+}
+
+// Row r of x times one strip of seg, as forward computes a generated row: out [16].
+void QuantLinear::avx2_strip_row(const Segment& seg, int64_t local, const bf16* row,
+                                 float* out) const {
+  const Avx2Kernels& kern = avx2_kernels(seg.type);
+  const int64_t k = k_;
+  const std::vector<float> x = to_float(row, 1, k);
+  const uint8_t* strip = seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes;
+  if (kern.buffered) {
+    std::vector<float> weights(std::min(k, kChunkK) * kCols);
+    std::fill(out, out + kCols, 0.f);
+    for (int64_t k0 = 0; k0 < k; k0 += kChunkK) {
+      const int64_t kc = std::min(kChunkK, k - k0);
+      kern.dequantize(strip, k, k0 / kTileK, (k0 + kc) / kTileK, weights.data());
+      kRows[0](x.data() + k0, k, weights.data(), kc, out);
+    }
+    return;
+  }
+  const X16Buffers x16 = avx2_x16(x, 1, k);
+  const std::vector<float> sums = run_sums(row, 1, k, kern.sub_k);
+  kern.generated[0](strip, k, x16.view(0, k), sums.data(), k / kern.sub_k, out);
+}
+
+#endif  // SHOAL_QUANT_AVX2
+
+}  // namespace shoal_quant

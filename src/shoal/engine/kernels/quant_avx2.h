@@ -1,0 +1,276 @@
+// The packed-weight matmul on AVX2 with FMA and F16C, for x86 CPUs without AVX512-BF16
+// (AMD Zen 2 and 3, most Intel laptops and desktops), on the strip layout of
+// quant_formats.h: a GGUF file's weights stay as packed there as on AVX-512.
+//
+// Generated rows (decode): each tile vector's codes (two k per column, quant_formats.h)
+// come out of their planes as int16 pairs in registers, one shift and one AND per plane,
+// and vpmaddwd multiplies them with x's matching pair: 16 products an instruction, summed
+// exactly in int32 per sub-block. For that, x is rounded per tile of 32 to int16 with a
+// power-of-two scale (X16): a value within 2^7 of the tile's largest stays exact, a smaller
+// one moves by at most 2^-15 of the largest (a bf16 rounding of the largest moves it by up
+// to 2^-9). Per sub-block: acc = fma(float(sum), S * scale, acc), then acc = fma(sum(x), O',
+// acc) with O' = c S - e mc. On these CPUs float32 conversions and FMAs cost as much as
+// the reading: the float32 form of this loop (one AND, one conversion and one FMA per 8
+// weights) ran at two thirds of this one's speed, and Q6_K's at a quarter.
+//
+// Prompt rows, and every row of the float and IQ4 types: a strip's weights dequantized to
+// float32 exactly as gguf does (fmaf(S, u + c, -e mc)) a chunk of k at a time, then rows
+// sum x[k] w[k] in k order, one chain per row and column (avx2_rows): exact up to float32
+// summation.
+//
+// Either way a row's result is the same operations whatever rows share its call.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_formats.h"
+#include "quant_prefetch.h"
+#include "quant_strip.h"
+
+namespace shoal_quant {
+
+// One type's planes as the AVX2 kernels read them.
+template <QType T>
+struct Avx2 {
+  static constexpr Format f = kFormats[static_cast<int>(T)];
+  // Float and IQ4 types take the dequantizing path for every row.
+  static constexpr bool kBuffered = is_float(f.planes) || f.lut;
+  static constexpr int kTileBytes = plane_bytes(f.planes);
+  static constexpr int kMetaBytes = meta_bytes(f);
+  static constexpr int kMainWidth = f.planes == Planes::kInt8 ? 8
+                                    : (f.planes == Planes::kCrumbs ||
+                                       f.planes == Planes::kCrumbsBits) ? 2 : 4;
+  static constexpr bool kHigh = f.planes == Planes::kNibblesBits ||
+                                f.planes == Planes::kNibblesCrumbs ||
+                                f.planes == Planes::kCrumbsBits;
+  static constexpr int kHighWidth = f.planes == Planes::kNibblesCrumbs ? 2 : 1;
+  static constexpr int kHighOffset = kMainWidth == 4 ? 256 : 128;
+  // int8 codes are read signed (q = u - 128), so their c is 0.
+  static constexpr float kC = f.planes == Planes::kInt8 ? 0.f : static_cast<float>(f.c);
+  static constexpr int kSubs = kTileK / f.sub_k;  // sub-blocks per tile
+  // Meta offsets (quant_strip.h, meta_pos): d [16] fp16, e [16] fp16, sc and mc [subs][16].
+  static constexpr int kE = 2 * kCols;
+  static constexpr int kSc = 2 * kCols + (f.has_e ? 2 * kCols : 0);
+  static constexpr int kMc = kSc + (f.has_sc ? f.super_k / f.sub_k * kCols : 0);
+};
+
+// Vector v of a tile (quant_formats.h) holds, per column, the codes of k = kb(v) + 2 and
+// kb(v): in every plane's 16-bit words, the first word (or byte) the former.
+constexpr int pair_k(int v) { return 4 * (v / 2) + v % 2; }
+
+// Field `field` of width W of each 16-bit word, moved to bit `to` (others cleared).
+template <int W, int Field, int To>
+inline __m256i word_field(__m256i words) {
+  constexpr int from = W * Field;
+  constexpr uint16_t mask = ((1 << W) - 1) << To;
+  __m256i moved = words;
+  if constexpr (from > To) moved = _mm256_srli_epi16(words, from - To);
+  if constexpr (from < To) moved = _mm256_slli_epi16(words, To - from);
+  if constexpr (To == 0 && from + W == 16) return moved;  // the shift cleared the rest
+  return _mm256_and_si256(moved, _mm256_set1_epi16(static_cast<short>(mask)));
+}
+
+// Vector V's codes u of 8 columns (half h of the strip's 16) as int16 pairs, one column per
+// 32-bit lane: (u at kb(V) + 2, u at kb(V)). Q8_0's are its signed q.
+template <QType T, int V>
+inline __m256i codes16(const uint8_t* tile, int h) {
+  using A = Avx2<T>;
+  constexpr int W = A::kMainWidth;
+  if constexpr (W == 8) {
+    return _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * V + 16 * h)));
+  } else {
+    constexpr int per_word = 16 / W;
+    const __m256i words = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(tile + 64 * (V / per_word) + 32 * h));
+    __m256i codes = word_field<W, V % per_word, 0>(words);
+    if constexpr (A::kHigh) {
+      constexpr int HW = A::kHighWidth, high_per_word = 16 / HW;
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          tile + A::kHighOffset + 64 * (V / high_per_word) + 32 * h));
+      codes = _mm256_or_si256(codes, word_field<HW, V % high_per_word, W>(high));
+    }
+    return codes;
+  }
+}
+
+// S and O' = c S - e mc of sub-block s (within its super-block) for the 16 columns, as two
+// halves, and -e mc: w = S (u + c) - e mc.
+template <QType T>
+inline void avx2_scales(const uint8_t* meta, int s, __m256 (&scale)[2], __m256 (&offset)[2],
+                        __m256 (&minus_min)[2]) {
+  using A = Avx2<T>;
+  constexpr Format f = A::f;
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * h)));
+    __m128i codes = _mm_setzero_si128();
+    scale[h] = d;
+    if constexpr (f.has_sc) {
+      codes = _mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(meta + A::kSc + s * kCols + 8 * h));
+      __m256i sc;
+      if constexpr (f.mc_in_sc) {
+        sc = _mm256_and_si256(_mm256_cvtepu8_epi32(codes), _mm256_set1_epi32(0xF));
+      } else {
+        sc = _mm256_cvtepi8_epi32(codes);
+      }
+      scale[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    }
+    minus_min[h] = _mm256_setzero_ps();
+    if constexpr (f.has_e) {
+      const __m256 e = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + A::kE + 16 * h)));
+      __m256 mc = _mm256_set1_ps(1.f);
+      if constexpr (f.mc_in_sc) {
+        mc = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(codes), 4));
+      } else if constexpr (f.has_mc) {
+        mc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(meta + A::kMc + s * kCols + 8 * h))));
+      }
+      minus_min[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(e, mc));
+    }
+    offset[h] = _mm256_fmadd_ps(_mm256_set1_ps(A::kC), scale[h], minus_min[h]);
+  }
+}
+
+// x of generated rows for the int16 path: per row and tile, 16 int32 words each holding the
+// pair (q at kb(v) + 2, q at kb(v)) of vector v, and the tile's scale 2^(e - 14), e the
+// largest exponent among its 32 values, so that x = scale * q with |q| < 2^15 (avx2_x16).
+struct X16 {
+  const int32_t* pairs;  // [rows][k / 2]
+  const float* scales;   // [rows][k / 32]
+  int64_t pair_stride, scale_stride;
+};
+
+// Generated rows: R rows of x (X16, from row 0) times one strip of a plane type, tiles
+// decoded in registers as int16 codes -> out [R][16]. Per sub-block each (row, half) sums
+// u * q exactly in int32 (vpmaddwd: at most 32 products of |u| <= 128 and |q| < 2^15),
+// then acc = fma(float(sum), S * scale, acc) and acc = fma(sum(x), O', acc).
+template <QType T, int R>
+void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* sums,
+                    int64_t sum_stride, float* out) {
+  using A = Avx2<T>;
+  static_assert(!A::kBuffered, "float and IQ4 types run on dequantized strips");
+  constexpr Format f = A::f;
+  constexpr int tiles_per_block = f.super_k / kTileK;
+  constexpr int vectors_per_sub = kPairs / A::kSubs;
+  const int64_t tiles = k / kTileK;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile = strip + t * A::kTileBytes;
+    const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
+    prefetch_ahead<A::kTileBytes>(tile + prefetch_bytes(R));
+    static_for<A::kSubs>([&](auto sub) {
+      __m256i sum16[R][2];
+      for (int r = 0; r < R; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
+      static_for<vectors_per_sub>([&](auto j) {
+        constexpr int V = sub * vectors_per_sub + j;
+        __m256i q[R];
+        for (int r = 0; r < R; ++r)
+          q[r] = _mm256_set1_epi32(x.pairs[r * x.pair_stride + t * kPairs + V]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i codes = codes16<T, V>(tile, h);
+          for (int r = 0; r < R; ++r)
+            sum16[r][h] = _mm256_add_epi32(sum16[r][h], _mm256_madd_epi16(codes, q[r]));
+        }
+      });
+      __m256 scale[2], offset[2], minus_min[2];
+      avx2_scales<T>(meta, static_cast<int>(t % tiles_per_block) * A::kSubs + sub, scale,
+                     offset, minus_min);
+      const int64_t g = t * A::kSubs + sub;  // sub-block index along k
+      for (int r = 0; r < R; ++r) {
+        const __m256 tile_scale = _mm256_set1_ps(x.scales[r * x.scale_stride + t]);
+        const __m256 sum = _mm256_set1_ps(sums[r * sum_stride + g]);
+        for (int h = 0; h < 2; ++h) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum16[r][h]),
+                                      _mm256_mul_ps(scale[h], tile_scale), acc[r][h]);
+          if constexpr (A::kC != 0.f || f.has_e)
+            acc[r][h] = _mm256_fmadd_ps(sum, offset[h], acc[r][h]);
+        }
+      }
+    });
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kCols + 8 * h, acc[r][h]);
+}
+
+// Weights of tiles [t0, t1) of a strip as float32 [(t1 - t0) * 32][16], k order, exactly
+// gguf's values.
+template <QType T>
+void avx2_dequantize(const uint8_t* strip, int64_t k, int64_t t0, int64_t t1, float* w) {
+  using A = Avx2<T>;
+  constexpr Format f = A::f;
+  const StripView view{f, k, strip};
+  if constexpr (A::kBuffered) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int k_in = 0; k_in < kTileK; ++k_in)
+        for (int c = 0; c < kCols; ++c)
+          w[((t - t0) * kTileK + k_in) * kCols + c] = weight_at(view, t * kTileK + k_in, c);
+  } else {
+    constexpr int tiles_per_block = f.super_k / kTileK;
+    for (int64_t t = t0; t < t1; ++t) {
+      float* u = w + (t - t0) * kTileK * kCols;
+      const uint8_t* tile = view.tile(t);
+      static_for<kPairs>([&](auto v) {
+        constexpr int V = v;
+        for (int h = 0; h < 2; ++h) {  // the pair's words: low (k + 2), high (k) as floats
+          const __m256i codes = codes16<T, V>(tile, h);
+          const __m256 low = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(codes, 16), 16));
+          const __m256 high = _mm256_cvtepi32_ps(_mm256_srai_epi32(codes, 16));
+          _mm256_storeu_ps(u + (pair_k(V) + 2) * kCols + 8 * h, low);
+          _mm256_storeu_ps(u + pair_k(V) * kCols + 8 * h, high);
+        }
+      });
+      const uint8_t* meta = view.meta(t / tiles_per_block);
+      for (int sub = 0; sub < A::kSubs; ++sub) {
+        __m256 scale[2], offset[2], minus_min[2];
+        avx2_scales<T>(meta, static_cast<int>(t % tiles_per_block) * A::kSubs + sub, scale,
+                       offset, minus_min);
+        for (int k_in = sub * f.sub_k; k_in < (sub + 1) * f.sub_k; ++k_in)
+          for (int h = 0; h < 2; ++h) {
+            float* at = u + k_in * kCols + 8 * h;
+            const __m256 value = _mm256_add_ps(_mm256_loadu_ps(at), _mm256_set1_ps(A::kC));
+            _mm256_storeu_ps(at, _mm256_fmadd_ps(scale[h], value, minus_min[h]));
+          }
+      }
+    }
+  }
+}
+
+// Rows [0, R) of x (float32, stride ldx, from k0) times a strip's dequantized weights w
+// [kc][16] (kc a multiple of 32): acc [R][16] += sum over the chunk of x[k] w[k], k in
+// order. A tile's 32 k run unrolled with the sums in registers (a loop of run-time length
+// kept them on the stack, a store per multiply-add).
+template <int R>
+inline void avx2_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc) {
+  for (int64_t i0 = 0; i0 < kc; i0 += kTileK) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_loadu_ps(acc + r * kCols);
+      a[r][1] = _mm256_loadu_ps(acc + r * kCols + 8);
+    }
+    static_for<kTileK>([&](auto i) {
+      const float* wi = w + (i0 + i) * kCols;
+      const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i0 + i);
+        a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
+      }
+    });
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * kCols, a[r][0]);
+      _mm256_storeu_ps(acc + r * kCols + 8, a[r][1]);
+    }
+  }
+}
+
+}  // namespace shoal_quant
