@@ -98,6 +98,7 @@ class QuantLinear {
     std::vector<at::BFloat16> chained = {};       // x in the weights' chain order
   };
   const Segment& segment_of(int64_t strip) const;
+  const Segment& segment_of_column(int64_t column) const;
   void store(const Call& call, const Segment& seg, int64_t local, const float* acc, int rows,
              int64_t row0) const;
   // Strips local and local + 1 of seg together, each row's 32 bf16 columns in one 64-byte
@@ -120,8 +121,9 @@ class QuantLinear {
   void run_avx2(const Call& call, bool prompt) const;
   void avx2_dequantized(const Call& call, const Segment& seg, int64_t begin, int64_t end,
                         const float* x) const;
-  void avx2_strip_row(const Segment& seg, int64_t local, const at::BFloat16* row,
-                      float* out) const;
+  // forward_columns on AVX2: x [m, k], wanted [m, count] checked -> out [m, count].
+  void avx2_columns(const at::BFloat16* x, int64_t m, const int64_t* wanted, int64_t count,
+                    float* out) const;
 
   std::vector<Segment> segments_;
   int64_t k_, n_total_ = 0, strips_total_ = 0;

@@ -224,26 +224,42 @@ void QuantLinear::run_avx2(const Call& call, bool prompt) const {
   });
 }
 
-// Row r of x times one strip of seg, as forward computes a generated row: out [16].
-void QuantLinear::avx2_strip_row(const Segment& seg, int64_t local, const bf16* row,
-                                 float* out) const {
-  const Avx2Kernels& kern = avx2_kernels(seg.type);
+// Each (row, column) from its strip for that row alone, as forward computes a generated row;
+// x's float, int16 and sum forms made once for all of them.
+void QuantLinear::avx2_columns(const bf16* x_bf16, int64_t m, const int64_t* wanted,
+                               int64_t count, float* out) const {
   const int64_t k = k_;
-  const std::vector<float> x = to_float(row, 1, k);
-  const uint8_t* strip = seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes;
-  if (kern.buffered) {
-    std::vector<float> weights(std::min(k, kChunkK) * kCols);
-    std::fill(out, out + kCols, 0.f);
-    for (int64_t k0 = 0; k0 < k; k0 += kChunkK) {
-      const int64_t kc = std::min(kChunkK, k - k0);
-      kern.dequantize(strip, k, k0 / kTileK, (k0 + kc) / kTileK, weights.data());
-      kRows[0](x.data() + k0, k, weights.data(), kc, out);
+  const std::vector<float> x = to_float(x_bf16, m, k);
+  const X16Buffers x16 = avx2_x16(x, m, k);
+  const std::vector<float> sums16 = runs16_ ? run_sums(x_bf16, m, k, 16) : std::vector<float>();
+  const std::vector<float> sums32 = runs32_ ? run_sums(x_bf16, m, k, 32) : std::vector<float>();
+  at::parallel_for(0, m * count, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float acc[kCols];
+    std::vector<float> weights;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / count, column = wanted[i];
+      const Segment& seg = segment_of_column(column);
+      const Avx2Kernels& kern = avx2_kernels(seg.type);
+      const uint8_t* strip = seg.packed.data_ptr<uint8_t>() +
+                             (column - seg.first_column) / kCols * seg.strip_bytes;
+      if (kern.buffered) {  // avx2_dequantized's arithmetic for one row
+        weights.resize(std::min(k, kChunkK) * kCols);
+        std::fill(acc, acc + kCols, 0.f);
+        for (int64_t k0 = 0; k0 < k; k0 += kChunkK) {
+          const int64_t kc = std::min(kChunkK, k - k0);
+          kern.dequantize(strip, k, k0 / kTileK, (k0 + kc) / kTileK, weights.data());
+          kRows[0](x.data() + r * k + k0, k, weights.data(), kc, acc);
+        }
+      } else {
+        const int64_t stride = k / kern.sub_k;
+        const float* sums = (kern.sub_k == 16 ? sums16.data() : sums32.data()) + r * stride;
+        kern.generated[0](strip, k, x16.view(r, k), sums, stride, acc);
+      }
+      float v = acc[(column - seg.first_column) % kCols];
+      if (bias_.defined()) v += bias_.data_ptr<float>()[column];
+      out[i] = v;
     }
-    return;
-  }
-  const X16Buffers x16 = avx2_x16(x, 1, k);
-  const std::vector<float> sums = run_sums(row, 1, k, kern.sub_k);
-  kern.generated[0](strip, k, x16.view(0, k), sums.data(), k / kern.sub_k, out);
+  });
 }
 
 #endif  // SHOAL_QUANT_AVX2

@@ -206,6 +206,12 @@ const QuantLinear::Segment& QuantLinear::segment_of(int64_t strip) const {
   return segments_.back();
 }
 
+const QuantLinear::Segment& QuantLinear::segment_of_column(int64_t column) const {
+  for (const Segment& segment : segments_)
+    if (column < segment.first_column + segment.n) return segment;
+  return segments_.back();
+}
+
 at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool prompt) const {
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 && input.dim() == 2 && input.size(1) == k_,
               "QuantLinear: x must be [M, ", k_, "] bfloat16");

@@ -384,25 +384,9 @@ at::Tensor QuantLinear::forward_columns(const at::Tensor& input,
   for (int64_t i = 0; i < m * count; ++i)
     TORCH_CHECK(wanted_p[i] >= 0 && wanted_p[i] < n_total_, "QuantLinear: column ",
                 wanted_p[i], " out of range");
-  [[maybe_unused]] const auto segment_of_column = [&](int64_t column) -> const Segment& {
-    for (const Segment& candidate : segments_)
-      if (column < candidate.first_column + candidate.n) return candidate;
-    return segments_.back();
-  };
 #if SHOAL_QUANT_AVX2
   if (backend_ == Backend::kAvx2) {
-    at::parallel_for(0, m * count, 1, [&](int64_t begin, int64_t end) {
-      alignas(32) float acc[kCols];
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / count, column = wanted_p[i];
-        const Segment& seg = segment_of_column(column);
-        avx2_strip_row(seg, (column - seg.first_column) / kCols, x.data_ptr<bf16>() + r * k,
-                       acc);
-        float v = acc[(column - seg.first_column) % kCols];
-        if (bias_.defined()) v += bias_.data_ptr<float>()[column];
-        out_p[i] = v;
-      }
-    });
+    avx2_columns(x.data_ptr<bf16>(), m, wanted_p, count, out_p);
     return out;
   }
 #endif
