@@ -93,6 +93,28 @@ def test_deadline_follows_the_round_trip_within_floor_and_ceiling():
     assert deadlines[-1] == remote.FLOOR_S
 
 
+def test_the_ceiling_is_what_k_guesses_could_save():
+    """A verifier whose plain step takes 40 ms waits up to k steps for a slow round trip
+    (one that a fixed 60 ms ceiling would miss every time); a fast one never waits longer
+    than its guesses are worth, and nothing waits past MAX_CEILING_S."""
+    clock = FakeClock()
+    step = {"s": None}
+    link = FakeLink(clock, [(ok(1), 0.090)] * 40)
+    proposer = RemoteProposer(link, vocab_size=100, clock=clock, step_s=lambda: step["s"])
+    assert proposer.ceiling_s(4) == remote.CEILING_S  # the step not measured yet
+    step["s"] = 0.040
+    assert proposer.ceiling_s(4) == pytest.approx(0.160)
+    for length in range(1, 21):
+        proposer.propose("r", list(range(length)), 4)
+    assert link.asks[-1][-1] == pytest.approx(1.5 * 0.090 + 0.002, abs=2e-3)
+    step["s"] = 0.005
+    assert proposer.ceiling_s(4) == remote.CEILING_S  # never below the fixed one
+    proposer.propose("r", list(range(21)), 4)
+    assert link.asks[-1][-1] == remote.CEILING_S
+    step["s"] = 0.5
+    assert proposer.ceiling_s(8) == remote.MAX_CEILING_S
+
+
 def test_failures_give_none_and_a_growing_rest_never_an_exception():
     clock = FakeClock()
     link = FakeLink(clock, [

@@ -74,7 +74,9 @@ def attach_remote_proposer(engine: Any, channel: Channel) -> None:
     speculator = getattr(engine, "speculator", None)
     config = getattr(speculator, "config", None)
     if config is not None and config.method == "remote":
-        speculator.proposer = RemoteProposer(ChannelProposalLink(channel), engine.vocab_size)
+        speculator.proposer = RemoteProposer(
+            ChannelProposalLink(channel), engine.vocab_size,
+            step_s=speculator.proposer_costs.plain_seconds)
 
 
 class ProposalRelay(Protocol):

@@ -33,7 +33,7 @@ SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant
                                           "quant_estimate.cpp", "quant_head_copy.cpp",
                                           "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
-    "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "quant.h",
+    "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "vector_avx2.h", "quant.h",
     "quant_amx.h", "quant_avx2.h", "quant_avx512.h", "quant_backend.h", "quant_buffers.h", "quant_formats.h",
     "quant_kernels.h", "quant_prefetch.h", "quant_head_copy.h", "quant_simd.h",
     "quant_strip.h"))

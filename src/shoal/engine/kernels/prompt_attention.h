@@ -7,10 +7,11 @@
 // aligned to absolute positions ([block][D][16] floats), so a score takes 16 keys per vector
 // op with no horizontal sums, and its values widened to floats. Then items of up to
 // kRowsPerItem consecutive rows of one request and one KV head: scores in register tiles of
-// 4 (row, head) pairs x 6 blocks (one chain over d per score, in order), a two-pass softmax
+// (row, head) pairs x blocks (4 x 6 with AVX-512, 2 x 3 with AVX2; one chain over d per
+// score, in order), a two-pass softmax
 // per pair (the max, then exp and lane sums in key order) with exact zero weight outside the
-// row's range [lo, position], and the values added key by key in tiles of 6 pairs x 64
-// columns (one chain per output element, in key order). A tile loads each key or value
+// row's range [lo, position], and the values added key by key in tiles of pairs x columns
+// (6 x 64, or 3 x 32; one chain per output element, in key order). A tile loads each key or value
 // vector once for all its pairs: ~2x the speed of pair-at-a-time chains, the same bits.
 // Keys outside a row's range add exact zeros, so whatever else shares its item or call
 // changes nothing.
@@ -122,8 +123,19 @@ inline void score_tile(const float* const* q, const float* kt, int64_t dim, floa
     for (int b = 0; b < B; ++b) shoal_vec::store(w[p] + b * kLanes, s[p][b] * scale);
 }
 
-// Blocks per tile: P * B accumulators, P query values and a key within 32 registers.
-constexpr int kScoreBlocks = 6;
+// Tile shapes: P * B accumulators, P query values and a key within the registers. AVX-512
+// has 32 registers of 16 floats; AVX2 16 of 8 (an f32x16 takes two).
+#if defined(__AVX512F__) || !defined(__AVX2__)
+constexpr int kScoreBlocks = 6;   // x 4 pairs: 24 chains and 29 of the 32 registers
+constexpr int kScorePairs = 4;
+constexpr int kValueColumns = 4;  // x 6 pairs: 24 chains, 6 weights and a value
+constexpr int kValuePairs = 6;
+#else
+constexpr int kScoreBlocks = 3;   // x 2 pairs: 12 chains, 2 query values and a key: 16
+constexpr int kScorePairs = 2;
+constexpr int kValueColumns = 2;  // x 3 pairs: 12 chains, 3 weights and a value: 16
+constexpr int kValuePairs = 3;
+#endif
 
 // Scores of P pairs over blocks [0, blocks) of keys_t ([blocks * 16] into each w[p]).
 template <int P>
@@ -145,11 +157,9 @@ void scores(const float* const* q, const float* keys_t, int64_t blocks, int64_t 
 using Scores = void (*)(const float* const*, const float*, int64_t, int64_t, float,
                         float* const*);
 
-// Pairs per score tile: with kScoreBlocks, 24 chains and 29 of the 32 registers.
-constexpr int kScorePairs = 4;
-
+// The tile for `pairs` pairs, 1 .. kScorePairs.
 inline Scores pick_scores(int64_t pairs) {
-  switch (pairs) {
+  switch (std::min<int64_t>(pairs, kScorePairs)) {
     case 1: return scores<1>;
     case 2: return scores<2>;
     case 3: return scores<3>;
@@ -161,23 +171,21 @@ inline Scores pick_scores(int64_t pairs) {
 // first key), exact zeros elsewhere; returns 1 / their sum (lane sums in key order, then
 // the lanes).
 inline float weights_of(float* w, int64_t blocks, int64_t lo, int64_t position) {
-  f32x16 lane;
-  for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(t);
   const float inf = std::numeric_limits<float>::infinity();
   f32x16 peaks = shoal_vec::splat(-inf);
   for (int64_t b = 0; b < blocks; ++b) {
-    const f32x16 key = lane + static_cast<float>(b * kLanes);
+    const f32x16 key = shoal_vec::iota(static_cast<float>(b * kLanes));
     const f32x16 score = shoal_vec::load(w + b * kLanes);
     const auto inside = (key >= static_cast<float>(lo)) & (key <= static_cast<float>(position));
-    peaks = inside && score > peaks ? score : peaks;
+    peaks = shoal_vec::select(inside & (score > peaks), score, peaks);
   }
   const float peak = shoal_vec::hmax(peaks);
   f32x16 totals{};
   for (int64_t b = 0; b < blocks; ++b) {
-    const f32x16 key = lane + static_cast<float>(b * kLanes);
+    const f32x16 key = shoal_vec::iota(static_cast<float>(b * kLanes));
     const auto inside = (key >= static_cast<float>(lo)) & (key <= static_cast<float>(position));
     const f32x16 e = shoal_vec::exp(shoal_vec::load(w + b * kLanes) - peak);
-    const f32x16 kept = inside ? e : f32x16{};
+    const f32x16 kept = shoal_vec::select(inside, e, f32x16{});
     shoal_vec::store(w + b * kLanes, kept);
     totals += kept;
   }
@@ -206,11 +214,6 @@ void add_value_columns(const float* values, int64_t dim, int64_t column, int64_t
       shoal_vec::store(out[p] + column + c * kLanes, acc[p][c] * inverse[p]);
 }
 
-// Column vectors per pass and pairs at once: C * P accumulators, P weights and a value
-// within 32 registers, with 24 chains to hide the FMA latency.
-constexpr int kValueColumns = 4;
-constexpr int kValuePairs = 6;
-
 // The weighted values of P pairs over the whole head (dim a multiple of 16), kValueColumns
 // vectors a pass.
 template <int P>
@@ -227,8 +230,9 @@ void add_values(const float* values, int64_t dim, int64_t from, int64_t to,
 using AddValues = void (*)(const float*, int64_t, int64_t, int64_t, const float* const*,
                            const float*, bf16* const*);
 
+// The pass for `pairs` pairs, 1 .. kValuePairs.
 inline AddValues pick_add_values(int64_t pairs) {
-  switch (pairs) {
+  switch (std::min<int64_t>(pairs, kValuePairs)) {
     case 1: return add_values<1>;
     case 2: return add_values<2>;
     case 3: return add_values<3>;

@@ -26,8 +26,8 @@ bool avx2_available() { return SHOAL_QUANT_AVX2; }
 
 namespace {
 
-// Generated rows per pass over tiles decoded in registers (4 rows x 2 halves of int32 sums
-// beside the codes and x).
+// Generated rows per pass over tiles decoded in registers: 4 rows' 8 accumulators, their 4
+// int32 sums of one half, a code vector and x's pair in the 16 registers.
 constexpr int kAvx2Rows = 4;
 // More generated rows run pass after pass over a block of about this many packed bytes,
 // which stays in L2 meanwhile.

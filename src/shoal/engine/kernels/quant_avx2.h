@@ -100,44 +100,48 @@ inline __m256i codes16(const uint8_t* tile, int h) {
   }
 }
 
-// S and O' = c S - e mc of sub-block s (within its super-block) for the 16 columns, as two
-// halves, and -e mc: w = S (u + c) - e mc.
+// S and O' = c S - e mc of sub-block s (within its super-block) for columns [8 h, 8 h + 8),
+// and -e mc: w = S (u + c) - e mc.
+template <QType T>
+inline void avx2_scales_half(const uint8_t* meta, int s, int h, __m256& scale, __m256& offset,
+                             __m256& minus_min) {
+  using A = Avx2<T>;
+  constexpr Format f = A::f;
+  const __m256 d = _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * h)));
+  __m128i codes = _mm_setzero_si128();
+  scale = d;
+  if constexpr (f.has_sc) {
+    codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + A::kSc + s * kCols + 8 * h));
+    __m256i sc;
+    if constexpr (f.mc_in_sc) {
+      sc = _mm256_and_si256(_mm256_cvtepu8_epi32(codes), _mm256_set1_epi32(0xF));
+    } else {
+      sc = _mm256_cvtepi8_epi32(codes);
+    }
+    scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+  }
+  minus_min = _mm256_setzero_ps();
+  if constexpr (f.has_e) {
+    const __m256 e = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + A::kE + 16 * h)));
+    __m256 mc = _mm256_set1_ps(1.f);
+    if constexpr (f.mc_in_sc) {
+      mc = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(codes), 4));
+    } else if constexpr (f.has_mc) {
+      mc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(meta + A::kMc + s * kCols + 8 * h))));
+    }
+    minus_min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(e, mc));
+  }
+  offset = _mm256_fmadd_ps(_mm256_set1_ps(A::kC), scale, minus_min);
+}
+
+// Both halves: the 16 columns.
 template <QType T>
 inline void avx2_scales(const uint8_t* meta, int s, __m256 (&scale)[2], __m256 (&offset)[2],
                         __m256 (&minus_min)[2]) {
-  using A = Avx2<T>;
-  constexpr Format f = A::f;
-  for (int h = 0; h < 2; ++h) {
-    const __m256 d = _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * h)));
-    __m128i codes = _mm_setzero_si128();
-    scale[h] = d;
-    if constexpr (f.has_sc) {
-      codes = _mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(meta + A::kSc + s * kCols + 8 * h));
-      __m256i sc;
-      if constexpr (f.mc_in_sc) {
-        sc = _mm256_and_si256(_mm256_cvtepu8_epi32(codes), _mm256_set1_epi32(0xF));
-      } else {
-        sc = _mm256_cvtepi8_epi32(codes);
-      }
-      scale[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-    }
-    minus_min[h] = _mm256_setzero_ps();
-    if constexpr (f.has_e) {
-      const __m256 e = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + A::kE + 16 * h)));
-      __m256 mc = _mm256_set1_ps(1.f);
-      if constexpr (f.mc_in_sc) {
-        mc = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(codes), 4));
-      } else if constexpr (f.has_mc) {
-        mc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-            reinterpret_cast<const __m128i*>(meta + A::kMc + s * kCols + 8 * h))));
-      }
-      minus_min[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(e, mc));
-    }
-    offset[h] = _mm256_fmadd_ps(_mm256_set1_ps(A::kC), scale[h], minus_min[h]);
-  }
+  for (int h = 0; h < 2; ++h) avx2_scales_half<T>(meta, s, h, scale[h], offset[h], minus_min[h]);
 }
 
 // x of generated rows for the int16 path: per row and tile, 16 int32 words each holding the
@@ -169,33 +173,35 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
     const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
     prefetch_ahead<A::kTileBytes>(tile + prefetch_bytes(R));
     static_for<A::kSubs>([&](auto sub) {
-      __m256i sum16[R][2];
-      for (int r = 0; r < R; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
-      static_for<vectors_per_sub>([&](auto j) {
-        constexpr int V = sub * vectors_per_sub + j;
-        __m256i q[R];
-        for (int r = 0; r < R; ++r)
-          q[r] = _mm256_set1_epi32(x.pairs[r * x.pair_stride + t * kPairs + V]);
-        for (int h = 0; h < 2; ++h) {
+      const int s = static_cast<int>(t % tiles_per_block) * A::kSubs + sub;
+      const int64_t g = t * A::kSubs + sub;  // sub-block index along k
+      // One half of the columns at a time: R int32 sums, a code vector and x's pair in
+      // registers beside the accumulators (both halves at once spilled from 4 rows on).
+      static_for<2>([&](auto h) {
+        __m256i sum16[R];
+        for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
+        static_for<vectors_per_sub>([&](auto j) {
+          constexpr int V = sub * vectors_per_sub + j;
           const __m256i codes = codes16<T, V>(tile, h);
-          for (int r = 0; r < R; ++r)
-            sum16[r][h] = _mm256_add_epi32(sum16[r][h], _mm256_madd_epi16(codes, q[r]));
+          for (int r = 0; r < R; ++r) {
+            const __m256i q = _mm256_set1_epi32(x.pairs[r * x.pair_stride + t * kPairs + V]);
+            sum16[r] = _mm256_add_epi32(sum16[r], _mm256_madd_epi16(codes, q));
+            // Kept in its register as it goes: left free, GCC reassociates the integer sums
+            // into a tree of products held on the stack (hundreds of spills a strip).
+            asm("" : "+x"(sum16[r]));
+          }
+        });
+        __m256 scale, offset, minus_min;
+        avx2_scales_half<T>(meta, s, h, scale, offset, minus_min);
+        for (int r = 0; r < R; ++r) {
+          const __m256 tile_scale = _mm256_set1_ps(x.scales[r * x.scale_stride + t]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum16[r]),
+                                      _mm256_mul_ps(scale, tile_scale), acc[r][h]);
+          if constexpr (A::kC != 0.f || f.has_e)
+            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(sums[r * sum_stride + g]), offset,
+                                        acc[r][h]);
         }
       });
-      __m256 scale[2], offset[2], minus_min[2];
-      avx2_scales<T>(meta, static_cast<int>(t % tiles_per_block) * A::kSubs + sub, scale,
-                     offset, minus_min);
-      const int64_t g = t * A::kSubs + sub;  // sub-block index along k
-      for (int r = 0; r < R; ++r) {
-        const __m256 tile_scale = _mm256_set1_ps(x.scales[r * x.scale_stride + t]);
-        const __m256 sum = _mm256_set1_ps(sums[r * sum_stride + g]);
-        for (int h = 0; h < 2; ++h) {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum16[r][h]),
-                                      _mm256_mul_ps(scale[h], tile_scale), acc[r][h]);
-          if constexpr (A::kC != 0.f || f.has_e)
-            acc[r][h] = _mm256_fmadd_ps(sum, offset[h], acc[r][h]);
-        }
-      }
     });
   }
   for (int r = 0; r < R; ++r)

@@ -1,6 +1,11 @@
-// 16-lane float vectors for the decode kernel, on the compiler's generic vector types: one
-// AVX-512 register, two AVX2 ones or four NEON ones, whichever -march=native offers.
-// Loads and stores go through memcpy, so pointers need only element alignment.
+// 16-lane float vectors for the kernels. With AVX-512 (and on other CPUs: NEON, ...) they
+// are the compiler's generic vector types, one AVX-512 register or four NEON ones. With
+// AVX2 (and no AVX-512) they are a pair of AVX2 registers (vector_avx2.h): GCC lowers a
+// 64-byte generic vector there through the stack (a splat as sixteen scalar stores, every
+// tile's accumulators spilled), which ran the prompt attention at ~3 GFLOP/s.
+// Loads and stores go through memcpy or unaligned loads, so pointers need only element
+// alignment. Both forms offer the same operations: arithmetic with vectors and scalars,
+// comparisons giving a mask, select(mask, a, b) and `&` of masks.
 
 #pragma once
 
@@ -13,11 +18,17 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "vector_avx2.h"
+#else
+
 namespace shoal_vec {
 
 using bf16 = at::BFloat16;
 
 typedef float f32x16 __attribute__((vector_size(64)));
+// What comparing two f32x16 gives: all ones where true.
+typedef int32_t mask16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -34,6 +45,14 @@ inline f32x16 load(const float* p) {
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline f32x16 splat(float value) { return f32x16{} + value; }
+
+// a where the mask is set, b elsewhere.
+inline f32x16 select(mask16 mask, f32x16 a, f32x16 b) { return mask ? a : b; }
+
+// Lanes 0, 1, .., 15 plus `first`.
+inline f32x16 iota(float first) {
+  return f32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + first;
+}
 
 // bf16 is the top half of a float32.
 inline f32x16 load(const bf16* p) {
@@ -115,8 +134,8 @@ inline float hsum(f32x16 v) {
 // (~1e-38), above 88 give e^88; softmax and SiLU never need more.
 inline f32x16 exp(f32x16 x) {
   const f32x16 lo = splat(-87.f), hi = splat(88.f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  x = select(x < lo, lo, x);
+  x = select(x > hi, hi, x);
   const f32x16 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
   const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -134,3 +153,5 @@ inline f32x16 exp(f32x16 x) {
 }
 
 }  // namespace shoal_vec
+
+#endif  // AVX2 without AVX-512

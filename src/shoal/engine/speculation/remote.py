@@ -3,7 +3,10 @@
 Per request it remembers the tokens the far side holds and sends only the rest (with the
 point to cut back to, when earlier tokens changed). Each call waits at most a deadline a
 little above the measured round trip (an average that forgets; within a floor and a
-ceiling); a late, missing, malformed or out-of-vocabulary answer returns None, and the
+ceiling). The ceiling is what k guesses could save at most: k of the verifier's plain decode
+steps (measured; CEILING_S until then, and never below it, up to MAX_CEILING_S), so a slow
+verifier on a loaded host still waits for round trips that pay, and a fast one never waits
+longer than its guesses are worth. A late, missing, malformed or out-of-vocabulary answer returns None, and the
 proposer then rests (twice as long after each failure in a row, up to MAX_REST_S), so a
 dead proposer costs the verifier one deadline now and then, never an error or a wrong
 token: the verifier decodes alone and checks every guess it does get.
@@ -26,7 +29,8 @@ from shoal.engine.speculation.proposer import Proposal
 log = logging.getLogger("shoal.engine.speculation")
 
 FLOOR_S = 0.005
-CEILING_S = 0.06
+CEILING_S = 0.06       # the ceiling before the verifier's step is measured, and its least
+MAX_CEILING_S = 1.0
 LATENCY_MEMORY = 0.8   # weight of the previous average in each new one
 DEADLINE_FACTOR = 1.5  # deadline = factor * average round trip + slack
 DEADLINE_SLACK_S = 0.002
@@ -56,11 +60,11 @@ class LatencyEstimate:
     def __init__(self) -> None:
         self.average_s: float | None = None
 
-    def deadline_s(self) -> float:
+    def deadline_s(self, ceiling_s: float = CEILING_S) -> float:
         if self.average_s is None:
-            return CEILING_S  # nothing measured yet: the first call may set up a session
+            return ceiling_s  # nothing measured yet: the first call may set up a session
         wanted = DEADLINE_FACTOR * self.average_s + DEADLINE_SLACK_S
-        return min(CEILING_S, max(FLOOR_S, wanted))
+        return min(ceiling_s, max(FLOOR_S, wanted))
 
     def observe(self, seconds: float) -> None:
         self.average_s = seconds if self.average_s is None else \
@@ -72,9 +76,13 @@ class LatencyEstimate:
 
 
 class RemoteProposer:
+    """step_s: the verifier's plain decode step in seconds (None until measured)."""
+
     def __init__(self, link: ProposalLink, vocab_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 step_s: Callable[[], float | None] = lambda: None) -> None:
         self._link = link
+        self._step_s = step_s
         self._vocab_size = vocab_size
         self._clock = clock
         self._held: dict[str, list[int]] = {}  # request -> tokens the far side holds
@@ -109,7 +117,7 @@ class RemoteProposer:
         held = self._held.setdefault(request_id, [])
         cut = _common_prefix(held, context)
         fresh = list(context[cut:])
-        deadline_s = self.latency.deadline_s()
+        deadline_s = self.latency.deadline_s(self.ceiling_s(k))
         self.calls += 1
         started = self._clock()
         answer = self._link.ask(request_id, cut, fresh, k, deadline_s)
@@ -143,6 +151,13 @@ class RemoteProposer:
             self._quiet[request_id] = (empties, len(context)
                                        + min(MAX_QUIET, 2 ** (empties - 1)))
         return Proposal(tokens=tokens, probs=probs)
+
+    def ceiling_s(self, k: int) -> float:
+        """The longest wait k guesses could pay for: k plain steps of the verifier."""
+        step_s = self._step_s()
+        if step_s is None:
+            return CEILING_S
+        return min(MAX_CEILING_S, max(CEILING_S, k * step_s))
 
     def _failed(self) -> None:
         self.failed += 1
