@@ -27,7 +27,7 @@ AUTO, AVX512, AMX, AVX2 = 0, 1, 2, 4
 def paths(kernel) -> list[tuple[int, bool]]:
     """(backend, prompt rows) pairs this machine can run: on AVX512-BF16 the vector order,
     with AMX also AMX's order (generated tokens) and the split-weight tiles (prompt tokens);
-    on any AVX2 machine (AVX-512 ones too) the float32 AVX2 path."""
+    on any AVX2 machine (AVX-512 ones too) the AVX2 path."""
     found = []
     if kernel.quant_default_backend() in ("avx512", "amx"):
         found += [(AVX512, False), (AVX512, True)]
@@ -127,6 +127,22 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
             assert torch.equal(part, everything[start:start + count]), (backend, prompt, count)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q3_K"])
+def test_avx2_prompt_rows_take_the_generated_rows_steps(kernel, name):
+    # On AVX2 a plane type's rows all take the same int16 steps: a few rows decode the codes
+    # in registers, more (a prompt, a batch) read them unpacked once per strip. So a token's
+    # row has the same bits whether it came in a prompt or was generated.
+    if not kernel.quant_avx2_available():
+        pytest.skip("this build has no AVX2 path")
+    raw = random_blocks(name, 64, 1024, seed=8)
+    linear = kernel.QuantLinear([QTYPES[name]], [packed(kernel, name, raw, 64, 1024)], [64],
+                                1024, None, AVX2)
+    x = torch.randn(21, 1024, generator=torch.Generator().manual_seed(9)).bfloat16()
+    prompt = linear.forward(x, True, True)
+    one_by_one = torch.cat([linear.forward(x[i:i + 1], True, False) for i in range(21)])
+    assert torch.equal(prompt, one_by_one)
+
+
 @pytest.mark.parametrize("name,out_features,cols", [
     ("Q4_K", 64, 1024), ("Q6_K", 64, 1024), ("Q8_0", 64, 1024), ("F16", 64, 1024),
     # Without AMX, many rows run over blocks of strips: several blocks per thread here.
@@ -134,7 +150,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
 def test_generated_rows_take_the_same_bits_on_every_path(kernel, name, out_features, cols):
     # Generated tokens sum in AMX's order on AVX512-BF16: a few rows on vectors (tiles
     # decoded in registers), more on AMX tiles, or without AMX the same vectors 4 rows a pass.
-    # The AVX2 path has a float32 order of its own, the same for any rows.
+    # The AVX2 path has an int16 order of its own, the same for any rows.
     raw = random_blocks(name, out_features, cols, seed=6)
     data = packed(kernel, name, raw, out_features, cols)
     x = torch.randn(24, cols, generator=torch.Generator().manual_seed(7)).bfloat16()

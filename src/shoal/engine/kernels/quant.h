@@ -116,9 +116,10 @@ class QuantLinear {
   void run_tiles(const Call& call) const;
   void run_amx_prompt(const Call& call) const;
   void run_portable(const Call& call) const;
-  // The AVX2 paths (quant_avx2.cpp): every row of a call; strips [begin, end) of one segment
-  // on dequantized weights (x float32 [m, k]); one row times one strip as a generated row.
-  void run_avx2(const Call& call, bool prompt) const;
+  // The AVX2 paths (quant_avx2.cpp): every row of a call, prompt and generated rows alike;
+  // strips [begin, end) of one segment on dequantized weights (x float32 [m, k]); one row
+  // times one strip as a generated row.
+  void run_avx2(const Call& call) const;
   void avx2_dequantized(const Call& call, const Segment& seg, int64_t begin, int64_t end,
                         const float* x) const;
   // forward_columns on AVX2: x [m, k], wanted [m, count] checked -> out [m, count].

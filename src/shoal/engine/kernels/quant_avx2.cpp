@@ -29,24 +29,30 @@ namespace {
 // Generated rows per pass over tiles decoded in registers: 4 rows' 8 accumulators, their 4
 // int32 sums of one half, a code vector and x's pair in the 16 registers.
 constexpr int kAvx2Rows = 4;
-// More generated rows run pass after pass over a block of about this many packed bytes,
-// which stays in L2 meanwhile.
-constexpr int64_t kAvx2BlockBytes = 256 * 1024;
-// Dequantized paths: strips per group, k per chunk (a group's chunks, 4 x 1024 x 64 bytes,
-// stay in L2 while every block of rows runs over them; a block's x, 6 x 1024 floats, in
-// L1), rows per block.
+// More rows (prompts, and batches of generated rows) unpack a group of strips' codes a chunk
+// of k at a time and run passes of this many rows over them: 12 int32 sums (6 rows, both
+// halves) beside two code vectors and x's pair.
+constexpr int kUnpackRows = 6;
+// Dequantized and unpacked paths: strips per group, k per chunk (a group's chunks, 4 x 1024
+// x 64 bytes of floats or 4 x 1024 x 32 of codes, stay in L2 while every block of rows runs
+// over them; a block's x, 6 x 1024 floats or int16, in L1), rows per block.
 constexpr int kGroupStrips = 4;
 constexpr int64_t kChunkK = 1024;
 constexpr int kBlockRows = 6;
 
 using GeneratedFn = void (*)(const uint8_t*, int64_t, const X16&, const float*, int64_t,
                              float*);
+using UnpackFn = void (*)(const uint8_t*, int64_t, int64_t, __m256i*);
+using UnpackedFn = void (*)(const __m256i*, const uint8_t*, int64_t, int64_t, int64_t,
+                            const X16&, const float*, int64_t, float*);
 using DequantizeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
 using RowsFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 
 struct Avx2Kernels {
   GeneratedFn generated[kAvx2Rows] = {};  // [rows - 1]
-  DequantizeFn dequantize = nullptr;
+  UnpackFn unpack = nullptr;
+  UnpackedFn unpacked[kUnpackRows] = {};  // [rows - 1]
+  DequantizeFn dequantize = nullptr;  // float and IQ4 types
   bool buffered = false;  // float and IQ4 types: dequantized for every row
   int sub_k = 32;
 };
@@ -55,11 +61,15 @@ template <QType T>
 Avx2Kernels avx2_kernels_of() {
   using A = Avx2<T>;
   Avx2Kernels out;
-  out.dequantize = &avx2_dequantize<T>;
   out.buffered = A::kBuffered;
   out.sub_k = A::f.sub_k;
-  if constexpr (!A::kBuffered)
+  if constexpr (A::kBuffered) {
+    out.dequantize = &avx2_dequantize<T>;
+  } else {
     static_for<kAvx2Rows>([&](auto r) { out.generated[r] = &avx2_generated<T, r + 1>; });
+    out.unpack = &avx2_unpack<T>;
+    static_for<kUnpackRows>([&](auto r) { out.unpacked[r] = &avx2_unpacked<T, r + 1>; });
+  }
   return out;
 }
 
@@ -137,7 +147,8 @@ X16Buffers avx2_x16(const std::vector<float>& x, int64_t m, int64_t k) {
                            _mm256_cvtps_epi32(_mm256_mul_ps(v[i], to_q)));
       int32_t* pairs = out.pairs.data() + tile * kPairs;
       for (int p = 0; p < kPairs; ++p)
-        pairs[p] = (q[pair_k(p) + 2] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(q[pair_k(p)]) << 16);
+        pairs[p] = (q[pair_k(p) + 2] & 0xFFFF) |
+                   static_cast<int32_t>(static_cast<uint32_t>(q[pair_k(p)]) << 16);
     }
   });
   return out;
@@ -160,8 +171,9 @@ void QuantLinear::avx2_dequantized(const Call& call, const Segment& seg, int64_t
     for (int64_t k0 = 0; k0 < k; k0 += chunk) {
       const int64_t kc = std::min(chunk, k - k0);
       for (int s = 0; s < strips; ++s)
-        kern.dequantize(seg.packed.data_ptr<uint8_t>() + (g0 - seg.first_strip + s) * seg.strip_bytes,
-                        k, k0 / kTileK, (k0 + kc) / kTileK, weights.data() + s * chunk * kCols);
+        kern.dequantize(
+            seg.packed.data_ptr<uint8_t>() + (g0 - seg.first_strip + s) * seg.strip_bytes, k,
+            k0 / kTileK, (k0 + kc) / kTileK, weights.data() + s * chunk * kCols);
       for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, m - r0));
         for (int s = 0; s < strips; ++s)
@@ -175,51 +187,72 @@ void QuantLinear::avx2_dequantized(const Call& call, const Segment& seg, int64_t
   }
 }
 
-void QuantLinear::run_avx2(const Call& call, bool prompt) const {
+void QuantLinear::run_avx2(const Call& call) const {
   const int64_t m = call.m, k = k_;
   const std::vector<float> x = to_float(call.x, m, k);
-  // Generated rows of the plane types: x as int16 pairs, and its sums per sub-block.
-  bool any_generated = false;
-  for (const Segment& seg : segments_)
-    any_generated |= !prompt && !avx2_kernels(seg.type).buffered;
+  // Rows of the plane types: x as int16 pairs, and its sums per sub-block.
+  bool any_planes = false;
+  for (const Segment& seg : segments_) any_planes |= !avx2_kernels(seg.type).buffered;
   X16Buffers x16;
   std::vector<float> sums16, sums32;
-  if (any_generated) {
+  if (any_planes) {
     x16 = avx2_x16(x, m, k);
     if (runs16_) sums16 = run_sums(call.x, m, k, 16);
     if (runs32_) sums32 = run_sums(call.x, m, k, 32);
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / (k * kCols * m));
-  const int64_t strips_per_block = std::max<int64_t>(4, kAvx2BlockBytes / (k * kCols / 2) / 4 * 4);
-  const int64_t block = m <= kAvx2Rows ? strips_total_ : strips_per_block;
   at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += block) {
-      const int64_t b1 = std::min(end, b0 + block);
-      // Each segment's part of the block: dequantized, or passes of rows in registers.
-      for (int64_t s0 = b0; s0 < b1;) {
-        const Segment& seg = segment_of(s0);
-        const int64_t s1 = std::min(b1, seg.first_strip + seg.strips);
-        const Avx2Kernels& kern = avx2_kernels(seg.type);
-        if (prompt || kern.buffered) {
-          avx2_dequantized(call, seg, s0, s1, x.data());
-          s0 = s1;
-          continue;
-        }
-        const float* sums = kern.sub_k == 16 ? sums16.data() : sums32.data();
-        const int64_t sum_stride = k / kern.sub_k;
-        alignas(32) float acc[kAvx2Rows * kCols];
-        for (int64_t r0 = 0; r0 < m; r0 += kAvx2Rows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kAvx2Rows, m - r0));
-          const X16 rows_x = x16.view(r0, k);
-          for (int64_t s = s0; s < s1; ++s) {
-            const int64_t local = s - seg.first_strip;
-            kern.generated[rows - 1](seg.packed.data_ptr<uint8_t>() + local * seg.strip_bytes,
-                                     k, rows_x, sums + r0 * sum_stride, sum_stride, acc);
-            store(call, seg, local, acc, rows, r0);
-          }
+    thread_local std::vector<__m256i> codes;
+    thread_local std::vector<float> group_acc;  // [strips][m][16] of a group
+    alignas(32) float acc[kAvx2Rows * kCols];
+    for (int64_t s0 = begin; s0 < end;) {
+      const Segment& seg = segment_of(s0);
+      const int64_t s1 = std::min(end, seg.first_strip + seg.strips);
+      const Avx2Kernels& kern = avx2_kernels(seg.type);
+      if (kern.buffered) {
+        avx2_dequantized(call, seg, s0, s1, x.data());
+        s0 = s1;
+        continue;
+      }
+      const float* sums = kern.sub_k == 16 ? sums16.data() : sums32.data();
+      const int64_t sum_stride = k / kern.sub_k;
+      const uint8_t* packed = seg.packed.data_ptr<uint8_t>();
+      if (m <= kAvx2Rows) {  // codes decoded in registers as each strip streams in
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t local = s - seg.first_strip;
+          kern.generated[m - 1](packed + local * seg.strip_bytes, k, x16.view(0, k), sums,
+                                sum_stride, acc);
+          store(call, seg, local, acc, static_cast<int>(m), 0);
         }
         s0 = s1;
+        continue;
       }
+      // Groups of strips unpacked a chunk of k at a time: a pass's 6 rows of x serve the
+      // group's strips from L1 while their codes come from L2.
+      const int64_t tiles = k / kTileK, chunk_tiles = std::min(k, kChunkK) / kTileK;
+      for (int64_t g0 = s0; g0 < s1; g0 += kGroupStrips) {
+        const int64_t strips = std::min<int64_t>(kGroupStrips, s1 - g0);
+        const int64_t first = g0 - seg.first_strip;
+        group_acc.assign(strips * m * kCols, 0.f);
+        codes.resize(strips * chunk_tiles * kPairs * 2);
+        for (int64_t t0 = 0; t0 < tiles; t0 += chunk_tiles) {
+          const int64_t t1 = std::min(tiles, t0 + chunk_tiles);
+          for (int64_t j = 0; j < strips; ++j)
+            kern.unpack(packed + (first + j) * seg.strip_bytes, t0, t1,
+                        codes.data() + j * chunk_tiles * kPairs * 2);
+          for (int64_t r0 = 0; r0 < m; r0 += kUnpackRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kUnpackRows, m - r0));
+            for (int64_t j = 0; j < strips; ++j)
+              kern.unpacked[rows - 1](codes.data() + j * chunk_tiles * kPairs * 2,
+                                      packed + (first + j) * seg.strip_bytes, k, t0, t1,
+                                      x16.view(r0, k), sums + r0 * sum_stride, sum_stride,
+                                      group_acc.data() + (j * m + r0) * kCols);
+          }
+        }
+        for (int64_t j = 0; j < strips; ++j)
+          store(call, seg, first + j, group_acc.data() + j * m * kCols, static_cast<int>(m), 0);
+      }
+      s0 = s1;
     }
   });
 }

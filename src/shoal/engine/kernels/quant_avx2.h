@@ -2,21 +2,25 @@
 // (AMD Zen 2 and 3, most Intel laptops and desktops), on the strip layout of
 // quant_formats.h: a GGUF file's weights stay as packed there as on AVX-512.
 //
-// Generated rows (decode): each tile vector's codes (two k per column, quant_formats.h)
-// come out of their planes as int16 pairs in registers, one shift and one AND per plane,
-// and vpmaddwd multiplies them with x's matching pair: 16 products an instruction, summed
-// exactly in int32 per sub-block. For that, x is rounded per tile of 32 to int16 with a
-// power-of-two scale (X16): a value within 2^7 of the tile's largest stays exact, a smaller
-// one moves by at most 2^-15 of the largest (a bf16 rounding of the largest moves it by up
-// to 2^-9). Per sub-block: acc = fma(float(sum), S * scale, acc), then acc = fma(sum(x), O',
-// acc) with O' = c S - e mc. On these CPUs float32 conversions and FMAs cost as much as
-// the reading: the float32 form of this loop (one AND, one conversion and one FMA per 8
-// weights) ran at two thirds of this one's speed, and Q6_K's at a quarter.
+// Rows of the plane types (every GGUF quantisation but IQ4): each tile vector's codes (two
+// k per column, quant_formats.h) come out of their planes as int16 pairs, one shift and one
+// AND per plane, and vpmaddwd multiplies them with x's matching pair: 16 products an
+// instruction, summed exactly in int32 per sub-block. For that, x is rounded per tile of 32
+// to int16 with a power-of-two scale (X16): a value within 2^7 of the tile's largest stays
+// exact, a smaller one moves by at most 2^-15 of the largest (a bf16 rounding of the largest
+// moves it by up to 2^-9). Per sub-block: acc = fma(float(sum), S * scale, acc), then acc =
+// fma(sum(x), O', acc) with O' = c S - e mc. On these CPUs float32 conversions and FMAs cost
+// as much as the reading: the float32 form of this loop (one AND, one conversion and one FMA
+// per 8 weights) ran at two thirds of this one's speed, and Q6_K's at a quarter.
 //
-// Prompt rows, and every row of the float and IQ4 types: a strip's weights dequantized to
-// float32 exactly as gguf does (fmaf(S, u + c, -e mc)) a chunk of k at a time, then rows
-// sum x[k] w[k] in k order, one chain per row and column (avx2_rows): exact up to float32
-// summation.
+// A few rows (batch-1 decode) decode the codes in registers as the strip streams in. More
+// rows (prompts, batches) unpack each strip's codes once and run passes of 6 rows over them
+// from cache: a vpmaddwd with its vpaddd issues ~1.5 times a cycle here, 24 products against
+// the 16 of two float32 FMAs. Both take the same steps per (row, sub-block).
+//
+// Float and IQ4 types: a strip's weights dequantized to float32 exactly as gguf does, a
+// chunk of k at a time, then rows sum x[k] w[k] in k order, one chain per row and column
+// (avx2_rows): exact up to float32 summation.
 //
 // Either way a row's result is the same operations whatever rows share its call.
 
@@ -28,6 +32,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "quant_formats.h"
 #include "quant_prefetch.h"
@@ -137,14 +142,7 @@ inline void avx2_scales_half(const uint8_t* meta, int s, int h, __m256& scale, _
   offset = _mm256_fmadd_ps(_mm256_set1_ps(A::kC), scale, minus_min);
 }
 
-// Both halves: the 16 columns.
-template <QType T>
-inline void avx2_scales(const uint8_t* meta, int s, __m256 (&scale)[2], __m256 (&offset)[2],
-                        __m256 (&minus_min)[2]) {
-  for (int h = 0; h < 2; ++h) avx2_scales_half<T>(meta, s, h, scale[h], offset[h], minus_min[h]);
-}
-
-// x of generated rows for the int16 path: per row and tile, 16 int32 words each holding the
+// x of the int16 path (plane types' rows): per row and tile, 16 int32 words each holding the
 // pair (q at kb(v) + 2, q at kb(v)) of vector v, and the tile's scale 2^(e - 14), e the
 // largest exponent among its 32 values, so that x = scale * q with |q| < 2^15 (avx2_x16).
 struct X16 {
@@ -153,10 +151,24 @@ struct X16 {
   int64_t pair_stride, scale_stride;
 };
 
+// Sub-block g of one half (8 columns) of a row after its int32 sum of u * q: acc =
+// fma(float(sum), S * scale, acc), then acc = fma(sum(x), O', acc). Every path of a plane
+// type's rows ends a sub-block so, which makes a row's result the same whether its codes
+// came from the packed tile or an unpacked strip, and whatever rows share its pass.
+template <QType T>
+inline __m256 avx2_fold(__m256i sum, __m256 scale, __m256 offset, float tile_scale,
+                        float x_sum, __m256 acc) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(tile_scale)),
+                        acc);
+  if constexpr (Avx2<T>::kC != 0.f || Avx2<T>::f.has_e)
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(x_sum), offset, acc);
+  return acc;
+}
+
 // Generated rows: R rows of x (X16, from row 0) times one strip of a plane type, tiles
 // decoded in registers as int16 codes -> out [R][16]. Per sub-block each (row, half) sums
-// u * q exactly in int32 (vpmaddwd: at most 32 products of |u| <= 128 and |q| < 2^15),
-// then acc = fma(float(sum), S * scale, acc) and acc = fma(sum(x), O', acc).
+// u * q exactly in int32 (vpmaddwd: at most 32 products of |u| <= 128 and |q| < 2^15), then
+// folds the sum into its accumulators (avx2_fold).
 template <QType T, int R>
 void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* sums,
                     int64_t sum_stride, float* out) {
@@ -193,14 +205,9 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
         });
         __m256 scale, offset, minus_min;
         avx2_scales_half<T>(meta, s, h, scale, offset, minus_min);
-        for (int r = 0; r < R; ++r) {
-          const __m256 tile_scale = _mm256_set1_ps(x.scales[r * x.scale_stride + t]);
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum16[r]),
-                                      _mm256_mul_ps(scale, tile_scale), acc[r][h]);
-          if constexpr (A::kC != 0.f || f.has_e)
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(sums[r * sum_stride + g]), offset,
-                                        acc[r][h]);
-        }
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = avx2_fold<T>(sum16[r], scale, offset, x.scales[r * x.scale_stride + t],
+                                   sums[r * sum_stride + g], acc[r][h]);
       });
     });
   }
@@ -208,47 +215,78 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kCols + 8 * h, acc[r][h]);
 }
 
-// Weights of tiles [t0, t1) of a strip as float32 [(t1 - t0) * 32][16], k order, exactly
-// gguf's values.
+// Tiles [t0, t1) of a strip as int16 codes (codes16), written once for many rows to read:
+// out [t1 - t0][kPairs][2 halves].
 template <QType T>
-void avx2_dequantize(const uint8_t* strip, int64_t k, int64_t t0, int64_t t1, float* w) {
+void avx2_unpack(const uint8_t* strip, int64_t t0, int64_t t1, __m256i* out) {
   using A = Avx2<T>;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = strip + t * A::kTileBytes;
+    __m256i* to = out + (t - t0) * kPairs * 2;
+    static_for<kPairs>([&](auto v) {
+      for (int h = 0; h < 2; ++h) _mm256_store_si256(to + 2 * v + h, codes16<T, v>(tile, h));
+    });
+  }
+}
+
+// Many rows: R rows of x times tiles [t0, t1) of one strip, whose codes avx2_unpack wrote
+// (codes), added to out [R][16]. Both halves at once, so that one broadcast of x's pair
+// serves two products: 2 R int32 sums, two code vectors and the pair in registers. Each
+// (row, half) takes avx2_generated's steps in the same order, chunk after chunk, so its
+// result is the same.
+template <QType T, int R>
+void avx2_unpacked(const __m256i* codes, const uint8_t* strip, int64_t k, int64_t t0,
+                   int64_t t1, const X16& x, const float* sums, int64_t sum_stride,
+                   float* out) {
+  using A = Avx2<T>;
+  static_assert(!A::kBuffered, "float and IQ4 types run on dequantized strips");
   constexpr Format f = A::f;
-  const StripView view{f, k, strip};
-  if constexpr (A::kBuffered) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int k_in = 0; k_in < kTileK; ++k_in)
-        for (int c = 0; c < kCols; ++c)
-          w[((t - t0) * kTileK + k_in) * kCols + c] = weight_at(view, t * kTileK + k_in, c);
-  } else {
-    constexpr int tiles_per_block = f.super_k / kTileK;
-    for (int64_t t = t0; t < t1; ++t) {
-      float* u = w + (t - t0) * kTileK * kCols;
-      const uint8_t* tile = view.tile(t);
-      static_for<kPairs>([&](auto v) {
-        constexpr int V = v;
-        for (int h = 0; h < 2; ++h) {  // the pair's words: low (k + 2), high (k) as floats
-          const __m256i codes = codes16<T, V>(tile, h);
-          const __m256 low = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(codes, 16), 16));
-          const __m256 high = _mm256_cvtepi32_ps(_mm256_srai_epi32(codes, 16));
-          _mm256_storeu_ps(u + (pair_k(V) + 2) * kCols + 8 * h, low);
-          _mm256_storeu_ps(u + pair_k(V) * kCols + 8 * h, high);
+  constexpr int tiles_per_block = f.super_k / kTileK;
+  constexpr int vectors_per_sub = kPairs / A::kSubs;
+  const int64_t tiles = k / kTileK;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
+    const __m256i* tile = codes + (t - t0) * kPairs * 2;
+    static_for<A::kSubs>([&](auto sub) {
+      const int s = static_cast<int>(t % tiles_per_block) * A::kSubs + sub;
+      const int64_t g = t * A::kSubs + sub;
+      __m256i sum16[R][2];
+      for (int r = 0; r < R; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
+      static_for<vectors_per_sub>([&](auto j) {
+        constexpr int V = sub * vectors_per_sub + j;
+        const __m256i u0 = _mm256_load_si256(tile + 2 * V);
+        const __m256i u1 = _mm256_load_si256(tile + 2 * V + 1);
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_set1_epi32(x.pairs[r * x.pair_stride + t * kPairs + V]);
+          sum16[r][0] = _mm256_add_epi32(sum16[r][0], _mm256_madd_epi16(u0, q));
+          sum16[r][1] = _mm256_add_epi32(sum16[r][1], _mm256_madd_epi16(u1, q));
+          asm("" : "+x"(sum16[r][0]), "+x"(sum16[r][1]));  // as in avx2_generated
         }
       });
-      const uint8_t* meta = view.meta(t / tiles_per_block);
-      for (int sub = 0; sub < A::kSubs; ++sub) {
-        __m256 scale[2], offset[2], minus_min[2];
-        avx2_scales<T>(meta, static_cast<int>(t % tiles_per_block) * A::kSubs + sub, scale,
-                       offset, minus_min);
-        for (int k_in = sub * f.sub_k; k_in < (sub + 1) * f.sub_k; ++k_in)
-          for (int h = 0; h < 2; ++h) {
-            float* at = u + k_in * kCols + 8 * h;
-            const __m256 value = _mm256_add_ps(_mm256_loadu_ps(at), _mm256_set1_ps(A::kC));
-            _mm256_storeu_ps(at, _mm256_fmadd_ps(scale[h], value, minus_min[h]));
-          }
+      for (int h = 0; h < 2; ++h) {
+        __m256 scale, offset, minus_min;
+        avx2_scales_half<T>(meta, s, h, scale, offset, minus_min);
+        for (int r = 0; r < R; ++r) {
+          float* at = out + r * kCols + 8 * h;
+          _mm256_storeu_ps(at, avx2_fold<T>(sum16[r][h], scale, offset,
+                                            x.scales[r * x.scale_stride + t],
+                                            sums[r * sum_stride + g], _mm256_loadu_ps(at)));
+        }
       }
-    }
+    });
   }
+}
+
+// Weights of tiles [t0, t1) of a float or IQ4 strip as float32 [(t1 - t0) * 32][16], k
+// order, exactly gguf's values.
+template <QType T>
+void avx2_dequantize(const uint8_t* strip, int64_t k, int64_t t0, int64_t t1, float* w) {
+  static_assert(Avx2<T>::kBuffered, "plane types run on int16 codes");
+  const StripView view{Avx2<T>::f, k, strip};
+  for (int64_t t = t0; t < t1; ++t)
+    for (int k_in = 0; k_in < kTileK; ++k_in)
+      for (int c = 0; c < kCols; ++c)
+        w[((t - t0) * kTileK + k_in) * kCols + c] = weight_at(view, t * kTileK + k_in, c);
 }
 
 // Rows [0, R) of x (float32, stride ldx, from k0) times a strip's dequantized weights w

@@ -228,7 +228,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
   }
 #if SHOAL_QUANT_AVX2
   if (backend_ == Backend::kAvx2) {
-    run_avx2(call, prompt);
+    run_avx2(call);
     return out;
   }
 #endif

@@ -16,13 +16,6 @@ constexpr int64_t kLanes = 16;
 
 struct f32x16 {
   __m256 lo, hi;
-
-  float operator[](int lane) const {
-    alignas(32) float lanes[16];
-    _mm256_store_ps(lanes, lo);
-    _mm256_store_ps(lanes + 8, hi);
-    return lanes[lane];
-  }
 };
 
 // What comparing two f32x16 gives: all ones where true.
