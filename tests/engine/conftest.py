@@ -16,12 +16,13 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kernel():
     """The compiled kernels with their packed-weight paths (test modules that need only
-    the kernels define their own; skips on a CPU without
-    AVX512-BF16, where weights load dequantized and decode runs in Python)."""
+    the kernels define their own; skips on a CPU without AVX2 and FMA or AVX-512, where
+    weights load dequantized and decode runs in Python)."""
     from shoal.engine.kernels import build
 
     module = build.KERNEL.load()
     assert module is not None, "the kernels did not build (see the warning logged)"
     if not module.quant_fast_kernels():
-        pytest.skip("this CPU has no AVX512-BF16: weights load dequantized, not packed")
+        pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512: weights load "
+                    "dequantized, not packed")
     return module

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -71,6 +73,18 @@ def prompt_ids(path: Path, tokenizer, chat: bool, cache_dir: Path) -> list[list[
     return prompts
 
 
+@contextlib.contextmanager
+def one_gguf_read():
+    """transformers parses a GGUF's metadata for the tokenizer, again for the config and
+    again for the weights: ~20 s each for a 150k-token vocabulary. The three share one
+    gguf.GGUFReader of the file here (it maps the file read-only)."""
+    gguf = pytest.importorskip("gguf")
+    read = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", lambda path, mode="r": read(str(path), mode))
+        yield
+
+
 @pytest.fixture(scope="module", params=["smollm2", "gemma3", "qwen2.5-coder"])
 def golden_case(request, tmp_path_factory):
     """(our fp32 runner, transformers fp32 model, prompt ids) for one model."""
@@ -79,11 +93,13 @@ def golden_case(request, tmp_path_factory):
     path = {"smollm2": smollm2_path, "gemma3": gemma3_path,
             "qwen2.5-coder": lambda: qwen2_path(data_dir)}[request.param]()
     torch.set_num_threads(2)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with one_gguf_read():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent),
+                                                               gguf_file=path.name)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     prompts = prompt_ids(path, tokenizer, chat=request.param == "qwen2.5-coder",
                          cache_dir=data_dir / "tokenizers")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     loaded = load_model(ModelSource(request.param, "gguf", path), "float32")
     runner = ModelRunner(loaded, num_blocks=BLOCKS_PER_PROMPT * len(prompts), block_size=16)
     yield runner, reference, prompts

@@ -34,17 +34,18 @@ constexpr int kAvx2Rows = 4;
 // halves) beside two code vectors and x's pair.
 constexpr int kUnpackRows = 6;
 // Dequantized and unpacked paths: strips per group, k per chunk (a group's chunks, 4 x 1024
-// x 64 bytes of floats or 4 x 1024 x 32 of codes, stay in L2 while every block of rows runs
-// over them; a block's x, 6 x 1024 floats or int16, in L1), rows per block.
+// x 64 bytes of floats or 4 x 1024 x 32 of codes and their scales, stay in L2 while every
+// block of rows runs over them; a block's x, 6 x 1024 floats or int16, in L1), rows per
+// block.
 constexpr int kGroupStrips = 4;
 constexpr int64_t kChunkK = 1024;
 constexpr int kBlockRows = 6;
 
 using GeneratedFn = void (*)(const uint8_t*, int64_t, const X16&, const float*, int64_t,
                              float*);
-using UnpackFn = void (*)(const uint8_t*, int64_t, int64_t, __m256i*);
-using UnpackedFn = void (*)(const __m256i*, const uint8_t*, int64_t, int64_t, int64_t,
-                            const X16&, const float*, int64_t, float*);
+using UnpackFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, __m256i*);
+using UnpackedFn = void (*)(const __m256i*, int64_t, int64_t, const X16&, const float*,
+                            int64_t, float*);
 using DequantizeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
 using RowsFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 
@@ -52,6 +53,7 @@ struct Avx2Kernels {
   GeneratedFn generated[kAvx2Rows] = {};  // [rows - 1]
   UnpackFn unpack = nullptr;
   UnpackedFn unpacked[kUnpackRows] = {};  // [rows - 1]
+  int unpacked_tile = 0;  // vectors per unpacked tile
   DequantizeFn dequantize = nullptr;  // float and IQ4 types
   bool buffered = false;  // float and IQ4 types: dequantized for every row
   int sub_k = 32;
@@ -68,6 +70,7 @@ Avx2Kernels avx2_kernels_of() {
   } else {
     static_for<kAvx2Rows>([&](auto r) { out.generated[r] = &avx2_generated<T, r + 1>; });
     out.unpack = &avx2_unpack<T>;
+    out.unpacked_tile = A::kUnpackedTile;
     static_for<kUnpackRows>([&](auto r) { out.unpacked[r] = &avx2_unpacked<T, r + 1>; });
   }
   return out;
@@ -230,21 +233,21 @@ void QuantLinear::run_avx2(const Call& call) const {
       // Groups of strips unpacked a chunk of k at a time: a pass's 6 rows of x serve the
       // group's strips from L1 while their codes come from L2.
       const int64_t tiles = k / kTileK, chunk_tiles = std::min(k, kChunkK) / kTileK;
+      const int64_t chunk_vectors = chunk_tiles * kern.unpacked_tile;  // a strip's chunk
       for (int64_t g0 = s0; g0 < s1; g0 += kGroupStrips) {
         const int64_t strips = std::min<int64_t>(kGroupStrips, s1 - g0);
         const int64_t first = g0 - seg.first_strip;
         group_acc.assign(strips * m * kCols, 0.f);
-        codes.resize(strips * chunk_tiles * kPairs * 2);
+        codes.resize(strips * chunk_vectors);
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk_tiles) {
           const int64_t t1 = std::min(tiles, t0 + chunk_tiles);
           for (int64_t j = 0; j < strips; ++j)
-            kern.unpack(packed + (first + j) * seg.strip_bytes, t0, t1,
-                        codes.data() + j * chunk_tiles * kPairs * 2);
+            kern.unpack(packed + (first + j) * seg.strip_bytes, k, t0, t1,
+                        codes.data() + j * chunk_vectors);
           for (int64_t r0 = 0; r0 < m; r0 += kUnpackRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kUnpackRows, m - r0));
             for (int64_t j = 0; j < strips; ++j)
-              kern.unpacked[rows - 1](codes.data() + j * chunk_tiles * kPairs * 2,
-                                      packed + (first + j) * seg.strip_bytes, k, t0, t1,
+              kern.unpacked[rows - 1](codes.data() + j * chunk_vectors, t0, t1,
                                       x16.view(r0, k), sums + r0 * sum_stride, sum_stride,
                                       group_acc.data() + (j * m + r0) * kCols);
           }

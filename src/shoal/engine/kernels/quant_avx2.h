@@ -8,15 +8,18 @@
 // instruction, summed exactly in int32 per sub-block. For that, x is rounded per tile of 32
 // to int16 with a power-of-two scale (X16): a value within 2^7 of the tile's largest stays
 // exact, a smaller one moves by at most 2^-15 of the largest (a bf16 rounding of the largest
-// moves it by up to 2^-9). Per sub-block: acc = fma(float(sum), S * scale, acc), then acc =
-// fma(sum(x), O', acc) with O' = c S - e mc. On these CPUs float32 conversions and FMAs cost
+// moves it by up to 2^-9). A type without a min (Q4_0, Q5_0, Q3_K, Q6_K: w = S (u + c)) has
+// c added to its codes as they come out, so its products are exact whole weights. Per
+// sub-block: acc = fma(float(sum), S * scale, acc), and for a type with a min (w = S u - e mc)
+// then acc = fma(sum(x), -e mc, acc). On these CPUs float32 conversions and FMAs cost
 // as much as the reading: the float32 form of this loop (one AND, one conversion and one FMA
 // per 8 weights) ran at two thirds of this one's speed, and Q6_K's at a quarter.
 //
 // A few rows (batch-1 decode) decode the codes in registers as the strip streams in. More
-// rows (prompts, batches) unpack each strip's codes once and run passes of 6 rows over them
-// from cache: a vpmaddwd with its vpaddd issues ~1.5 times a cycle here, 24 products against
-// the 16 of two float32 FMAs. Both take the same steps per (row, sub-block).
+// rows (prompts, batches) unpack a group of strips' codes a chunk of k at a time and run
+// passes of 6 rows over them from cache: a vpmaddwd with its vpaddd issues ~1.5 times a
+// cycle here, 24 products against the 16 of two float32 FMAs. Both take the same steps per
+// (row, sub-block).
 //
 // Float and IQ4 types: a strip's weights dequantized to float32 exactly as gguf does, a
 // chunk of k at a time, then rows sum x[k] w[k] in k order, one chain per row and column
@@ -32,7 +35,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "quant_formats.h"
 #include "quant_prefetch.h"
@@ -56,9 +58,14 @@ struct Avx2 {
                                 f.planes == Planes::kCrumbsBits;
   static constexpr int kHighWidth = f.planes == Planes::kNibblesCrumbs ? 2 : 1;
   static constexpr int kHighOffset = kMainWidth == 4 ? 256 : 128;
-  // int8 codes are read signed (q = u - 128), so their c is 0.
-  static constexpr float kC = f.planes == Planes::kInt8 ? 0.f : static_cast<float>(f.c);
+  // Added to the codes as they come out (int8 codes are read signed, q = u - 128, already):
+  // c is not 0 only for types without a min, whose weights are then S times the code.
+  static constexpr int kCodeOffset = f.planes == Planes::kInt8 ? 0 : f.c;
   static constexpr int kSubs = kTileK / f.sub_k;  // sub-blocks per tile
+  // An unpacked tile (avx2_unpack): its code vectors [kPairs][2 halves], then per sub-block
+  // and half the scale S and, for a type with a min, -e mc (8 floats each).
+  static constexpr int kMetaVectors = f.has_e ? 2 : 1;
+  static constexpr int kUnpackedTile = kPairs * 2 + kSubs * 2 * kMetaVectors;
   // Meta offsets (quant_strip.h, meta_pos): d [16] fp16, e [16] fp16, sc and mc [subs][16].
   static constexpr int kE = 2 * kCols;
   static constexpr int kSc = 2 * kCols + (f.has_e ? 2 * kCols : 0);
@@ -81,8 +88,8 @@ inline __m256i word_field(__m256i words) {
   return _mm256_and_si256(moved, _mm256_set1_epi16(static_cast<short>(mask)));
 }
 
-// Vector V's codes u of 8 columns (half h of the strip's 16) as int16 pairs, one column per
-// 32-bit lane: (u at kb(V) + 2, u at kb(V)). Q8_0's are its signed q.
+// Vector V's codes u + c of 8 columns (half h of the strip's 16) as int16 pairs, one column
+// per 32-bit lane: (at kb(V) + 2, at kb(V)). Q8_0's are its signed q.
 template <QType T, int V>
 inline __m256i codes16(const uint8_t* tile, int h) {
   using A = Avx2<T>;
@@ -101,14 +108,16 @@ inline __m256i codes16(const uint8_t* tile, int h) {
           tile + A::kHighOffset + 64 * (V / high_per_word) + 32 * h));
       codes = _mm256_or_si256(codes, word_field<HW, V % high_per_word, W>(high));
     }
+    if constexpr (A::kCodeOffset != 0)
+      codes = _mm256_add_epi16(codes, _mm256_set1_epi16(static_cast<short>(A::kCodeOffset)));
     return codes;
   }
 }
 
-// S and O' = c S - e mc of sub-block s (within its super-block) for columns [8 h, 8 h + 8),
-// and -e mc: w = S (u + c) - e mc.
+// S and -e mc of sub-block s (within its super-block) for columns [8 h, 8 h + 8): w = S (u +
+// c) - e mc, c in the codes (codes16).
 template <QType T>
-inline void avx2_scales_half(const uint8_t* meta, int s, int h, __m256& scale, __m256& offset,
+inline void avx2_scales_half(const uint8_t* meta, int s, int h, __m256& scale,
                              __m256& minus_min) {
   using A = Avx2<T>;
   constexpr Format f = A::f;
@@ -139,7 +148,6 @@ inline void avx2_scales_half(const uint8_t* meta, int s, int h, __m256& scale, _
     }
     minus_min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(e, mc));
   }
-  offset = _mm256_fmadd_ps(_mm256_set1_ps(A::kC), scale, minus_min);
 }
 
 // x of the int16 path (plane types' rows): per row and tile, 16 int32 words each holding the
@@ -151,24 +159,24 @@ struct X16 {
   int64_t pair_stride, scale_stride;
 };
 
-// Sub-block g of one half (8 columns) of a row after its int32 sum of u * q: acc =
-// fma(float(sum), S * scale, acc), then acc = fma(sum(x), O', acc). Every path of a plane
+// Sub-block g of one half (8 columns) of a row after its int32 sum of (u + c) q: acc =
+// fma(float(sum), S * scale, acc), then for a type with a min acc = fma(sum(x), -e mc,
+// acc). Every path of a plane
 // type's rows ends a sub-block so, which makes a row's result the same whether its codes
 // came from the packed tile or an unpacked strip, and whatever rows share its pass.
 template <QType T>
-inline __m256 avx2_fold(__m256i sum, __m256 scale, __m256 offset, float tile_scale,
+inline __m256 avx2_fold(__m256i sum, __m256 scale, __m256 minus_min, float tile_scale,
                         float x_sum, __m256 acc) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(tile_scale)),
                         acc);
-  if constexpr (Avx2<T>::kC != 0.f || Avx2<T>::f.has_e)
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(x_sum), offset, acc);
+  if constexpr (Avx2<T>::f.has_e) acc = _mm256_fmadd_ps(_mm256_set1_ps(x_sum), minus_min, acc);
   return acc;
 }
 
 // Generated rows: R rows of x (X16, from row 0) times one strip of a plane type, tiles
 // decoded in registers as int16 codes -> out [R][16]. Per sub-block each (row, half) sums
-// u * q exactly in int32 (vpmaddwd: at most 32 products of |u| <= 128 and |q| < 2^15), then
-// folds the sum into its accumulators (avx2_fold).
+// (u + c) q exactly in int32 (vpmaddwd: at most 32 products of |u + c| <= 128 and |q| <
+// 2^15), then folds the sum into its accumulators (avx2_fold).
 template <QType T, int R>
 void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* sums,
                     int64_t sum_stride, float* out) {
@@ -203,10 +211,10 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
             asm("" : "+x"(sum16[r]));
           }
         });
-        __m256 scale, offset, minus_min;
-        avx2_scales_half<T>(meta, s, h, scale, offset, minus_min);
+        __m256 scale, minus_min;
+        avx2_scales_half<T>(meta, s, h, scale, minus_min);
         for (int r = 0; r < R; ++r)
-          acc[r][h] = avx2_fold<T>(sum16[r], scale, offset, x.scales[r * x.scale_stride + t],
+          acc[r][h] = avx2_fold<T>(sum16[r], scale, minus_min, x.scales[r * x.scale_stride + t],
                                    sums[r * sum_stride + g], acc[r][h]);
       });
     });
@@ -215,40 +223,49 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kCols + 8 * h, acc[r][h]);
 }
 
-// Tiles [t0, t1) of a strip as int16 codes (codes16), written once for many rows to read:
-// out [t1 - t0][kPairs][2 halves].
+// Tiles [t0, t1) of a k-long strip as int16 codes (codes16) and their sub-blocks' scales
+// (avx2_scales_half), written once for many rows to read: out [t1 - t0][kUnpackedTile].
 template <QType T>
-void avx2_unpack(const uint8_t* strip, int64_t t0, int64_t t1, __m256i* out) {
+void avx2_unpack(const uint8_t* strip, int64_t k, int64_t t0, int64_t t1, __m256i* out) {
   using A = Avx2<T>;
+  constexpr int tiles_per_block = A::f.super_k / kTileK;
+  const int64_t tiles = k / kTileK;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = strip + t * A::kTileBytes;
-    __m256i* to = out + (t - t0) * kPairs * 2;
+    const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
+    __m256i* to = out + (t - t0) * A::kUnpackedTile;
     static_for<kPairs>([&](auto v) {
       for (int h = 0; h < 2; ++h) _mm256_store_si256(to + 2 * v + h, codes16<T, v>(tile, h));
     });
+    __m256* scales = reinterpret_cast<__m256*>(to + kPairs * 2);
+    for (int sub = 0; sub < A::kSubs; ++sub) {
+      const int s = static_cast<int>(t % tiles_per_block) * A::kSubs + sub;
+      for (int h = 0; h < 2; ++h) {
+        __m256 scale, minus_min;
+        avx2_scales_half<T>(meta, s, h, scale, minus_min);
+        __m256* at = scales + (sub * 2 + h) * A::kMetaVectors;
+        _mm256_store_ps(reinterpret_cast<float*>(at), scale);
+        if constexpr (A::f.has_e) _mm256_store_ps(reinterpret_cast<float*>(at + 1), minus_min);
+      }
+    }
   }
 }
 
-// Many rows: R rows of x times tiles [t0, t1) of one strip, whose codes avx2_unpack wrote
+// Many rows: R rows of x times tiles [t0, t1) of one strip, which avx2_unpack wrote
 // (codes), added to out [R][16]. Both halves at once, so that one broadcast of x's pair
 // serves two products: 2 R int32 sums, two code vectors and the pair in registers. Each
 // (row, half) takes avx2_generated's steps in the same order, chunk after chunk, so its
 // result is the same.
 template <QType T, int R>
-void avx2_unpacked(const __m256i* codes, const uint8_t* strip, int64_t k, int64_t t0,
-                   int64_t t1, const X16& x, const float* sums, int64_t sum_stride,
-                   float* out) {
+void avx2_unpacked(const __m256i* codes, int64_t t0, int64_t t1, const X16& x,
+                   const float* sums, int64_t sum_stride, float* out) {
   using A = Avx2<T>;
   static_assert(!A::kBuffered, "float and IQ4 types run on dequantized strips");
-  constexpr Format f = A::f;
-  constexpr int tiles_per_block = f.super_k / kTileK;
   constexpr int vectors_per_sub = kPairs / A::kSubs;
-  const int64_t tiles = k / kTileK;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
-    const __m256i* tile = codes + (t - t0) * kPairs * 2;
+    const __m256i* tile = codes + (t - t0) * A::kUnpackedTile;
+    const float* scales = reinterpret_cast<const float*>(tile + kPairs * 2);
     static_for<A::kSubs>([&](auto sub) {
-      const int s = static_cast<int>(t % tiles_per_block) * A::kSubs + sub;
       const int64_t g = t * A::kSubs + sub;
       __m256i sum16[R][2];
       for (int r = 0; r < R; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
@@ -264,11 +281,12 @@ void avx2_unpacked(const __m256i* codes, const uint8_t* strip, int64_t k, int64_
         }
       });
       for (int h = 0; h < 2; ++h) {
-        __m256 scale, offset, minus_min;
-        avx2_scales_half<T>(meta, s, h, scale, offset, minus_min);
+        const float* meta = scales + (sub * 2 + h) * A::kMetaVectors * 8;
+        const __m256 scale = _mm256_load_ps(meta);
+        const __m256 minus_min = A::f.has_e ? _mm256_load_ps(meta + 8) : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
           float* at = out + r * kCols + 8 * h;
-          _mm256_storeu_ps(at, avx2_fold<T>(sum16[r][h], scale, offset,
+          _mm256_storeu_ps(at, avx2_fold<T>(sum16[r][h], scale, minus_min,
                                             x.scales[r * x.scale_stride + t],
                                             sums[r * sum_stride + g], _mm256_loadu_ps(at)));
         }
