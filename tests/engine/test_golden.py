@@ -7,6 +7,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from forward_helpers import greedy_batch
@@ -73,14 +74,24 @@ def prompt_ids(path: Path, tokenizer, chat: bool, cache_dir: Path) -> list[list[
     return prompts
 
 
+class InMemoryArray(np.ndarray):
+    """Stands in for np.memmap in gguf.GGUFReader: the file read whole into memory."""
+
+    def __new__(cls, path, mode="r", dtype=np.uint8):
+        return np.fromfile(path, dtype=dtype)
+
+
 @contextlib.contextmanager
 def one_gguf_read():
     """transformers parses a GGUF's metadata for the tokenizer, again for the config and
-    again for the weights: ~20 s each for a 150k-token vocabulary. The three share one
-    gguf.GGUFReader of the file here (it maps the file read-only)."""
+    again for the weights: ~20 s each for a 150k-token vocabulary, most of it in numpy's
+    memmap subclass, whose views cost ~20x a plain array's (gguf.GGUFReader takes one for
+    every token of the vocabulary). Here the three share one reader of the file, read into
+    memory."""
     gguf = pytest.importorskip("gguf")
     read = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.gguf_reader.np, "memmap", InMemoryArray)
         patch.setattr(gguf, "GGUFReader", lambda path, mode="r": read(str(path), mode))
         yield
 

@@ -94,6 +94,21 @@ def test_packed_weights_dequantize_to_gguf_values(kernel, name):
     assert weights.numel() == kernel.quant_packed_bytes(QTYPES[name], rows, cols)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q2_K", "BF16"])
+def test_dense_weights_take_gguf_values(kernel, name):
+    """Weights that stay dense (float32 compute) are unpacked by the kernels where they are
+    built, and equal what Python's dequantization gives."""
+    from shoal.engine.models.layers.linear import dense_values
+    from shoal.engine.weights.quant import RawTensor
+
+    rows, cols = 40, 512
+    raw = random_blocks(name, rows, cols, seed=4)
+    expected = RawTensor((rows, cols), name, raw).dequantize()
+    assert torch.equal(dense_values(RawTensor((rows, cols), name, raw), kernel), expected)
+    assert torch.equal(expected, gguf_values(name, raw, rows, cols))
+    assert torch.equal(dense_values(RawTensor((rows, cols), name, raw), None), expected)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_packed_matmul_equals_dequantize_then_matmul(kernel, name):
     out_features, cols = 48, 512

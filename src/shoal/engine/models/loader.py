@@ -102,6 +102,7 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     torch_device = torch.device(device)
     plan = WeightPlan(compute_dtype=compute_dtype, device=torch_device,
                       kernel=packing_kernel(torch_device, compute_dtype),
+                      unpacker=KERNEL.load(),
                       shard=shard if shard is not None and shard.size > 1 else None,
                       reduce=reduce)
     with torch.inference_mode():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.models.layers.base import Layer
-from shoal.engine.models.layers.linear import WeightPlan, pack, packed_type
+from shoal.engine.models.layers.linear import WeightPlan, dense_values, pack, packed_type
 from shoal.engine.weights.quant import RawTensor
 
 
@@ -25,7 +25,8 @@ class Embedding(Layer):
         if plan.kernel is not None and packed_type(raw) is not None:
             self.type_code, self.packed = pack(raw, plan.kernel)
         else:
-            self.weight = raw.dequantize().to(device=plan.device, dtype=plan.compute_dtype)
+            self.weight = dense_values(raw, plan.unpacker).to(device=plan.device,
+                                                              dtype=plan.compute_dtype)
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the compute dtype.
         self.scale = None if scale is None else torch.tensor(scale, dtype=plan.compute_dtype,
                                                              device=plan.device)
