@@ -74,11 +74,9 @@ def prompt_ids(path: Path, tokenizer, chat: bool, cache_dir: Path) -> list[list[
     return prompts
 
 
-class InMemoryArray(np.ndarray):
-    """Stands in for np.memmap in gguf.GGUFReader: the file read whole into memory."""
-
-    def __new__(cls, path, mode="r", dtype=np.uint8):
-        return np.fromfile(path, dtype=dtype)
+def read_whole(path, mode="r", dtype=np.uint8) -> np.ndarray:
+    """Stands in for np.memmap in the GGUF readers: the file read whole into memory."""
+    return np.fromfile(path, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -91,7 +89,7 @@ def one_gguf_read():
     gguf = pytest.importorskip("gguf")
     read = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf.gguf_reader.np, "memmap", InMemoryArray)
+        patch.setattr(gguf.gguf_reader.np, "memmap", read_whole)
         patch.setattr(gguf, "GGUFReader", lambda path, mode="r": read(str(path), mode))
         yield
 
