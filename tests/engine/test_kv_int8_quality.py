@@ -103,10 +103,10 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
 
 
 def measure(model_id: str, cache_dir) -> dict:
-    """int8 and float32 caches against bf16's: float32's own divergence from bf16 is the
-    measure of how many near-ties these prompts hold."""
+    """The int8 cache against bf16's (the float32 cache's figures above were measured the
+    same way, for scale; a test need not pay for a third model load)."""
     runs = {}
-    for kv in ("bfloat16", "int8", "float32"):  # one engine at a time
+    for kv in ("bfloat16", "int8"):  # one engine at a time
         engine = engine_for(model_id, kv, cache_dir)
         assert engine.runner.kv_caches[0].dtype == getattr(torch, kv)
         tokens = greedy(engine)

@@ -290,6 +290,21 @@ def test_a_head_copy_and_its_int8_estimate(kernel, bits):
         kernel.quant_head_copy_pack(torch.full((1, 64), 1e6), bits)
 
 
+def test_q4_1_blocks_are_gguf_s_quantization(kernel):
+    """The AVX2 head's Q4_1 copy is quantized as gguf's reference quantizer does it."""
+    values = torch.randn(48, 256, generator=torch.Generator().manual_seed(18)) * 0.05
+    values[5, 32:64] = 0.125  # a constant block: d = 0
+    values[7, :32] = torch.linspace(-1, 1, 32)  # codes on exact halves: trunc(x + 0.5)
+    blocks = kernel.quant_q4_1_blocks(values)
+    assert blocks.shape == (48, 256 // 32 * 20) and blocks.dtype == torch.uint8
+    expected = gguf.quants.quantize(values.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert np.array_equal(blocks.numpy(), expected)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.quant_q4_1_blocks(torch.zeros(2, 48))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.quant_q4_1_blocks(values.double())
+
+
 @pytest.mark.parametrize("name,hidden", [("Q8_0", 256), ("Q6_K", 256), ("Q6_K", 1024)])
 @pytest.mark.parametrize("without_vnni", [False, True])
 def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name, hidden,

@@ -131,6 +131,8 @@ class QuantLinear {
   // Whether some segment's type scales runs of 16 / 32 along k: the run sums a forward
   // call needs (the other size is not computed).
   bool runs16_ = false, runs32_ = false;
+  // The same for the types with a min (has_e), whose folds alone read the sums on AVX2.
+  bool mins16_ = false, mins32_ = false;
   Backend backend_;
   at::Tensor bias_;  // [n_total] float32, or undefined
 };

@@ -193,15 +193,16 @@ void QuantLinear::avx2_dequantized(const Call& call, const Segment& seg, int64_t
 void QuantLinear::run_avx2(const Call& call) const {
   const int64_t m = call.m, k = k_;
   const std::vector<float> x = to_float(call.x, m, k);
-  // Rows of the plane types: x as int16 pairs, and its sums per sub-block.
+  // Rows of the plane types: x as int16 pairs, and its sums per sub-block where a type with
+  // a min reads them.
   bool any_planes = false;
   for (const Segment& seg : segments_) any_planes |= !avx2_kernels(seg.type).buffered;
   X16Buffers x16;
   std::vector<float> sums16, sums32;
   if (any_planes) {
     x16 = avx2_x16(x, m, k);
-    if (runs16_) sums16 = run_sums(call.x, m, k, 16);
-    if (runs32_) sums32 = run_sums(call.x, m, k, 32);
+    if (mins16_) sums16 = run_sums(call.x, m, k, 16);
+    if (mins32_) sums32 = run_sums(call.x, m, k, 32);
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / (k * kCols * m));
   at::parallel_for(0, strips_total_, grain, [&](int64_t begin, int64_t end) {
@@ -248,7 +249,8 @@ void QuantLinear::run_avx2(const Call& call) const {
             const int rows = static_cast<int>(std::min<int64_t>(kUnpackRows, m - r0));
             for (int64_t j = 0; j < strips; ++j)
               kern.unpacked[rows - 1](codes.data() + j * chunk_vectors, t0, t1,
-                                      x16.view(r0, k), sums + r0 * sum_stride, sum_stride,
+                                      x16.view(r0, k), sums ? sums + r0 * sum_stride : sums,
+                                      sum_stride,
                                       group_acc.data() + (j * m + r0) * kCols);
           }
         }
@@ -267,8 +269,8 @@ void QuantLinear::avx2_columns(const bf16* x_bf16, int64_t m, const int64_t* wan
   const int64_t k = k_;
   const std::vector<float> x = to_float(x_bf16, m, k);
   const X16Buffers x16 = avx2_x16(x, m, k);
-  const std::vector<float> sums16 = runs16_ ? run_sums(x_bf16, m, k, 16) : std::vector<float>();
-  const std::vector<float> sums32 = runs32_ ? run_sums(x_bf16, m, k, 32) : std::vector<float>();
+  const std::vector<float> sums16 = mins16_ ? run_sums(x_bf16, m, k, 16) : std::vector<float>();
+  const std::vector<float> sums32 = mins32_ ? run_sums(x_bf16, m, k, 32) : std::vector<float>();
   at::parallel_for(0, m * count, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float acc[kCols];
     std::vector<float> weights;
@@ -288,8 +290,9 @@ void QuantLinear::avx2_columns(const bf16* x_bf16, int64_t m, const int64_t* wan
         }
       } else {
         const int64_t stride = k / kern.sub_k;
-        const float* sums = (kern.sub_k == 16 ? sums16.data() : sums32.data()) + r * stride;
-        kern.generated[0](strip, k, x16.view(r, k), sums, stride, acc);
+        const float* sums = kern.sub_k == 16 ? sums16.data() : sums32.data();
+        kern.generated[0](strip, k, x16.view(r, k), sums ? sums + r * stride : sums, stride,
+                          acc);
       }
       float v = acc[(column - seg.first_column) % kCols];
       if (bias_.defined()) v += bias_.data_ptr<float>()[column];

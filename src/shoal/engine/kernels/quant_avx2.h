@@ -70,6 +70,11 @@ struct Avx2 {
   static constexpr int kE = 2 * kCols;
   static constexpr int kSc = 2 * kCols + (f.has_e ? 2 * kCols : 0);
   static constexpr int kMc = kSc + (f.has_sc ? f.super_k / f.sub_k * kCols : 0);
+
+  // The metadata of tile t's super-block: it follows all `tiles` tiles of the strip.
+  static const uint8_t* meta_of(const uint8_t* strip, int64_t tiles, int64_t t) {
+    return strip + tiles * kTileBytes + t / (f.super_k / kTileK) * kMetaBytes;
+  }
 };
 
 // Vector v of a tile (quant_formats.h) holds, per column, the codes of k = kb(v) + 2 and
@@ -160,10 +165,11 @@ struct X16 {
 };
 
 // Sub-block g of one half (8 columns) of a row after its int32 sum of (u + c) q: acc =
-// fma(float(sum), S * scale, acc), then for a type with a min acc = fma(sum(x), -e mc,
-// acc). Every path of a plane
-// type's rows ends a sub-block so, which makes a row's result the same whether its codes
-// came from the packed tile or an unpacked strip, and whatever rows share its pass.
+// fma(float(sum), S * scale, acc), then for a type with a min acc = fma(x_sum, -e mc, acc),
+// x_sum being x summed over the sub-block (the other types' codes carry their offset, so
+// their callers need not compute x's sums at all). Every path of a plane type's rows ends a
+// sub-block so, which makes a row's result the same whether its codes came from the packed
+// tile or an unpacked strip, and whatever rows share its pass.
 template <QType T>
 inline __m256 avx2_fold(__m256i sum, __m256 scale, __m256 minus_min, float tile_scale,
                         float x_sum, __m256 acc) {
@@ -190,7 +196,7 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t t = 0; t < tiles; ++t) {
     const uint8_t* tile = strip + t * A::kTileBytes;
-    const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
+    const uint8_t* meta = A::meta_of(strip, tiles, t);
     prefetch_ahead<A::kTileBytes>(tile + prefetch_bytes(R));
     static_for<A::kSubs>([&](auto sub) {
       const int s = static_cast<int>(t % tiles_per_block) * A::kSubs + sub;
@@ -215,7 +221,8 @@ void avx2_generated(const uint8_t* strip, int64_t k, const X16& x, const float* 
         avx2_scales_half<T>(meta, s, h, scale, minus_min);
         for (int r = 0; r < R; ++r)
           acc[r][h] = avx2_fold<T>(sum16[r], scale, minus_min, x.scales[r * x.scale_stride + t],
-                                   sums[r * sum_stride + g], acc[r][h]);
+                                   A::f.has_e ? sums[r * sum_stride + g] : 0.f,  // see fold
+                                   acc[r][h]);
       });
     });
   }
@@ -232,7 +239,7 @@ void avx2_unpack(const uint8_t* strip, int64_t k, int64_t t0, int64_t t1, __m256
   const int64_t tiles = k / kTileK;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = strip + t * A::kTileBytes;
-    const uint8_t* meta = strip + tiles * A::kTileBytes + t / tiles_per_block * A::kMetaBytes;
+    const uint8_t* meta = A::meta_of(strip, tiles, t);
     __m256i* to = out + (t - t0) * A::kUnpackedTile;
     static_for<kPairs>([&](auto v) {
       for (int h = 0; h < 2; ++h) _mm256_store_si256(to + 2 * v + h, codes16<T, v>(tile, h));
@@ -288,7 +295,8 @@ void avx2_unpacked(const __m256i* codes, int64_t t0, int64_t t1, const X16& x,
           float* at = out + r * kCols + 8 * h;
           _mm256_storeu_ps(at, avx2_fold<T>(sum16[r][h], scale, minus_min,
                                             x.scales[r * x.scale_stride + t],
-                                            sums[r * sum_stride + g], _mm256_loadu_ps(at)));
+                                            A::f.has_e ? sums[r * sum_stride + g] : 0.f,
+                                            _mm256_loadu_ps(at)));
         }
       }
     });

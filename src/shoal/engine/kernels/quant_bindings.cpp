@@ -29,6 +29,8 @@ void bind(pybind11::module& m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_head_copy_values", &head_copy_values, "a head copy's weights as float32 [n, k]",
         pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("bits"));
+  m.def("quant_q4_1_blocks", &q4_1_blocks, "float32 [n, k] -> Q4_1 file blocks, as gguf "
+        "quantizes", pybind11::arg("values"), pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(pybind11::init<const std::vector<int64_t>&, const std::vector<at::Tensor>&,
                           const std::vector<int64_t>&, int64_t, const std::optional<at::Tensor>&,

@@ -183,6 +183,7 @@ QuantLinear::QuantLinear(const std::vector<int64_t>& types, const std::vector<at
     n_total_ += rows[i];
     strips_total_ += segment.strips;
     (f.sub_k == 16 ? runs16_ : runs32_) = true;
+    if (f.has_e) (f.sub_k == 16 ? mins16_ : mins32_) = true;
     segments_.push_back(std::move(segment));
   }
   if (bias.has_value() && bias->defined()) {

@@ -24,7 +24,6 @@ decode the whole head for it (27 ms of Gemma 3's 500-token prefill).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -192,26 +191,9 @@ def _copy(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int, pack
 
 
 def _q4_1_packer(kernel):
-    """float32 [R, H] -> a packed Q4_1 copy: per 32 weights d = (max - min) / 15 and m = min
-    in fp16, codes round((w - m) / d)."""
+    """float32 [R, H] -> a packed Q4_1 copy, quantized as gguf's reference quantizer does
+    (kernels/quant_head_copy.h, q4_1_blocks)."""
     def pack_rows(values: torch.Tensor) -> torch.Tensor:
-        blocks = torch.from_numpy(_q4_1_blocks(values).reshape(-1))
+        blocks = kernel.quant_q4_1_blocks(values).view(-1)  # [R, H / 32 * 20] file blocks
         return kernel.quant_pack(QTYPES["Q4_1"], blocks, values.shape[0], values.shape[1])
     return pack_rows
-
-
-def _q4_1_blocks(values: torch.Tensor) -> np.ndarray:
-    """float32 [R, H] -> the Q4_1 file blocks [R, H / 32 * 20] uint8."""
-    rows, hidden = values.shape
-    groups = values.view(rows, hidden // 32, 32)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)          # [R, H/32]
-    d = ((high - low) / 15.0).to(torch.float16)
-    m = low.to(torch.float16)
-    step = d.float().clamp(min=torch.finfo(torch.float16).tiny)
-    q = ((groups - m.float()[..., None]) / step[..., None]).round().clamp(0, 15)
-    q = q.to(torch.uint8)                                          # [R, H/32, 32]
-    out = torch.empty(rows, hidden // 32, 20, dtype=torch.uint8)
-    out[..., 0:2] = d.view(torch.uint8).view(rows, hidden // 32, 2)
-    out[..., 2:4] = m.view(torch.uint8).view(rows, hidden // 32, 2)
-    out[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
-    return out.view(rows, -1).numpy()

@@ -98,6 +98,15 @@ def dense_values(raw: RawTensor, unpacker: ModuleType | None) -> torch.Tensor:
     return unpacker.quant_dequantize(code, packed, *raw.shape)
 
 
+# Float32 CPU matmuls of some row counts run as W @ x.T: from 2 rows on, F.linear's x @ W.T
+# reads W at about a third of the speed one row gets (MKL), where W @ x.T keeps it (4 rows
+# of the 896 -> 4864 projection: 1.2 ms against 3.0; of Qwen2.5's 151936-row head: 35 ms
+# against 117). Measured on the models' shapes, 2 threads, AVX2: W @ x.T is 1.3-3.2x faster
+# at up to 4 rows and 1.0-2.1x at 16, 32, 64 and 128, but up to 1.9x slower at 6-12 or 24.
+def _streams_weight(rows: int) -> bool:
+    return rows <= 4 or (rows <= 128 and rows % 16 == 0)
+
+
 class DenseLinear(Layer):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -106,6 +115,10 @@ class DenseLinear(Layer):
         self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == torch.float32 and w.device.type == "cpu" and _streams_weight(x.shape[0]):
+            y = torch.mm(w, x.t()).t()  # [out, T] -> [T, out]
+            return y + self.bias if self.bias is not None else y.contiguous()
         return F.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
