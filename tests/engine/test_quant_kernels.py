@@ -21,7 +21,7 @@ FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
                "IQ4_NL": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
                "Q6_K": [208], "IQ4_XS": [0]}
 ROWS = (1, 4, 16, 128)
-AUTO, AVX512, AMX, AVX2 = 0, 1, 2, 4
+AUTO, AVX512, AMX, PORTABLE, AVX2 = 0, 1, 2, 3, 4
 
 
 def paths(kernel) -> list[tuple[int, bool]]:
@@ -116,7 +116,8 @@ def test_packed_matmul_equals_dequantize_then_matmul(kernel, name):
     weights = gguf_values(name, raw, out_features, cols)
     data = packed(kernel, name, raw, out_features, cols)
     generator = torch.Generator().manual_seed(3)
-    for backend, prompt in paths(kernel):
+    # The portable loop (CPUs with neither AVX2 nor AVX-512) runs anywhere.
+    for backend, prompt in [*paths(kernel), (PORTABLE, False)]:
         linear = kernel.QuantLinear([QTYPES[name]], [data], [out_features], cols, None, backend)
         for rows in ROWS:
             x = torch.randn(rows, cols, generator=generator).bfloat16()
@@ -303,6 +304,38 @@ def test_q4_1_blocks_are_gguf_s_quantization(kernel):
         kernel.quant_q4_1_blocks(torch.zeros(2, 48))
     with pytest.raises(RuntimeError, match="float32"):
         kernel.quant_q4_1_blocks(values.double())
+    with pytest.raises(RuntimeError, match="fp16's range"):
+        kernel.quant_q4_1_blocks(torch.full((1, 32), 1e6))
+
+
+@pytest.mark.parametrize("without_vnni", [False, True])
+def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch, without_vnni):
+    """A copy's scales and minima are fp16: a head with a weight past 65504 keeps its exact
+    values (and, on VNNI, a Q8_0 head its own codes as the estimate) rather than failing to
+    load or estimating infinities."""
+    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.models.layers.linear import WeightPlan
+    from shoal.engine.weights.quant import RawTensor
+
+    if without_vnni:
+        monkeypatch.setattr(kernel, "quant_int8_estimate_available", lambda: False)
+    monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
+    vocab, hidden = 4096, 256
+    blocks = random_blocks("Q8_0", vocab, hidden, seed=14)
+    blocks[4000, :2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # row 4000: d
+    blocks[4000, 2] = 127  # its first weight 127 * 60000
+    raw = RawTensor((vocab, hidden), "Q8_0", blocks)
+    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
+    exact = head.exact if isinstance(head, head_module.EstimatedHead) else head.linear
+    assert head.nbytes() == exact.nbytes()  # no copy
+    if kernel.quant_int8_estimate_available():
+        assert head.estimate.bits is None
+    x = torch.zeros(2, hidden, dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    logits = head(x)
+    assert torch.isfinite(logits).all() and logits[0, 4000] == 127 * 60000.0
+    assert torch.equal(logits.argmax(dim=-1), torch.tensor([4000, 4000]))
 
 
 @pytest.mark.parametrize("name,hidden", [("Q8_0", 256), ("Q6_K", 256), ("Q6_K", 1024)])

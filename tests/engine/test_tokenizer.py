@@ -12,6 +12,7 @@ from tokenizer_fixtures import (
     tiny_byte_level_metadata,
     tiny_sentencepiece_metadata,
 )
+from transformers_refs import transformers_tokenizer
 
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
@@ -131,23 +132,18 @@ def test_metadata_reader_rejects_other_files(tmp_path):
 # -- slow: the real models against transformers ---------------------------------------------
 
 
-def _transformers_tokenizer(path: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 @pytest.fixture(scope="module")
 def smollm2_pair(tmp_path_factory):
     path = smollm2_path()
     ours = Tokenizer.load(ModelSource("smollm2", "gguf", path), tmp_path_factory.mktemp("cache"))
-    return ours, _transformers_tokenizer(path)
+    return ours, transformers_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
 def gemma3_pair(tmp_path_factory):
     path = gemma3_path()
     ours = Tokenizer.load(ModelSource("gemma3", "gguf", path), tmp_path_factory.mktemp("cache"))
-    return ours, _transformers_tokenizer(path)
+    return ours, transformers_tokenizer(path)
 
 
 @pytest.mark.slow

@@ -140,14 +140,16 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 def check_draft_models(config: NodeConfig) -> None:
     """Refuse, at start, a draft model that is missing or does not share its target's
     tokenizer (ValueError or ModelNotFound, naming both)."""
-    from shoal.catalog.resolve import resolve_model
-    from shoal.engine.speculation.draft import check_draft_pair
-
     pairs = [(name, speculative.draft_model) for name, speculative in config.engine.speculative
              if speculative.method == "draft"]
     # A proposer node's draft (--propose-for TARGET=draft:MODEL) guesses for TARGET too.
     pairs += [(target, source.partition(":")[2]) for target, source in config.cluster.propose_for
               if source.startswith("draft:")]
+    if not pairs:
+        return  # the node process itself never imports torch (~1.4 s of every start)
+    from shoal.catalog.resolve import resolve_model
+    from shoal.engine.speculation.draft import check_draft_pair
+
     for name, draft_name in pairs:
         target = resolve_model(name, data_dir=config.data_dir)
         draft = resolve_model(draft_name, data_dir=config.data_dir)

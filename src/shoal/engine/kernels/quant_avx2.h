@@ -309,10 +309,13 @@ template <QType T>
 void avx2_dequantize(const uint8_t* strip, int64_t k, int64_t t0, int64_t t1, float* w) {
   static_assert(Avx2<T>::kBuffered, "plane types run on int16 codes");
   const StripView view{Avx2<T>::f, k, strip};
+  float column[kTileK];
   for (int64_t t = t0; t < t1; ++t)
-    for (int k_in = 0; k_in < kTileK; ++k_in)
-      for (int c = 0; c < kCols; ++c)
-        w[((t - t0) * kTileK + k_in) * kCols + c] = weight_at(view, t * kTileK + k_in, c);
+    for (int c = 0; c < kCols; ++c) {
+      tile_column(view, t, c, column);
+      for (int k_in = 0; k_in < kTileK; ++k_in)
+        w[((t - t0) * kTileK + k_in) * kCols + c] = column[k_in];
+    }
 }
 
 // Rows [0, R) of x (float32, stride ldx, from k0) times a strip's dequantized weights w

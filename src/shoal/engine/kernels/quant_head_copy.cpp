@@ -121,6 +121,8 @@ at::Tensor q4_1_blocks(const at::Tensor& input) {
         return std::min(15, static_cast<int>(std::trunc((w - m) * id + 0.5f)));
       };
       const c10::Half d16(d), m16(m);
+      TORCH_CHECK(std::isfinite(static_cast<float>(d16)) && std::isfinite(static_cast<float>(m16)),
+                  "Q4_1 blocks: weights beyond fp16's range");
       std::memcpy(block, &d16.x, 2);
       std::memcpy(block + 2, &m16.x, 2);
       for (int i = 0; i < 16; ++i)  // weight i in byte i's low nibble, i + 16 in its high one

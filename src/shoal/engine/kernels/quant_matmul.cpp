@@ -31,17 +31,22 @@ using bf16 = at::BFloat16;
 namespace {
 
 
-// Portable reference for CPUs without AVX512-BF16: element by element, slow.
+// Portable reference for CPUs without AVX2 or AVX512-BF16: scalar, slow.
 void strip_portable(const Format& f, const uint8_t* strip, int64_t k, const bf16* x, int64_t rows,
                     float* out) {
   const StripView view{f, k, strip};
-  for (int64_t r = 0; r < rows; ++r)
-    for (int c = 0; c < kCols; ++c) {
-      float total = 0.f;
-      for (int64_t j = 0; j < k; ++j)
-        total += static_cast<float>(x[r * k + j]) * weight_at(view, j, c);
-      out[r * kCols + c] = total;
+  std::vector<float> totals(rows);
+  float w[kTileK];
+  for (int c = 0; c < kCols; ++c) {
+    std::fill(totals.begin(), totals.end(), 0.f);
+    for (int64_t t = 0; t < k / kTileK; ++t) {  // each row sums in k order
+      tile_column(view, t, c, w);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < kTileK; ++j)
+          totals[r] += static_cast<float>(x[r * k + t * kTileK + j]) * w[j];
     }
+    for (int64_t r = 0; r < rows; ++r) out[r * kCols + c] = totals[r];
+  }
 }
 
 Backend resolve(int64_t requested) {

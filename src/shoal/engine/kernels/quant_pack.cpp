@@ -168,28 +168,28 @@ void write_super_block(const Format& f, const Codes* codes, int columns, uint8_t
   const int tiles_here = f.super_k / kTileK;
   const int bytes = plane_bytes(f.planes);
   std::memset(tiles, 0, static_cast<size_t>(tiles_here) * bytes);
-  for (int t = 0; t < tiles_here; ++t) {
-    uint8_t* tile = tiles + t * bytes;
-    for (int c = 0; c < columns; ++c)
-      for (int k = 0; k < kTileK; ++k) {
-        const int at = t * kTileK + k;
-        if (f.planes == Planes::kBF16 || f.planes == Planes::kF16) {
-          const int p = vector_of(k), j = word_of(k, c);
-          uint16_t bits;
-          if (f.planes == Planes::kBF16) {
-            bits = c10::BFloat16(codes[c].raw[at]).x;  // exact: the values were bf16
-          } else {
-            bits = c10::Half(codes[c].raw[at]).x;  // exact: the values were fp16
+  const bool quantized = with_code_planes(f.planes, [&](auto planes) {
+    for (int t = 0; t < tiles_here; ++t)
+      write_tile_codes<decltype(planes)::value>(tiles + t * bytes, codes, columns, t);
+  });
+  if (!quantized) {
+    for (int t = 0; t < tiles_here; ++t) {
+      uint8_t* tile = tiles + t * bytes;
+      for (int c = 0; c < columns; ++c)
+        for (int k = 0; k < kTileK; ++k) {
+          const float value = codes[c].raw[t * kTileK + k];
+          if (f.planes == Planes::kF32) {
+            std::memcpy(tile + 128 * vector_of(k) + 4 * word_of(k, c), &value, 4);
+            continue;
           }
-          std::memcpy(tile + 64 * p + 2 * j, &bits, 2);
-        } else if (f.planes == Planes::kF32) {
-          std::memcpy(tile + 128 * vector_of(k) + 4 * word_of(k, c), &codes[c].raw[at], 4);
-        } else {
-          write_code(f, tile, k, c, codes[c].u[at]);
+          const uint16_t bits = f.planes == Planes::kBF16
+                                    ? c10::BFloat16(value).x  // exact: the values were bf16
+                                    : c10::Half(value).x;     // exact: the values were fp16
+          std::memcpy(tile + 64 * vector_of(k) + 2 * word_of(k, c), &bits, 2);
         }
-      }
+    }
+    return;
   }
-  if (is_float(f.planes)) return;
   std::memset(meta, 0, meta_bytes(f));
   const MetaPos pos = meta_pos(f);
   const int subs = f.super_k / f.sub_k;
@@ -279,7 +279,7 @@ at::Tensor dequantize_rows(int64_t type_code, const at::Tensor& packed, int64_t 
       TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant: row ", id[i], " out of range");
       const StripView strip{f, k, base + id[i] / kCols * per_strip};
       const int col = static_cast<int>(id[i] % kCols);
-      for (int64_t j = 0; j < k; ++j) dst[i * k + j] = weight_at(strip, j, col);
+      strip_column(strip, col, dst + i * k);
     }
   });
   return out;

@@ -20,6 +20,7 @@ from shoal.engine.errors import UnsupportedModel
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 DEFAULT_ALIGNMENT = 32
 
 
@@ -81,6 +82,11 @@ class GGUFFile:
         item_kind, count = self._read("<I"), self._read("<Q")
         if item_kind in _SCALARS:
             self._pos += count * struct.calcsize(_SCALARS[item_kind])
+        elif item_kind == _STRING:  # a vocabulary: 150k-260k strings, skipped undecoded
+            length, data, pos = _U64.unpack_from, self._map, self._pos
+            for _ in range(count):
+                pos += 8 + length(data, pos)[0]
+            self._pos = pos
         else:
             for _ in range(count):
                 self._value(item_kind)

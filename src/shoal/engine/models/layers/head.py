@@ -54,6 +54,7 @@ _WIDE_TYPES = {"Q6_K", "Q8_0", "F16", "BF16", "F32"}
 # the layouts' 16-row strips).
 _ESTIMATE_CHUNK_ROWS = 4096
 COPY_BLOCK = 64  # weights per scale and minimum of a copy
+_FP16_MAX = 65504.0
 # 3-bit codes order the top tokens well enough only for wide heads. Worst estimate rank of
 # the exact top 8 over ~900 rows of real text, with 3-bit / 4-bit codes: hidden 1536
 # (Qwen2.5-Coder-1.5B) 36 / 18, 896 (the 0.5B) 62 / 17, 576 (SmolLM2) 326 / 51.
@@ -82,16 +83,19 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     int8 = plan.kernel.quant_int8_estimate_available()
     if int8 and hidden % COPY_BLOCK == 0:
         bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
+        copy = None
         if _copy_bytes(vocab, hidden, bits) <= spare_bytes:
             copy = _copy(plan.kernel, code, packed, vocab, hidden,
                          lambda values: plan.kernel.quant_head_copy_pack(values, bits))
+        if copy is not None:
             return EstimatedHead(exact, Int8Estimate(plan.kernel, copy, vocab, hidden,
                                                      bits=bits), tied,
                                  RESCORE_CANDIDATES if bits == 3 else NARROW_RESCORE_CANDIDATES)
     elif not int8 and _q4_1_bytes(vocab, hidden) <= spare_bytes:
         copy = _copy(plan.kernel, code, packed, vocab, hidden, _q4_1_packer(plan.kernel))
-        return EstimatedHead(exact, plan.kernel.QuantLinear([QTYPES["Q4_1"]], [copy], [vocab],
-                                                            hidden, None), tied)
+        if copy is not None:
+            return EstimatedHead(exact, plan.kernel.QuantLinear([QTYPES["Q4_1"]], [copy],
+                                                                [vocab], hidden, None), tied)
     if code == QTYPES["Q8_0"] and int8:
         return EstimatedHead(exact, Int8Estimate(plan.kernel, packed, vocab, hidden), tied)
     return ExactHead(exact, tied)
@@ -179,14 +183,18 @@ def _q4_1_bytes(vocab: int, hidden: int) -> int:
 
 
 def _copy(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int, packer
-          ) -> torch.Tensor:
+          ) -> torch.Tensor | None:
     """The packed head requantized by packer (float32 [R, H] -> its bytes, R a multiple of
     16 but for the last chunk) a chunk of rows at a time: both copies' layouts are strips of
-    16 rows, so the chunks' bytes join in order."""
+    16 rows, so the chunks' bytes join in order. None when a weight lies beyond fp16's range
+    (the copies' scales and minima are fp16): such a head keeps no copy."""
     parts = []
     for start in range(0, vocab, _ESTIMATE_CHUNK_ROWS):
         rows = torch.arange(start, min(vocab, start + _ESTIMATE_CHUNK_ROWS))
-        parts.append(packer(kernel.quant_dequantize_rows(code, packed, vocab, hidden, rows)))
+        values = kernel.quant_dequantize_rows(code, packed, vocab, hidden, rows)  # [R, H]
+        if not values.abs().amax() <= _FP16_MAX:  # NaN fails too
+            return None
+        parts.append(packer(values))
     return torch.cat(parts)
 
 

@@ -170,7 +170,8 @@ def build_linear(weights: list[RawTensor], biases: list[RawTensor] | None,
     if plan.kernel is not None:
         log.info("weights %s %s have no packed form: loaded dequantized",
                  sorted({w.quant for w in weights}), [tuple(w.shape) for w in weights])
-    dense = torch.cat([dense_values(w, plan.unpacker) for w in weights])  # [sum(out), in] float32
+    parts = [dense_values(w, plan.unpacker) for w in weights]  # float32 [out, in] each
+    dense = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum(out), in]
     if bias is not None:
         bias = bias.to(device=plan.device, dtype=plan.compute_dtype)
     return DenseLinear(dense.to(device=plan.device, dtype=plan.compute_dtype), bias)
