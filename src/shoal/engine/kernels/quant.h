@@ -45,7 +45,9 @@ bool amx_usable();
 bool int8_estimate_available();
 at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
                          const at::Tensor& x);
-// The same from the head's 3- or 4-bit copy (quant_head_copy.h), x quantized per 64.
+// The same from the head's 3- or 4-bit copy (quant_head_copy.h), x quantized per 64; where
+// the build has VNNI or AVX2.
+bool copy_estimate_available();
 at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
                               const at::Tensor& x);
 

@@ -16,7 +16,10 @@ void bind(pybind11::module& m) {
   m.def("quant_fast_kernels", &fast_kernels);
   m.def("quant_avx2_available", &avx2_available, "whether the AVX2 path is built");
   m.def("quant_default_backend", &default_backend, "amx, avx512, avx2 or portable");
-  m.def("quant_int8_estimate_available", &int8_estimate_available);
+  m.def("quant_int8_estimate_available", &int8_estimate_available,
+        "whether a Q8_0 weight's own codes have an int8 estimate (VNNI)");
+  m.def("quant_copy_estimate_available", &copy_estimate_available,
+        "whether the head's 3- and 4-bit copies have an int8 estimate (VNNI or AVX2)");
   m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 matmul estimated with int8 x",
         pybind11::arg("type"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -29,8 +32,6 @@ void bind(pybind11::module& m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_head_copy_values", &head_copy_values, "a head copy's weights as float32 [n, k]",
         pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("bits"));
-  m.def("quant_q4_1_blocks", &q4_1_blocks, "float32 [n, k] -> Q4_1 file blocks, as gguf "
-        "quantizes", pybind11::arg("values"), pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(pybind11::init<const std::vector<int64_t>&, const std::vector<at::Tensor>&,
                           const std::vector<int64_t>&, int64_t, const std::optional<at::Tensor>&,

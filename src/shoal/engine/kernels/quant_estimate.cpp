@@ -18,6 +18,9 @@
 // word 2 col, a byte a code, 32 bytes a vector: the 64 bytes from vector 2g on hold all four
 // codes of k = 4g .. 4g + 3 for every column; one vpermb puts column c's four in lane c, in
 // the order x's codes are stored (q8_order), so each vpdpbusd takes one broadcast dword of x.
+//
+// Without VNNI, on AVX2, the copies' estimate runs quant_estimate_avx2.h's kernels (the same
+// bits); a Q8_0 table has no estimate there.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -38,6 +41,11 @@
 #else
 #define SHOAL_ESTIMATE_VNNI 0
 #endif
+// The copies' estimate on AVX2 where there is no VNNI.
+#define SHOAL_ESTIMATE_AVX2 (!SHOAL_ESTIMATE_VNNI && SHOAL_QUANT_AVX2)
+#if SHOAL_ESTIMATE_AVX2
+#include "quant_estimate_avx2.h"
+#endif
 
 namespace shoal_quant {
 
@@ -56,10 +64,11 @@ struct Int8Rows {
 // One strip's estimate for some rows of x: (strip, k, x, first row, out [rows][16]).
 using EstimateFn = void (*)(const uint8_t*, int64_t, const Int8Rows&, int64_t, float*);
 
-#if SHOAL_ESTIMATE_VNNI
-// Rows per pass: an int32 and a float32 accumulator each, in registers. More rows run pass
-// after pass over blocks of about kEstimateBlockBytes of weights, which stay in L2.
-constexpr int kEstimateRows = 8;
+#if SHOAL_ESTIMATE_VNNI || SHOAL_ESTIMATE_AVX2
+// Rows per pass: an int32 and a float32 accumulator each, in registers (AVX2: per half of a
+// strip's columns, and int16 sums beside them). More rows run pass after pass over blocks of
+// about kEstimateBlockBytes of weights, which stay in L2.
+constexpr int kEstimateRows = SHOAL_ESTIMATE_VNNI ? 8 : 4;
 constexpr int64_t kEstimateBlockBytes = 256 * 1024;
 
 Int8Rows quantize_rows(const bf16* x, int64_t m, int64_t k, int block) {
@@ -87,6 +96,31 @@ Int8Rows quantize_rows(const bf16* x, int64_t m, int64_t k, int block) {
   return out;
 }
 
+// out [m, n] = every strip's estimate: one pass over all strips where the rows fit one; else
+// blocks of strips that stay in L2, pass after pass of kEstimateRows rows.
+void estimate_strips(const EstimateFn* run, const uint8_t* weights, int64_t strips,
+                     int64_t bytes, int64_t n, int64_t k, const Int8Rows& xq, int64_t m,
+                     float* y) {
+  const int64_t block =
+      m <= kEstimateRows ? strips : std::max<int64_t>(1, kEstimateBlockBytes / bytes);
+  const int64_t grain = std::max<int64_t>(1, 65536 / (k * kCols));
+  at::parallel_for(0, strips, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kEstimateRows * kCols];
+    for (int64_t b0 = begin; b0 < end; b0 += block)
+      for (int64_t r0 = 0; r0 < m; r0 += kEstimateRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kEstimateRows, m - r0));
+        for (int64_t s = b0; s < std::min(end, b0 + block); ++s) {
+          run[rows - 1](weights + s * bytes, k, xq, r0, acc);
+          const int64_t cols = std::min<int64_t>(kCols, n - s * kCols);
+          for (int r = 0; r < rows; ++r)
+            std::memcpy(y + (r0 + r) * n + s * kCols, acc + r * kCols, cols * sizeof(float));
+        }
+      }
+  });
+}
+#endif
+
+#if SHOAL_ESTIMATE_VNNI
 // vpermb's index for Q8_0: lane c gets column c's codes for k = 4g .. 4g + 3.
 __m512i q8_order() {
   alignas(64) int8_t index[64];
@@ -239,33 +273,28 @@ struct Copy4Kernel {
   static constexpr EstimateFn run = estimate_copy_strip<4, R>;
 };
 
-// out [m, n] = every strip's estimate: one pass over all strips where the rows fit one; else
-// blocks of strips that stay in L2, pass after pass of kEstimateRows rows.
-void estimate_strips(const EstimateFn* run, const uint8_t* weights, int64_t strips,
-                     int64_t bytes, int64_t n, int64_t k, const Int8Rows& xq, int64_t m,
-                     float* y) {
-  const int64_t block =
-      m <= kEstimateRows ? strips : std::max<int64_t>(1, kEstimateBlockBytes / bytes);
-  const int64_t grain = std::max<int64_t>(1, 65536 / (k * kCols));
-  at::parallel_for(0, strips, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kEstimateRows * kCols];
-    for (int64_t b0 = begin; b0 < end; b0 += block)
-      for (int64_t r0 = 0; r0 < m; r0 += kEstimateRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kEstimateRows, m - r0));
-        for (int64_t s = b0; s < std::min(end, b0 + block); ++s) {
-          run[rows - 1](weights + s * bytes, k, xq, r0, acc);
-          const int64_t cols = std::min<int64_t>(kCols, n - s * kCols);
-          for (int r = 0; r < rows; ++r)
-            std::memcpy(y + (r0 + r) * n + s * kCols, acc + r * kCols, cols * sizeof(float));
-        }
-      }
-  });
-}
-
-// Each type's kernels by rows (1 .. kEstimateRows); none where the build lacks VNNI.
+// Each type's kernels by rows (1 .. kEstimateRows); a copy's on AVX2 too, Q8_0's only where
+// the build has VNNI.
 constexpr const EstimateFn* kQ8Kernels = ByRows<Q8Kernel>::run;
 constexpr const EstimateFn* kCopy3Kernels = ByRows<Copy3Kernel>::run;
 constexpr const EstimateFn* kCopy4Kernels = ByRows<Copy4Kernel>::run;
+#elif SHOAL_ESTIMATE_AVX2
+template <int Bits, int R>
+void estimate_copy_avx2(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t row0,
+                        float* out) {
+  estimate_copy_strip_avx2<Bits, R>(strip, k, xq.codes.data(), xq.scales.data(),
+                                    xq.offsets.data(), row0, out);
+}
+
+constexpr EstimateFn kCopy3Avx2[kEstimateRows] = {
+    estimate_copy_avx2<3, 1>, estimate_copy_avx2<3, 2>, estimate_copy_avx2<3, 3>,
+    estimate_copy_avx2<3, 4>};
+constexpr EstimateFn kCopy4Avx2[kEstimateRows] = {
+    estimate_copy_avx2<4, 1>, estimate_copy_avx2<4, 2>, estimate_copy_avx2<4, 3>,
+    estimate_copy_avx2<4, 4>};
+constexpr const EstimateFn* kQ8Kernels = nullptr;
+constexpr const EstimateFn* kCopy3Kernels = kCopy3Avx2;
+constexpr const EstimateFn* kCopy4Kernels = kCopy4Avx2;
 #else
 constexpr const EstimateFn* kQ8Kernels = nullptr;
 constexpr const EstimateFn* kCopy3Kernels = nullptr;
@@ -275,7 +304,8 @@ constexpr const EstimateFn* kCopy4Kernels = nullptr;
 // Checks the weights' size and x; runs run[] over x quantized per `block` -> float32 [M, n].
 at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_t k,
                     int64_t bytes, const at::Tensor& input, int block, const EstimateFn* run) {
-  TORCH_CHECK(SHOAL_ESTIMATE_VNNI, who, ": this build has no AVX512-VNNI and VBMI");
+  TORCH_CHECK(run != nullptr, who, ": this build has no kernel for it (",
+              SHOAL_QUANT_AVX2 ? "AVX512-VNNI and VBMI" : "AVX2", ")");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == strip_count(n) * bytes,
               who, ": not a packed [", n, ", ", k, "] weight of this kind");
@@ -284,7 +314,7 @@ at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_
   const at::Tensor x = input.contiguous();
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-#if SHOAL_ESTIMATE_VNNI
+#if SHOAL_ESTIMATE_VNNI || SHOAL_ESTIMATE_AVX2
   if (m == 0) return out;
   const Int8Rows xq = quantize_rows(x.data_ptr<bf16>(), m, k, block);
   estimate_strips(run, packed.data_ptr<uint8_t>(), strip_count(n), bytes, n, k, xq, m,
@@ -295,7 +325,9 @@ at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_
 
 }  // namespace
 
-bool int8_estimate_available() { return SHOAL_ESTIMATE_VNNI; }
+bool int8_estimate_available() { return kQ8Kernels != nullptr; }
+
+bool copy_estimate_available() { return kCopy3Kernels != nullptr; }
 
 at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
                          const at::Tensor& x) {

@@ -103,33 +103,4 @@ at::Tensor head_copy_values(const at::Tensor& packed, int64_t n, int64_t k, int6
   return out;
 }
 
-at::Tensor q4_1_blocks(const at::Tensor& input) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2 && input.size(1) % 32 == 0,
-              "Q4_1 blocks: values must be [n, k] float32 with k a multiple of 32");
-  const at::Tensor values = input.contiguous();
-  at::Tensor out = at::empty({values.size(0), values.size(1) / 32 * 20},
-                             values.options().dtype(at::kByte));
-  const float* src = values.data_ptr<float>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, values.numel() / 32, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* v = src + b * 32;
-      uint8_t* block = dst + b * 20;
-      const auto [low, high] = std::minmax_element(v, v + 32);
-      const float m = *low, d = (*high - m) / 15.f, id = d == 0.f ? 0.f : 1.f / d;
-      const auto code = [&](float w) {  // (w - m) id >= 0; a code past 15 only by rounding
-        return std::min(15, static_cast<int>(std::trunc((w - m) * id + 0.5f)));
-      };
-      const c10::Half d16(d), m16(m);
-      TORCH_CHECK(std::isfinite(static_cast<float>(d16)) && std::isfinite(static_cast<float>(m16)),
-                  "Q4_1 blocks: weights beyond fp16's range");
-      std::memcpy(block, &d16.x, 2);
-      std::memcpy(block + 2, &m16.x, 2);
-      for (int i = 0; i < 16; ++i)  // weight i in byte i's low nibble, i + 16 in its high one
-        block[4 + i] = static_cast<uint8_t>(code(v[i]) | code(v[i + 16]) << 4);
-    }
-  });
-  return out;
-}
-
 }  // namespace shoal_quant

@@ -43,10 +43,4 @@ at::Tensor head_copy_pack(const at::Tensor& values, int64_t bits);
 // The copy's weights d u + m as float32 [n, k] (tests).
 at::Tensor head_copy_values(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits);
 
-// float32 [n, k] (k a multiple of 32) -> Q4_1 file blocks uint8 [n, k / 32 * 20], as gguf's
-// reference quantizer makes them: per 32 weights d = (max - min) / 15 and m = min, codes
-// trunc((w - m) / d + 0.5) from float32 d and m, which are then stored in fp16. The head's
-// copy where the int8 estimate is not built (no VNNI).
-at::Tensor q4_1_blocks(const at::Tensor& values);
-
 }  // namespace shoal_quant

@@ -6,16 +6,17 @@ Q6_K one 191 MB). Generated rows read an estimate of it and recompute the estima
 tokens of each row exactly (256 for a narrow head's 4-bit copy): the tokens sampling can
 realistically pick get the head's exact values, the far tail keeps the estimate.
 
-The estimate is a copy of the head where memory allows one; else, for a Q8_0 head, the head's
-own codes (no memory of its own). On a CPU with VNNI the copy has 3-bit codes (heads of
+The estimate is a copy of the head where memory allows one; else, for a Q8_0 head on a CPU
+with VNNI, the head's own codes (no memory of its own). The copy has 3-bit codes (heads of
 hidden >= COPY_3_BITS_MIN_HIDDEN) or 4-bit codes, with a scale and minimum per 64 weights
 (3.5 or 4.5 bits a weight, kernels/quant_head_copy.h), and the copy or the Q8_0 codes are
-multiplied with x rounded to int8 (Int8Estimate): a Q8_0 table is then read at memory speed
-(the exact path's widening of its codes to bf16 costs more than reading them), a copy as one
-stream. On Qwen2.5-Coder-1.5B's head the 3-bit copy (102 MB) takes 1.3-2.1 ms a row where a
-Q4_1 copy (146 MB) took 2.7-3.7. Without VNNI the copy is Q4_1 (5 bits a weight) on the
-generated-token arithmetic, and a Q8_0 head has no estimate. Prompt rows (the first token of
-each request) use the exact head.
+multiplied with x rounded to int8 (Int8Estimate): vpdpbusd on VNNI, vpmaddubsw on AVX2 (the
+same bits). A Q8_0 table is then read at memory speed (the exact path's widening of its codes
+to bf16 costs more than reading them), a copy as one stream. On Qwen2.5-Coder-1.5B's head the
+3-bit copy (102 MB) takes 1.3-2.1 ms a row on an AVX512 host where a Q4_1 copy (146 MB) on
+the exact kernels took 2.7-3.7; on a 2-core AVX2 host 4.2 ms against 5.7-7.0, and 4 rows
+13 ms against 15.5. Without VNNI a Q8_0 head too big for a copy has no estimate. Prompt rows
+(the first token of each request) use the exact head.
 
 Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
 last prompt row too: it is one row per request, where the prompt path's tile split would
@@ -65,7 +66,7 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
                spare_bytes: int = 0) -> nn.Module:
     """Output projection [vocab, hidden] giving float32 logits; a tied head multiplies with
     the embedding's own tensor (packed or dense), so the table is held once. spare_bytes:
-    memory the model may still take for a 4-bit estimate of the head."""
+    memory the model may still take for a 3- or 4-bit copy of the head (its estimate)."""
     if embedding is not None and embedding.weight is not None:
         return ExactHead(DenseLinear(embedding.weight), tied=True)
     if embedding is not None and embedding.packed is not None:
@@ -80,22 +81,17 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     tied = embedding is not None
     if raw.quant not in _WIDE_TYPES or vocab * hidden < ESTIMATE_MIN_WEIGHTS:
         return ExactHead(exact, tied)
-    int8 = plan.kernel.quant_int8_estimate_available()
-    if int8 and hidden % COPY_BLOCK == 0:
+    int8 = plan.kernel.quant_int8_estimate_available()  # Q8_0's own codes (VNNI)
+    copies = plan.kernel.quant_copy_estimate_available()  # 3- and 4-bit copies
+    if copies and hidden % COPY_BLOCK == 0:
         bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
         copy = None
         if _copy_bytes(vocab, hidden, bits) <= spare_bytes:
-            copy = _copy(plan.kernel, code, packed, vocab, hidden,
-                         lambda values: plan.kernel.quant_head_copy_pack(values, bits))
+            copy = _copy(plan.kernel, code, packed, vocab, hidden, bits)
         if copy is not None:
             return EstimatedHead(exact, Int8Estimate(plan.kernel, copy, vocab, hidden,
                                                      bits=bits), tied,
                                  RESCORE_CANDIDATES if bits == 3 else NARROW_RESCORE_CANDIDATES)
-    elif not int8 and _q4_1_bytes(vocab, hidden) <= spare_bytes:
-        copy = _copy(plan.kernel, code, packed, vocab, hidden, _q4_1_packer(plan.kernel))
-        if copy is not None:
-            return EstimatedHead(exact, plan.kernel.QuantLinear([QTYPES["Q4_1"]], [copy],
-                                                                [vocab], hidden, None), tied)
     if code == QTYPES["Q8_0"] and int8:
         return EstimatedHead(exact, Int8Estimate(plan.kernel, packed, vocab, hidden), tied)
     return ExactHead(exact, tied)
@@ -150,8 +146,8 @@ class EstimatedHead(Layer):
 
 
 class Int8Estimate:
-    """A packed [vocab, hidden] weight times x quantized to int8 on VNNI: the head's own Q8_0
-    codes, or (bits 3 or 4) its copy, whose bytes are the estimate's own. QuantLinear's
+    """A packed [vocab, hidden] weight times x quantized to int8: the head's own Q8_0 codes
+    (VNNI), or (bits 3 or 4) its copy (VNNI or AVX2), whose bytes are the estimate's own. QuantLinear's
     forward for the estimate's one use."""
 
     def __init__(self, kernel, packed: torch.Tensor, vocab: int, hidden: int,
@@ -178,30 +174,18 @@ def _copy_bytes(vocab: int, hidden: int, bits: int) -> int:
     return -(-vocab // 16) * (hidden // COPY_BLOCK) * (64 + 128 * bits)
 
 
-def _q4_1_bytes(vocab: int, hidden: int) -> int:
-    return vocab * hidden // 32 * 20  # Q4_1: 20 bytes per 32 weights
-
-
-def _copy(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int, packer
+def _copy(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int, bits: int
           ) -> torch.Tensor | None:
-    """The packed head requantized by packer (float32 [R, H] -> its bytes, R a multiple of
-    16 but for the last chunk) a chunk of rows at a time: both copies' layouts are strips of
-    16 rows, so the chunks' bytes join in order. None when a weight lies beyond fp16's range
-    (the copies' scales and minima are fp16): such a head keeps no copy."""
+    """The packed head requantized to a bits-bit copy a chunk of rows at a time (R a
+    multiple of 16 but for the last chunk): the copy's layout is strips of 16 rows, so the
+    chunks' bytes join in order. None when a weight lies beyond fp16's range (the copy's
+    scales and minima are fp16): such a head keeps no copy."""
     parts = []
     for start in range(0, vocab, _ESTIMATE_CHUNK_ROWS):
         rows = torch.arange(start, min(vocab, start + _ESTIMATE_CHUNK_ROWS))
         values = kernel.quant_dequantize_rows(code, packed, vocab, hidden, rows)  # [R, H]
         if not values.abs().amax() <= _FP16_MAX:  # NaN fails too
             return None
-        parts.append(packer(values))
+        parts.append(kernel.quant_head_copy_pack(values, bits))
     return torch.cat(parts)
 
-
-def _q4_1_packer(kernel):
-    """float32 [R, H] -> a packed Q4_1 copy, quantized as gguf's reference quantizer does
-    (kernels/quant_head_copy.h, q4_1_blocks)."""
-    def pack_rows(values: torch.Tensor) -> torch.Tensor:
-        blocks = kernel.quant_q4_1_blocks(values).view(-1)  # [R, H / 32 * 20] file blocks
-        return kernel.quant_pack(QTYPES["Q4_1"], blocks, values.shape[0], values.shape[1])
-    return pack_rows
