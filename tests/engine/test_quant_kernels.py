@@ -219,36 +219,6 @@ def test_bad_shapes_are_refused_with_a_message(kernel):
         kernel.quant_pack(99, torch.zeros(4, dtype=torch.uint8), 1, 32)
 
 
-def test_the_int8_estimate_of_a_matmul_is_within_its_rounding(kernel):
-    name = "Q8_0"
-    if not kernel.quant_int8_estimate_available():
-        pytest.skip("this CPU has no AVX512-VNNI and VBMI")
-    out_features, cols = 40, 512  # 40: a strip of 16 columns is padded
-    raw = random_blocks(name, out_features, cols, seed=14)
-    weights = gguf_values(name, raw, out_features, cols)
-    data = packed(kernel, name, raw, out_features, cols)
-    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(15)).bfloat16()
-    estimate = kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols, x)
-    assert estimate.shape == (20, out_features) and estimate.dtype == torch.float32
-    # x is rounded to int8 steps of max|x| / 127 per 32 values: at most half a step each.
-    step = x.float().view(20, cols // 32, 32).abs().amax(dim=-1) / 127          # [20, 16]
-    weight_mass = weights.abs().view(out_features, cols // 32, 32).sum(dim=-1)  # [40, 16]
-    bound = (step / 2) @ weight_mass.t()
-    exact = x.double() @ weights.double().t()
-    assert ((estimate.double() - exact).abs() <= bound * 1.001 + 1e-4).all()
-    assert (estimate.double() - exact).abs().max() > 0  # an estimate, not the exact path
-    for start, count in ((0, 1), (3, 4), (5, 9), (19, 1)):  # rows independent of the batch
-        part = kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols,
-                                          x[start:start + count])
-        assert torch.equal(part, estimate[start:start + count])
-    with pytest.raises(RuntimeError, match=r"not a packed \[40, 512\] weight"):
-        kernel.quant_int8_estimate(QTYPES[name], data[:-64], out_features, cols, x)
-    with pytest.raises(RuntimeError, match=r"x must be \[M, 512\] bfloat16"):
-        kernel.quant_int8_estimate(QTYPES[name], data, out_features, cols, x.float())
-    with pytest.raises(RuntimeError, match="must be Q8_0, not Q4_K"):
-        kernel.quant_int8_estimate(QTYPES["Q4_K"], data, out_features, cols, x)
-
-
 @pytest.mark.parametrize("bits", [3, 4])
 def test_a_head_copy_and_its_int8_estimate(kernel, bits):
     if not kernel.quant_copy_estimate_available():
@@ -291,17 +261,16 @@ def test_a_head_copy_and_its_int8_estimate(kernel, bits):
         kernel.quant_head_copy_pack(torch.full((1, 64), 1e6), bits)
 
 
-@pytest.mark.parametrize("without_vnni", [False, True])
-def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch, without_vnni):
-    """A copy's scales and minima are fp16: a head with a weight past 65504 keeps its exact
-    values (and, on VNNI, a Q8_0 head its own codes as the estimate) rather than failing to
-    load or estimating infinities."""
+def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch):
+    """A copy's scales and minima are fp16: a Q8_0 head with a weight past 65504 splits its
+    table instead (Q8_0's own fp16 scales), rather than failing to load or estimating
+    infinities."""
     from shoal.engine.models.layers import head as head_module
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
-    if without_vnni:
-        monkeypatch.setattr(kernel, "quant_int8_estimate_available", lambda: False)
+    if not kernel.quant_split_estimate_available():
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
     vocab, hidden = 4096, 256
     blocks = random_blocks("Q8_0", vocab, hidden, seed=14)
@@ -310,10 +279,8 @@ def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch, without_v
     raw = RawTensor((vocab, hidden), "Q8_0", blocks)
     plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
     head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
-    exact = head.exact if isinstance(head, head_module.EstimatedHead) else head.linear
-    assert head.nbytes() == exact.nbytes()  # no copy
-    if kernel.quant_int8_estimate_available():
-        assert head.estimate.bits is None
+    assert isinstance(head, head_module.SplitHead)  # no copy
+    assert head.nbytes() == kernel.quant_packed_bytes(QTYPES["Q8_0"], vocab, hidden)
     x = torch.zeros(2, hidden, dtype=torch.bfloat16)
     x[:, 0] = 1.0
     logits = head(x)
@@ -322,32 +289,21 @@ def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch, without_v
 
 
 @pytest.mark.parametrize("name,hidden", [("Q8_0", 256), ("Q6_K", 256), ("Q6_K", 1024)])
-@pytest.mark.parametrize("without_vnni", [False, True])
-def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name, hidden,
-                                                           without_vnni):
+def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name, hidden):
     from shoal.engine.models.layers import head as head_module
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
     if not kernel.quant_copy_estimate_available():
         pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
-    if without_vnni:  # the heads a CPU without VNNI builds: no estimate from Q8_0's own codes
-        monkeypatch.setattr(kernel, "quant_int8_estimate_available", lambda: False)
     vocab = 4096
     raw = RawTensor((vocab, hidden), name, random_blocks(name, vocab, hidden, seed=12))
     plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
-    # No room for a 4-bit copy: a Q8_0 head estimates from its own codes where VNNI allows.
+    # No room for a copy: a Q8_0 head splits its table (the tests below), the others are exact.
     cramped = head_module.build_head(raw, plan, None, spare_bytes=1000)
-    if name == "Q8_0" and kernel.quant_int8_estimate_available():
-        assert isinstance(cramped, head_module.EstimatedHead)
-        assert isinstance(cramped.estimate, head_module.Int8Estimate)
-        assert cramped.estimate.bits is None
-        assert cramped.nbytes() == cramped.exact.nbytes()  # no bytes of its own
-        heads = [cramped, head_module.build_head(raw, plan, None, spare_bytes=10**9)]
-    else:
-        assert not isinstance(cramped, head_module.EstimatedHead)
-        heads = [head_module.build_head(raw, plan, None, spare_bytes=10**9)]
+    assert isinstance(cramped, head_module.SplitHead if name == "Q8_0" else head_module.ExactHead)
+    heads = [head_module.build_head(raw, plan, None, spare_bytes=10**9)]
     copy = heads[-1]  # a copy of the head, bytes of its own: per 16 x 64 weights, 448 or 576
     bits = 3 if hidden >= head_module.COPY_3_BITS_MIN_HIDDEN else 4
     assert copy.estimate.bits == bits
@@ -370,3 +326,106 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 10**12)
     plain = head_module.build_head(raw, plan, None, spare_bytes=0)
     assert torch.equal(plain(x, 0), plain(x)) and torch.equal(plain(x, 0), exact)
+
+
+def split_estimate_weights(raw: np.ndarray, weights: torch.Tensor) -> torch.Tensor:
+    """What a split Q8_0 table's estimate multiplies (kernels/quant_head_split.h): per weight
+    d (16 h - 120.5), h the high nibble of q + 128."""
+    rows, cols = weights.shape
+    d = torch.from_numpy(raw.reshape(rows, cols // 32, 34)[:, :, :2].copy().view(np.float16)
+                         .astype(np.float32)).view(rows, cols // 32, 1)
+    q = (weights.view(rows, cols // 32, 32) / d).round().nan_to_num(0.0)
+    high = torch.div(q + 128, 16, rounding_mode="floor")
+    return (d * (16 * high - 120.5)).view(rows, cols)
+
+
+def test_a_split_q8_0_table_keeps_gguf_s_values(kernel):
+    """A Q8_0 table split into its codes' nibbles takes Q8_0's bytes; its rows are gguf's
+    values and its chosen columns exact dot products."""
+    out_features, cols = 40, 512  # 40: a strip of 16 rows is padded
+    raw = random_blocks("Q8_0", out_features, cols, seed=18)
+    weights = gguf_values("Q8_0", raw, out_features, cols)
+    data = packed(kernel, "Q8_0", raw, out_features, cols)
+    split = kernel.quant_head_split_pack(data, out_features, cols)
+    assert split.numel() == data.numel()
+    rows = torch.tensor([0, 39, 17, 17, 5])
+    assert torch.equal(kernel.quant_head_split_rows(split, out_features, cols, rows),
+                       weights[rows])
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(19)).bfloat16()
+    columns = torch.randint(0, out_features, (6, 9), generator=torch.Generator().manual_seed(20))
+    ours = kernel.quant_head_split_columns(split, out_features, cols, x, columns)
+    exact = (x.double() @ weights.double().t()).gather(1, columns)
+    mass = (x.double().abs() @ weights.double().abs().t()).gather(1, columns)
+    assert ((ours.double() - exact).abs() <= mass * 1e-6).all()  # float32 summation
+    with pytest.raises(RuntimeError, match=r"row 40 outside \[0, 40\)"):
+        kernel.quant_head_split_rows(split, out_features, cols, torch.tensor([40]))
+    with pytest.raises(RuntimeError, match=r"row -1 outside"):
+        kernel.quant_head_split_columns(split, out_features, cols, x, columns - 1 - columns)
+    with pytest.raises(RuntimeError, match=r"not a split \[40, 512\] Q8_0 table"):
+        kernel.quant_head_split_rows(split[:-64], out_features, cols, rows)
+    with pytest.raises(RuntimeError, match="not a packed"):
+        kernel.quant_head_split_pack(data[:-64], out_features, cols)
+
+
+def test_a_split_q8_0_table_s_int8_estimate(kernel):
+    if not kernel.quant_split_estimate_available():
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
+    out_features, cols = 40, 512
+    raw = random_blocks("Q8_0", out_features, cols, seed=21)
+    weights = gguf_values("Q8_0", raw, out_features, cols)
+    split = kernel.quant_head_split_pack(packed(kernel, "Q8_0", raw, out_features, cols),
+                                         out_features, cols)
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(22)).bfloat16()
+    estimate = kernel.quant_int8_estimate_split(split, out_features, cols, x)
+    assert estimate.shape == (20, out_features) and estimate.dtype == torch.float32
+    # The high nibbles' weights times x rounded to int8 steps of max|x| / 127 per 32 values.
+    high = split_estimate_weights(raw, weights)
+    assert (high - weights).abs().max() > 0
+    x_step = x.float().view(20, cols // 32, 32).abs().amax(dim=-1) / 127          # [20, 16]
+    mass = high.abs().view(out_features, cols // 32, 32).sum(dim=-1)              # [40, 16]
+    reference = x.double() @ high.double().t()
+    assert ((estimate.double() - reference).abs() <= (x_step / 2) @ mass.t() * 1.001 + 1e-4).all()
+    for start, count in ((0, 1), (3, 4), (5, 9), (19, 1)):  # rows independent of the batch
+        part = kernel.quant_int8_estimate_split(split, out_features, cols, x[start:start + count])
+        assert torch.equal(part, estimate[start:start + count])
+    with pytest.raises(RuntimeError, match="not a split"):
+        kernel.quant_int8_estimate_split(split[:-64], out_features, cols, x)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 512\] bfloat16"):
+        kernel.quant_int8_estimate_split(split, out_features, cols, x.float())
+
+
+def test_a_tied_q8_0_head_without_room_splits_the_shared_table(kernel, monkeypatch):
+    """A tied Q8_0 head with no room for a copy splits the embedding's table (no bytes of its own): the embedding's rows stay gguf's values, and each row's
+    top candidates of the high nibbles' estimate get exact logits, prompt rows too."""
+    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.models.layers.embedding import Embedding
+    from shoal.engine.models.layers.linear import WeightPlan
+    from shoal.engine.weights.quant import RawTensor
+
+    if not kernel.quant_split_estimate_available():
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
+    monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
+    vocab, hidden = 4096, 256
+    blocks = random_blocks("Q8_0", vocab, hidden, seed=23)
+    weights = gguf_values("Q8_0", blocks, vocab, hidden)
+    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    embedding = Embedding(RawTensor((vocab, hidden), "Q8_0", blocks), plan)
+    table_bytes = embedding.nbytes()
+    head = head_module.build_head(RawTensor((vocab, hidden), "Q8_0", blocks), plan, embedding,
+                                  spare_bytes=1000)
+    assert isinstance(head, head_module.SplitHead) and head.tied
+    assert embedding.split is head.table and embedding.packed is None
+    assert head.nbytes() == 0 and embedding.nbytes() == table_bytes
+    assert head.candidates == head_module.NARROW_RESCORE_CANDIDATES
+    ids = torch.tensor([3, 4095, 3, 0])
+    assert torch.equal(embedding(ids), weights[ids].bfloat16())
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(24)).bfloat16()
+    logits = head(x)
+    candidates = head.table.estimate(x).topk(head.candidates, dim=-1).indices
+    exact = x.float() @ weights.t()
+    assert torch.allclose(logits.gather(1, candidates), exact.gather(1, candidates),
+                          rtol=1e-5, atol=1e-4)
+    assert torch.equal(logits.argmax(dim=-1), exact.argmax(dim=-1))
+    assert torch.equal(head(x, 0), logits)  # prompt rows take the same path
+    assert torch.equal(head(x[2:3]), logits[2:3])  # a row alone gets the same bits
+    assert head(x[:0]).shape == (0, vocab)

@@ -39,14 +39,12 @@ bool fast_kernels();
 // Whether this build has the AVX2 path (quant_avx2.h).
 bool avx2_available();
 bool amx_usable();
-// An output head's int8 estimate (quant_estimate.cpp): float32 [M, n] from a packed Q8_0
-// [n, k] weight and x [M, k] bf16, x quantized per 32 to int8; only where the build has
-// AVX512-VNNI and VBMI.
-bool int8_estimate_available();
-at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
-                         const at::Tensor& x);
-// The same from the head's 3- or 4-bit copy (quant_head_copy.h), x quantized per 64; where
-// the build has VNNI or AVX2.
+// An output head's int8 estimate (quant_estimate.cpp): float32 [M, n] from x [M, k] bf16,
+// quantized to int8 per block, where the build has VNNI or AVX2. From a split Q8_0 table's
+// high nibbles (quant_head_split.h), x per 32:
+bool split_estimate_available();
+at::Tensor int8_estimate_split(const at::Tensor& split, int64_t n, int64_t k, const at::Tensor& x);
+// From the head's 3- or 4-bit copy (quant_head_copy.h), x per 64:
 bool copy_estimate_available();
 at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
                               const at::Tensor& x);

@@ -5,6 +5,7 @@
 
 #include "quant.h"
 #include "quant_head_copy.h"
+#include "quant_head_split.h"
 
 namespace shoal_quant {
 
@@ -16,16 +17,27 @@ void bind(pybind11::module& m) {
   m.def("quant_fast_kernels", &fast_kernels);
   m.def("quant_avx2_available", &avx2_available, "whether the AVX2 path is built");
   m.def("quant_default_backend", &default_backend, "amx, avx512, avx2 or portable");
-  m.def("quant_int8_estimate_available", &int8_estimate_available,
-        "whether a Q8_0 weight's own codes have an int8 estimate (VNNI)");
   m.def("quant_copy_estimate_available", &copy_estimate_available,
         "whether the head's 3- and 4-bit copies have an int8 estimate (VNNI or AVX2)");
-  m.def("quant_int8_estimate", &int8_estimate, "a Q8_0 matmul estimated with int8 x",
-        pybind11::arg("type"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_int8_estimate_copy", &int8_estimate_copy, "a matmul with the head's 3- or "
         "4-bit copy, estimated with int8 x", pybind11::arg("packed"), pybind11::arg("n"),
         pybind11::arg("k"), pybind11::arg("bits"), pybind11::arg("x"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_split_estimate_available", &split_estimate_available,
+        "whether a split Q8_0 head table has an int8 estimate (VNNI or AVX2)");
+  m.def("quant_int8_estimate_split", &int8_estimate_split, "a matmul with a split Q8_0 "
+        "table's high nibbles, estimated with int8 x", pybind11::arg("split"),
+        pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_head_split_pack", &head_split_pack, "a packed Q8_0 [n, k] weight -> its split "
+        "table", pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_head_split_rows", &head_split_rows, "rows of a split table as float32",
+        pybind11::arg("split"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("rows"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_head_split_columns", &head_split_columns, "x times chosen rows of a split "
+        "table, exactly", pybind11::arg("split"), pybind11::arg("n"), pybind11::arg("k"),
+        pybind11::arg("x"), pybind11::arg("columns"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_head_copy_pack", &head_copy_pack, "float32 [n, k] -> the head's estimate copy",
         pybind11::arg("values"), pybind11::arg("bits"),

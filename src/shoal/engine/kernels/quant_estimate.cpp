@@ -1,26 +1,20 @@
-// An int8 estimate of a matmul with a Q8_0 weight or the head's 3- or 4-bit copy
-// (quant_head_copy.h), for the output head's rescoring (models/layers/head.py).
+// An int8 estimate of a matmul with the output head's 3- or 4-bit copy (quant_head_copy.h)
+// or a split Q8_0 table's high nibbles (quant_head_split.h), for the head's rescoring
+// (models/layers/head.py).
 //
-// Each row of x is quantized to int8 per block (d = max|x| / 127, codes rounded; 32 values
-// for Q8_0, 64 for a copy) and multiplied with the weights' codes on VNNI (vpdpbusd: 64
-// products of unsigned and signed bytes an op), then scaled per block in float32. Q8_0 is a
-// big head's own table (Gemma 3's 262144 x 640, 178 MB), with no room for a copy: per 64
-// codes one byte permutation, one xor and one vpdpbusd, where the exact path widens the
-// codes to bf16 in seven ops per 32, so the table is read at memory speed. A copy is what a
-// head gets where memory allows: its planes take a shift and a mask (4 bits) or two shifts,
-// a mask and a merge (3 bits), and its scales follow its codes in one stream. Many rows (a
-// batch's) take about half the work of bf16 products. Not exact: the head recomputes each
-// row's top candidates with the exact arithmetic; the estimate orders them and gives the
-// far tail.
+// Each row of x is quantized to int8 per block (d = max|x| / 127, codes rounded; 64 values
+// for a copy, 32 for a split table) and multiplied with the weights' codes on VNNI (vpdpbusd:
+// 64 products of unsigned and signed bytes an op), then scaled per block in float32. A
+// block's planes take a shift and a mask (4 bits) or two shifts, a mask and a merge (3 bits),
+// and its scales follow its codes in one stream. Many rows (a batch's) take about half the
+// work of bf16 products. Not exact: the head recomputes each row's top candidates with the
+// exact arithmetic; the estimate orders them and gives the far tail.
 //
-// Q8_0's layout (quant_formats.h, quant_strip.h): a tile is 16 columns x 32 k; a column's
-// codes for k = 4q + c sit in vector 2q + c's word 2 col + 1, those for k = 4q + c + 2 in its
-// word 2 col, a byte a code, 32 bytes a vector: the 64 bytes from vector 2g on hold all four
-// codes of k = 4g .. 4g + 3 for every column; one vpermb puts column c's four in lane c, in
-// the order x's codes are stored (q8_order), so each vpdpbusd takes one broadcast dword of x.
+// A split table's high nibbles are half of Q8_0's bytes: Gemma 3's 262144 x 640 head takes
+// 1.3 ms a row on a 2-core AVX512 host, where an estimate from Q8_0's own codes (a byte
+// permutation, an xor and a vpdpbusd per 64 codes over all 178 MB) took 4.9.
 //
-// Without VNNI, on AVX2, the copies' estimate runs quant_estimate_avx2.h's kernels (the same
-// bits); a Q8_0 table has no estimate there.
+// Without VNNI, on AVX2, quant_estimate_avx2.h's kernels run (the same bits).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -32,16 +26,16 @@
 
 #include "quant.h"
 #include "quant_head_copy.h"
+#include "quant_head_split.h"
 #include "quant_strip.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && \
-    defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define SHOAL_ESTIMATE_VNNI 1
 #include "quant_prefetch.h"
 #else
 #define SHOAL_ESTIMATE_VNNI 0
 #endif
-// The copies' estimate on AVX2 where there is no VNNI.
+// The estimate on AVX2 where there is no VNNI.
 #define SHOAL_ESTIMATE_AVX2 (!SHOAL_ESTIMATE_VNNI && SHOAL_QUANT_AVX2)
 #if SHOAL_ESTIMATE_AVX2
 #include "quant_estimate_avx2.h"
@@ -121,18 +115,6 @@ void estimate_strips(const EstimateFn* run, const uint8_t* weights, int64_t stri
 #endif
 
 #if SHOAL_ESTIMATE_VNNI
-// vpermb's index for Q8_0: lane c gets column c's codes for k = 4g .. 4g + 3.
-__m512i q8_order() {
-  alignas(64) int8_t index[64];
-  for (int c = 0; c < kCols; ++c) {
-    index[4 * c] = static_cast<int8_t>(2 * c + 1);
-    index[4 * c + 1] = static_cast<int8_t>(32 + 2 * c + 1);
-    index[4 * c + 2] = static_cast<int8_t>(2 * c);
-    index[4 * c + 3] = static_cast<int8_t>(32 + 2 * c);
-  }
-  return _mm512_load_si512(index);
-}
-
 // With few rows, a row's dot products over a block run in several chains (vpdpbusd's
 // latency); int32 sums are exact in any order, so a row's result is the same whatever rows
 // share its pass.
@@ -166,42 +148,6 @@ __m512 halves(const uint8_t* p) {  // [16] fp16 -> float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// R rows (from row0) times one Q8_0 strip -> out [R][16] float32: per tile, for column c and
-// a row with x codes q (scale dx), d_c dx (sum u q - 128 sum q), the weight's code being
-// u = q_w + 128 (vpdpbusd's unsigned operand).
-template <int R>
-void estimate_q8_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t row0,
-                       float* out) {
-  const Format& f = format_of(QType::kQ8_0);
-  const StripView view{f, k, strip};
-  const int64_t blocks = k / kTileK, next_strip = strip_bytes(f, k);
-  const int scale_at = meta_pos(f).d;
-  const __m512i index = q8_order(), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int8_t* codes_x[R];
-  for (int r = 0; r < R; ++r) codes_x[r] = xq.codes.data() + (row0 + r) * k;
-  __m512 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* tile = view.tile(b);
-    prefetch_ahead<512>(tile + kPrefetchBytes);
-    // The next strip's meta: it follows that strip's tiles, so their prefetch reaches it last.
-    _mm_prefetch(reinterpret_cast<const char*>(view.meta(b) + next_strip), _MM_HINT_T0);
-    __m512i sums[R];
-    block_dots<R, kTileK / 4>([&](int p) {
-      return _mm512_xor_si512(_mm512_permutexvar_epi8(index, _mm512_loadu_si512(tile + 64 * p)),
-                              flip);
-    }, codes_x, b * kTileK, sums);
-    const __m512 scale = halves(view.meta(b) + scale_at);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (row0 + r) * blocks + b;
-      const __m512i dot = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(128 * xq.sums[at]));
-      const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xq.scales[at]));
-      total[r] = _mm512_fmadd_ps(dots, scale, total[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, total[r]);
-}
-
 // Plane p of a copy's block (quant_head_copy.h). The shifts move bits across bytes only into
 // positions the masks clear.
 template <int Bits, int P>
@@ -225,24 +171,52 @@ __m512i copy_plane(const uint8_t* block) {
   }
 }
 
-// R rows (from row0) times one strip of a copy -> out [R][16] float32: per block of 64,
-// d dx sum u q + m dx sum q.
-template <int Bits, int R>
-void estimate_copy_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t row0,
-                         float* out) {
-  constexpr CopyLayout layout = copy_layout(Bits);
-  const int64_t blocks = k / kCopyBlockK;
+// The blocks an estimate strip reads (quant_estimate_avx2.h has their AVX2 twins): a copy's
+// (quant_head_copy.h), or a split Q8_0 table's high part (quant_head_split.h). Each gives k
+// and bytes per block, plane P's codes, and the scale and minimum of w = scale u + minimum
+// for the 16 columns.
+template <int Bits>
+struct CopyBlocks {
+  static constexpr CopyLayout kLayout = copy_layout(Bits);
+  static constexpr int kK = kCopyBlockK, kBytes = kLayout.block_bytes;
+  template <int P>
+  static __m512i plane(const uint8_t* block) { return copy_plane<Bits, P>(block); }
+  static void scales(const uint8_t* block, __m512& scale, __m512& minimum) {
+    scale = halves(block + kLayout.scale_at);
+    minimum = halves(block + kLayout.min_at);
+  }
+};
+
+struct SplitBlocks {
+  static constexpr int kK = kSplitBlockK, kBytes = kSplitHighBytes;
+  template <int P>
+  static __m512i plane(const uint8_t* block) { return copy_plane<4, P>(block); }
+  static void scales(const uint8_t* block, __m512& scale, __m512& minimum) {
+    const __m512 d = halves(block + kSplitScaleAt);  // w ~ 16 d h - 120.5 d
+    scale = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
+    minimum = _mm512_mul_ps(d, _mm512_set1_ps(kSplitMinimum));
+  }
+};
+
+// R rows (from row0) times one strip of Blocks -> out [R][16] float32: per block, scale dx
+// sum u q + minimum dx sum q.
+template <class Blocks, int R>
+void estimate_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t row0,
+                    float* out) {
+  const int64_t blocks = k / Blocks::kK;
   const int8_t* codes_x[R];
   for (int r = 0; r < R; ++r) codes_x[r] = xq.codes.data() + (row0 + r) * k;
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = strip + b * layout.block_bytes;
-    prefetch_ahead<layout.block_bytes>(block + prefetch_bytes(R));
+    const uint8_t* block = strip + b * Blocks::kBytes;
+    prefetch_ahead<Blocks::kBytes>(block + prefetch_bytes(R));
     __m512i sums[R];
-    block_dots<R, kCopyBlockK / 4>([&](auto p) { return copy_plane<Bits, p>(block); }, codes_x,
-                                   b * kCopyBlockK, sums);
-    const __m512 scale = halves(block + layout.scale_at), minimum = halves(block + layout.min_at);
+    block_dots<R, Blocks::kK / 4>(
+        [&](auto p) { return Blocks::template plane<decltype(p)::value>(block); }, codes_x,
+        b * Blocks::kK, sums);
+    __m512 scale, minimum;
+    Blocks::scales(block, scale, minimum);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * blocks + b;
       const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(xq.scales[at]));
@@ -253,59 +227,42 @@ void estimate_copy_strip(const uint8_t* strip, int64_t k, const Int8Rows& xq, in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kCols, total[r]);
 }
 
-template <template <int> class Kernel>
-struct ByRows {
-  static constexpr EstimateFn run[kEstimateRows] = {
-      Kernel<1>::run, Kernel<2>::run, Kernel<3>::run, Kernel<4>::run,
-      Kernel<5>::run, Kernel<6>::run, Kernel<7>::run, Kernel<8>::run};
-};
+template <class Blocks>
+constexpr EstimateFn kByRows[kEstimateRows] = {
+    estimate_strip<Blocks, 1>, estimate_strip<Blocks, 2>, estimate_strip<Blocks, 3>,
+    estimate_strip<Blocks, 4>, estimate_strip<Blocks, 5>, estimate_strip<Blocks, 6>,
+    estimate_strip<Blocks, 7>, estimate_strip<Blocks, 8>};
 
-template <int R>
-struct Q8Kernel {
-  static constexpr EstimateFn run = estimate_q8_strip<R>;
-};
-template <int R>
-struct Copy3Kernel {
-  static constexpr EstimateFn run = estimate_copy_strip<3, R>;
-};
-template <int R>
-struct Copy4Kernel {
-  static constexpr EstimateFn run = estimate_copy_strip<4, R>;
-};
-
-// Each type's kernels by rows (1 .. kEstimateRows); a copy's on AVX2 too, Q8_0's only where
-// the build has VNNI.
-constexpr const EstimateFn* kQ8Kernels = ByRows<Q8Kernel>::run;
-constexpr const EstimateFn* kCopy3Kernels = ByRows<Copy3Kernel>::run;
-constexpr const EstimateFn* kCopy4Kernels = ByRows<Copy4Kernel>::run;
+// Each kind's kernels by rows (1 .. kEstimateRows).
+constexpr const EstimateFn* kSplitKernels = kByRows<SplitBlocks>;
+constexpr const EstimateFn* kCopy3Kernels = kByRows<CopyBlocks<3>>;
+constexpr const EstimateFn* kCopy4Kernels = kByRows<CopyBlocks<4>>;
 #elif SHOAL_ESTIMATE_AVX2
-template <int Bits, int R>
-void estimate_copy_avx2(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t row0,
-                        float* out) {
-  estimate_copy_strip_avx2<Bits, R>(strip, k, xq.codes.data(), xq.scales.data(),
-                                    xq.offsets.data(), row0, out);
+template <class Blocks, int R>
+void estimate_avx2(const uint8_t* strip, int64_t k, const Int8Rows& xq, int64_t row0,
+                   float* out) {
+  estimate_strip_avx2<Blocks, R>(strip, k, xq.codes.data(), xq.scales.data(),
+                                 xq.offsets.data(), row0, out);
 }
 
-constexpr EstimateFn kCopy3Avx2[kEstimateRows] = {
-    estimate_copy_avx2<3, 1>, estimate_copy_avx2<3, 2>, estimate_copy_avx2<3, 3>,
-    estimate_copy_avx2<3, 4>};
-constexpr EstimateFn kCopy4Avx2[kEstimateRows] = {
-    estimate_copy_avx2<4, 1>, estimate_copy_avx2<4, 2>, estimate_copy_avx2<4, 3>,
-    estimate_copy_avx2<4, 4>};
-constexpr const EstimateFn* kQ8Kernels = nullptr;
-constexpr const EstimateFn* kCopy3Kernels = kCopy3Avx2;
-constexpr const EstimateFn* kCopy4Kernels = kCopy4Avx2;
+template <class Blocks>
+constexpr EstimateFn kAvx2ByRows[kEstimateRows] = {
+    estimate_avx2<Blocks, 1>, estimate_avx2<Blocks, 2>, estimate_avx2<Blocks, 3>,
+    estimate_avx2<Blocks, 4>};
+constexpr const EstimateFn* kCopy3Kernels = kAvx2ByRows<CopyBlocks<3>>;
+constexpr const EstimateFn* kCopy4Kernels = kAvx2ByRows<CopyBlocks<4>>;
+constexpr const EstimateFn* kSplitKernels = kAvx2ByRows<SplitBlocks>;
 #else
-constexpr const EstimateFn* kQ8Kernels = nullptr;
 constexpr const EstimateFn* kCopy3Kernels = nullptr;
 constexpr const EstimateFn* kCopy4Kernels = nullptr;
+constexpr const EstimateFn* kSplitKernels = nullptr;
 #endif
 
 // Checks the weights' size and x; runs run[] over x quantized per `block` -> float32 [M, n].
 at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_t k,
                     int64_t bytes, const at::Tensor& input, int block, const EstimateFn* run) {
   TORCH_CHECK(run != nullptr, who, ": this build has no kernel for it (",
-              SHOAL_QUANT_AVX2 ? "AVX512-VNNI and VBMI" : "AVX2", ")");
+              "AVX512-VNNI or AVX2", ")");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == strip_count(n) * bytes,
               who, ": not a packed [", n, ", ", k, "] weight of this kind");
@@ -325,18 +282,20 @@ at::Tensor estimate(const char* who, const at::Tensor& packed, int64_t n, int64_
 
 }  // namespace
 
-bool int8_estimate_available() { return kQ8Kernels != nullptr; }
-
 bool copy_estimate_available() { return kCopy3Kernels != nullptr; }
 
-at::Tensor int8_estimate(int64_t type, const at::Tensor& packed, int64_t n, int64_t k,
-                         const at::Tensor& x) {
-  const QType qt = qtype(type);
-  TORCH_CHECK(qt == QType::kQ8_0, "int8_estimate: weights must be Q8_0, not ",
-              format_of(qt).name);
-  TORCH_CHECK(k % kTileK == 0, "int8_estimate: k must be a multiple of ", kTileK);
-  return estimate("int8_estimate", packed, n, k, strip_bytes(format_of(qt), k), x, kTileK,
-                  kQ8Kernels);
+bool split_estimate_available() { return kSplitKernels != nullptr; }
+
+at::Tensor int8_estimate_split(const at::Tensor& split, int64_t n, int64_t k,
+                               const at::Tensor& x) {
+  TORCH_CHECK(k % kSplitBlockK == 0, "int8_estimate_split: k must be a multiple of ",
+              kSplitBlockK);
+  TORCH_CHECK(split.numel() == split_total_bytes(strip_count(n), k),
+              "int8_estimate_split: not a split [", n, ", ", k, "] Q8_0 table");
+  // The estimate reads the high part alone: every strip's high blocks come first.
+  const at::Tensor high = split.narrow(0, 0, split_high_bytes(strip_count(n), k));
+  return estimate("int8_estimate_split", high, n, k, k / kSplitBlockK * kSplitHighBytes, x,
+                  kSplitBlockK, kSplitKernels);
 }
 
 at::Tensor int8_estimate_copy(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "quant_head_copy.h"
+#include "quant_head_split.h"
 #include "quant_prefetch.h"
 
 namespace shoal_quant {
@@ -50,17 +51,17 @@ inline __m256i copy_plane_avx2(const uint8_t* block, int h) {
   }
 }
 
-// R rows of x's int8 codes (codes_x[r], from k = at) times one block's planes, columns
-// [8 h, 8 h + 8) -> the exact int32 dots [R] of 8 columns.
-template <int Bits, int R>
+// R rows of x's int8 codes (codes_x[r], from k = at) times one block's Planes planes (4 k
+// each), columns [8 h, 8 h + 8) -> the exact int32 dots [R] of 8 columns.
+template <int Bits, int R, int Planes = kCopyBlockK / 4>
 inline void copy_block_dots_avx2(const uint8_t* block, int h, const int8_t* const* codes_x,
                                  int64_t at, __m256i (&dots)[R]) {
-  constexpr int kPlanes = kCopyBlockK / 4;
   constexpr int kWiden = Bits == 4 ? 8 : 16;  // planes summed in int16 (header)
+  static_assert(Planes % kWiden == 0, "whole int16 runs per block");
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
   __m256i pairs[R];
-  static_for<kPlanes>([&](auto p) {
+  static_for<Planes>([&](auto p) {
     if constexpr (p % kWiden == 0)
       for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
     const __m256i codes = copy_plane_avx2<Bits, p>(block, h);
@@ -76,30 +77,55 @@ inline void copy_block_dots_avx2(const uint8_t* block, int h, const int8_t* cons
   });
 }
 
-// R rows (from row0) times one strip of a copy -> out [R][16] float32: per block of 64,
-// d dx sum u q + m dx sum q, as quant_estimate.cpp's estimate_copy_strip computes it.
-// scales_x / offsets_x: [rows][k / 64] (Int8Rows).
-template <int Bits, int R>
-void estimate_copy_strip_avx2(const uint8_t* strip, int64_t k, const int8_t* codes,
-                              const float* scales_x, const float* offsets_x, int64_t row0,
-                              float* out) {
-  constexpr CopyLayout layout = copy_layout(Bits);
-  const int64_t blocks = k / kCopyBlockK;
+// The blocks an estimate strip reads: a copy's (quant_head_copy.h), or a split Q8_0 table's
+// high part (quant_head_split.h). Each gives k per block, bytes per block and, per half of
+// the columns, the scale and minimum of w = scale u + minimum (quant_estimate.cpp's VNNI
+// twins read all 16 columns at once).
+template <int Bits>
+struct CopyBlocks {
+  static constexpr int kBits = Bits, kK = kCopyBlockK;
+  static constexpr CopyLayout kLayout = copy_layout(Bits);
+  static constexpr int kBytes = kLayout.block_bytes;
+  static void scales(const uint8_t* block, int h, __m256& scale, __m256& minimum) {
+    scale = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kLayout.scale_at + 16 * h)));
+    minimum = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kLayout.min_at + 16 * h)));
+  }
+};
+
+struct SplitBlocks {
+  static constexpr int kBits = 4, kK = kSplitBlockK, kBytes = kSplitHighBytes;
+  static void scales(const uint8_t* block, int h, __m256& scale, __m256& minimum) {
+    const __m256 d = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kSplitScaleAt + 16 * h)));
+    scale = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
+    minimum = _mm256_mul_ps(d, _mm256_set1_ps(kSplitMinimum));
+  }
+};
+
+// R rows (from row0) times one strip of Blocks -> out [R][16] float32: per block, scale dx
+// sum u q + minimum dx sum q, as quant_estimate.cpp's estimate_copy_strip computes a copy's.
+// scales_x / offsets_x: [rows][k / Blocks::kK] (Int8Rows).
+template <class Blocks, int R>
+void estimate_strip_avx2(const uint8_t* strip, int64_t k, const int8_t* codes,
+                         const float* scales_x, const float* offsets_x, int64_t row0,
+                         float* out) {
+  const int64_t blocks = k / Blocks::kK;
   const int8_t* codes_x[R];
   for (int r = 0; r < R; ++r) codes_x[r] = codes + (row0 + r) * k;
   // The sums live in out (L1) between blocks: in registers beside the int16 and int32 sums
   // of 4 rows they would spill in the planes' loop.
   for (int i = 0; i < R * kCols; ++i) out[i] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = strip + b * layout.block_bytes;
-    prefetch_ahead<layout.block_bytes>(block + prefetch_bytes(R));
+    const uint8_t* block = strip + b * Blocks::kBytes;
+    prefetch_ahead<Blocks::kBytes>(block + prefetch_bytes(R));
     for (int h = 0; h < 2; ++h) {
       __m256i dots[R];
-      copy_block_dots_avx2<Bits, R>(block, h, codes_x, b * kCopyBlockK, dots);
-      const __m256 scale = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + layout.scale_at + 16 * h)));
-      const __m256 minimum = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + layout.min_at + 16 * h)));
+      copy_block_dots_avx2<Blocks::kBits, R, Blocks::kK / 4>(block, h, codes_x, b * Blocks::kK,
+                                                             dots);
+      __m256 scale, minimum;
+      Blocks::scales(block, h, scale, minimum);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (row0 + r) * blocks + b;
         float* total = out + r * kCols + 8 * h;

@@ -13,7 +13,8 @@ from shoal.engine.weights.quant import RawTensor
 class Embedding(Layer):
     """Row lookup. The table stays packed when the plan keeps weights packed (rows are
     dequantized exactly on lookup, and a tied output head multiplies with the same bytes);
-    otherwise it is dense."""
+    otherwise it is dense. A tied head may split a packed Q8_0 table for its estimate
+    (head.py, SplitTable): rows are then looked up there."""
 
     def __init__(self, raw: RawTensor, plan: WeightPlan, scale: float | None = None) -> None:
         super().__init__()
@@ -21,6 +22,7 @@ class Embedding(Layer):
         self.kernel = plan.kernel
         self.weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+        self.split = None  # head.SplitTable, once a tied head has split the table
         self.vocab_size, self.width = raw.shape
         if plan.kernel is not None and packed_type(raw) is not None:
             self.type_code, self.packed = pack(raw, plan.kernel)
@@ -31,9 +33,15 @@ class Embedding(Layer):
         self.scale = None if scale is None else torch.tensor(scale, dtype=plan.compute_dtype,
                                                              device=plan.device)
 
+    def use_split(self, table) -> None:
+        """Look rows up in a tied head's split of this table, which replaces it."""
+        self.split, self.packed = table, None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             out = F.embedding(ids, self.weight)  # [T, K]
+        elif self.split is not None:
+            out = self.split.rows(ids.to(torch.int64)).to(self.dtype)  # [T, K]
         else:
             rows = self.kernel.quant_dequantize_rows(self.type_code, self.packed,
                                                      self.vocab_size, self.width, ids)
@@ -41,4 +49,6 @@ class Embedding(Layer):
         return out if self.scale is None else out * self.scale
 
     def nbytes(self) -> int:
+        if self.split is not None:
+            return self.split.nbytes()
         return (self.weight if self.weight is not None else self.packed).nbytes

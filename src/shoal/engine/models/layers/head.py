@@ -6,17 +6,23 @@ Q6_K one 191 MB). Generated rows read an estimate of it and recompute the estima
 tokens of each row exactly (256 for a narrow head's 4-bit copy): the tokens sampling can
 realistically pick get the head's exact values, the far tail keeps the estimate.
 
-The estimate is a copy of the head where memory allows one; else, for a Q8_0 head on a CPU
-with VNNI, the head's own codes (no memory of its own). The copy has 3-bit codes (heads of
-hidden >= COPY_3_BITS_MIN_HIDDEN) or 4-bit codes, with a scale and minimum per 64 weights
-(3.5 or 4.5 bits a weight, kernels/quant_head_copy.h), and the copy or the Q8_0 codes are
-multiplied with x rounded to int8 (Int8Estimate): vpdpbusd on VNNI, vpmaddubsw on AVX2 (the
-same bits). A Q8_0 table is then read at memory speed (the exact path's widening of its codes
-to bf16 costs more than reading them), a copy as one stream. On Qwen2.5-Coder-1.5B's head the
-3-bit copy (102 MB) takes 1.3-2.1 ms a row on an AVX512 host where a Q4_1 copy (146 MB) on
-the exact kernels took 2.7-3.7; on a 2-core AVX2 host 4.2 ms against 5.7-7.0, and 4 rows
-13 ms against 15.5. Without VNNI a Q8_0 head too big for a copy has no estimate. Prompt rows
-(the first token of each request) use the exact head.
+The estimate is a copy of the head where memory allows one: 3-bit codes (heads of hidden >=
+COPY_3_BITS_MIN_HIDDEN) or 4-bit codes, with a scale and minimum per 64 weights (3.5 or 4.5
+bits a weight, kernels/quant_head_copy.h), multiplied with x rounded to int8 (Int8Estimate):
+vpdpbusd on VNNI, vpmaddubsw on AVX2 (the same bits), the copy read as one stream. On
+Qwen2.5-Coder-1.5B's head the 3-bit copy (102 MB) takes 1.3-2.1 ms a row on an AVX512 host
+where a Q4_1 copy (146 MB) on the exact kernels took 2.7-3.7; on a 2-core AVX2 host 4.2 ms
+against 5.7-7.0, and 4 rows 13 ms against 15.5. Prompt rows (the first token of each
+request) use the exact head.
+
+A Q8_0 head too big for a copy (Gemma 3's) splits its table into its codes' high and low
+nibbles, in the bytes Q8_0 takes (SplitTable, kernels/quant_head_split.h): the high nibbles
+are the estimate, half the bytes to read, and both give exact rows, for the candidates and
+for a tied embedding's lookups. Gemma 3's head takes 1.3 ms a row on a 2-core AVX512 host
+where an estimate from the Q8_0 codes themselves took 4.9. Such a head has no exact pass
+over the whole table, so its prompt rows too are the estimate with the top candidates exact.
+A copy is kept where it fits all the same: SmolLM2's 4-bit copy estimates in 0.09 ms a row
+against its split table's 0.10, and rescores faster.
 
 Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
 last prompt row too: it is one row per request, where the prompt path's tile split would
@@ -55,6 +61,7 @@ _WIDE_TYPES = {"Q6_K", "Q8_0", "F16", "BF16", "F32"}
 # the layouts' 16-row strips).
 _ESTIMATE_CHUNK_ROWS = 4096
 COPY_BLOCK = 64  # weights per scale and minimum of a copy
+SPLIT_BLOCK = 32  # weights per scale of a split Q8_0 table (Q8_0's block)
 _FP16_MAX = 65504.0
 # 3-bit codes order the top tokens well enough only for wide heads. Worst estimate rank of
 # the exact top 8 over ~900 rows of real text, with 3-bit / 4-bit codes: hidden 1536
@@ -76,25 +83,45 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     else:
         return ExactHead(build_linear([raw], None, plan, float_out=True), tied=False)
     vocab, hidden = raw.shape
-    op = plan.kernel.QuantLinear([code], [packed], [vocab], hidden, None)
-    exact = QuantLinear(op, float_out=True)
-    tied = embedding is not None
+    kernel = plan.kernel
     if raw.quant not in _WIDE_TYPES or vocab * hidden < ESTIMATE_MIN_WEIGHTS:
-        return ExactHead(exact, tied)
-    int8 = plan.kernel.quant_int8_estimate_available()  # Q8_0's own codes (VNNI)
-    copies = plan.kernel.quant_copy_estimate_available()  # 3- and 4-bit copies
-    if copies and hidden % COPY_BLOCK == 0:
+        return ExactHead(_exact(kernel, code, packed, vocab, hidden), embedding is not None)
+    tied = embedding is not None
+    if kernel.quant_copy_estimate_available() and hidden % COPY_BLOCK == 0:  # 3- and 4-bit copies
         bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
         copy = None
         if _copy_bytes(vocab, hidden, bits) <= spare_bytes:
-            copy = _copy(plan.kernel, code, packed, vocab, hidden, bits)
+            copy = _copy(kernel, code, packed, vocab, hidden, bits)
         if copy is not None:
-            return EstimatedHead(exact, Int8Estimate(plan.kernel, copy, vocab, hidden,
-                                                     bits=bits), tied,
-                                 RESCORE_CANDIDATES if bits == 3 else NARROW_RESCORE_CANDIDATES)
-    if code == QTYPES["Q8_0"] and int8:
-        return EstimatedHead(exact, Int8Estimate(plan.kernel, packed, vocab, hidden), tied)
-    return ExactHead(exact, tied)
+            return EstimatedHead(_exact(kernel, code, packed, vocab, hidden),
+                                 Int8Estimate(kernel, copy, vocab, hidden, bits=bits), tied,
+                                 _candidates(bits, hidden))
+    if (code == QTYPES["Q8_0"] and kernel.quant_split_estimate_available()
+            and hidden % SPLIT_BLOCK == 0):
+        table = SplitTable(kernel, kernel.quant_head_split_pack(packed, vocab, hidden), vocab,
+                           hidden)
+        if embedding is not None:
+            embedding.use_split(table)  # the Q8_0 table is held once, split
+        return SplitHead(table, tied, _candidates(4, hidden))
+    return ExactHead(_exact(kernel, code, packed, vocab, hidden), tied)
+
+
+def _exact(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int) -> QuantLinear:
+    return QuantLinear(kernel.QuantLinear([code], [packed], [vocab], hidden, None),
+                       float_out=True)
+
+
+def _candidates(bits: int, hidden: int) -> int:
+    """Rows rescored: a narrow head's 4-bit estimate orders the top tokens more loosely."""
+    return NARROW_RESCORE_CANDIDATES if bits == 4 and hidden < COPY_3_BITS_MIN_HIDDEN \
+        else RESCORE_CANDIDATES
+
+
+def _rescored(logits: torch.Tensor, candidates: int, exact_columns) -> torch.Tensor:
+    """logits [S, V] (an estimate) with each row's top `candidates` replaced by
+    exact_columns(indices [S, C]) -> [S, C]."""
+    indices = logits.topk(candidates, dim=-1).indices  # [S, C]
+    return logits.scatter_(1, indices, exact_columns(indices))
 
 
 class ExactHead(Layer):
@@ -137,35 +164,76 @@ class EstimatedHead(Layer):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _rescored(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.estimate.forward(x, True, False)  # [S, V]
-        candidates = logits.topk(self.candidates, dim=-1).indices  # [S, C]
-        return logits.scatter_(1, candidates, self.exact.op.forward_columns(x, candidates))
+        return _rescored(self.estimate.forward(x, True, False), self.candidates,
+                         lambda indices: self.exact.op.forward_columns(x, indices))
 
     def nbytes(self) -> int:
         return self.estimate.nbytes() + (0 if self.tied else self.exact.nbytes())
 
 
-class Int8Estimate:
-    """A packed [vocab, hidden] weight times x quantized to int8: the head's own Q8_0 codes
-    (VNNI), or (bits 3 or 4) its copy (VNNI or AVX2), whose bytes are the estimate's own. QuantLinear's
-    forward for the estimate's one use."""
+class SplitHead(Layer):
+    """logits of a split Q8_0 table (SplitTable): for every row, prompt rows too (the table
+    has no exact pass of its own, and a prompt gives one row per request), the estimate with
+    its top `candidates` recomputed exactly."""
 
-    def __init__(self, kernel, packed: torch.Tensor, vocab: int, hidden: int,
-                 bits: int | None = None) -> None:
+    def __init__(self, table: SplitTable, tied: bool, candidates: int) -> None:
+        super().__init__()
+        self.table, self.tied, self.candidates = table, tied, candidates
+        self.out_features = table.vocab
+
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        """x: [S, hidden] bf16 -> float32 logits [S, vocab]."""
+        if x.shape[0] == 0:
+            return torch.empty(0, self.out_features, dtype=torch.float32, device=x.device)
+        return _rescored(self.table.estimate(x), self.candidates,
+                         lambda indices: self.table.columns(x, indices))
+
+    def nbytes(self) -> int:
+        return 0 if self.tied else self.table.nbytes()
+
+
+class SplitTable:
+    """A Q8_0 [vocab, hidden] table as its codes' high and low nibbles
+    (kernels/quant_head_split.h), in the bytes Q8_0 takes: the high nibbles alone are the
+    head's estimate (half the bytes to read), both give exact rows (gguf's values). A tied
+    embedding looks its rows up here."""
+
+    def __init__(self, kernel, split: torch.Tensor, vocab: int, hidden: int) -> None:
+        self.kernel, self.split, self.vocab, self.hidden = kernel, split, vocab, hidden
+
+    def estimate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [S, hidden] bf16 -> float32 [S, vocab], x rounded to int8 per 32."""
+        return self.kernel.quant_int8_estimate_split(self.split, self.vocab, self.hidden, x)
+
+    def columns(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [S, hidden] bf16 times rows indices [S, C] exactly -> float32 [S, C]."""
+        return self.kernel.quant_head_split_columns(self.split, self.vocab, self.hidden, x,
+                                                    indices)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [T, hidden]: rows ids [T], gguf's values."""
+        return self.kernel.quant_head_split_rows(self.split, self.vocab, self.hidden, ids)
+
+    def nbytes(self) -> int:
+        return self.split.numel()
+
+
+class Int8Estimate:
+    """The head's 3- or 4-bit copy times x quantized to int8 (VNNI or AVX2); the copy's bytes
+    are the estimate's own. QuantLinear's forward for the estimate's one use."""
+
+    def __init__(self, kernel, packed: torch.Tensor, vocab: int, hidden: int, bits: int) -> None:
         self.kernel, self.packed, self.vocab, self.hidden = kernel, packed, vocab, hidden
         self.bits = bits
 
     def forward(self, x: torch.Tensor, float_out: bool = True, prompt: bool = False
                 ) -> torch.Tensor:
         """x: [S, hidden] bf16 -> float32 [S, vocab]."""
-        if self.bits is None:
-            return self.kernel.quant_int8_estimate(QTYPES["Q8_0"], self.packed, self.vocab,
-                                                   self.hidden, x)
         return self.kernel.quant_int8_estimate_copy(self.packed, self.vocab, self.hidden,
                                                     self.bits, x)
 
     def nbytes(self) -> int:
-        return 0 if self.bits is None else self.packed.numel()
+        return self.packed.numel()
 
 
 def _copy_bytes(vocab: int, hidden: int, bits: int) -> int:
