@@ -19,7 +19,9 @@ A Q8_0 head too big for a copy (Gemma 3's) splits its table into its codes' high
 nibbles, in the bytes Q8_0 takes (SplitTable, kernels/quant_head_split.h): the high nibbles
 are the estimate, half the bytes to read, and both give exact rows, for the candidates and
 for a tied embedding's lookups. Gemma 3's head takes 1.3 ms a row on a 2-core AVX512 host
-where an estimate from the Q8_0 codes themselves took 4.9. Such a head has no exact pass
+where an estimate from the Q8_0 codes themselves took 4.9; over ~900 generated rows of
+real text its estimate put the exact top token within its top 10 and the exact top 8 within
+its top 44 (it rescores 256, as a narrow head's 4-bit copy does). Such a head has no exact pass
 over the whole table, so its prompt rows too are the estimate with the top candidates exact.
 A copy is kept where it fits all the same: SmolLM2's 4-bit copy estimates in 0.09 ms a row
 against its split table's 0.10, and rescores faster.
