@@ -345,9 +345,9 @@ def test_a_split_q8_0_table_keeps_gguf_s_values(kernel):
     out_features, cols = 40, 512  # 40: a strip of 16 rows is padded
     raw = random_blocks("Q8_0", out_features, cols, seed=18)
     weights = gguf_values("Q8_0", raw, out_features, cols)
-    data = packed(kernel, "Q8_0", raw, out_features, cols)
-    split = kernel.quant_head_split_pack(data, out_features, cols)
-    assert split.numel() == data.numel()
+    file = torch.from_numpy(raw.reshape(-1).copy())
+    split = kernel.quant_head_split_from_file(file, out_features, cols)
+    assert split.numel() == packed(kernel, "Q8_0", raw, out_features, cols).numel()
     rows = torch.tensor([0, 39, 17, 17, 5])
     assert torch.equal(kernel.quant_head_split_rows(split, out_features, cols, rows),
                        weights[rows])
@@ -363,8 +363,8 @@ def test_a_split_q8_0_table_keeps_gguf_s_values(kernel):
         kernel.quant_head_split_columns(split, out_features, cols, x, columns - 1 - columns)
     with pytest.raises(RuntimeError, match=r"not a split \[40, 512\] Q8_0 table"):
         kernel.quant_head_split_rows(split[:-64], out_features, cols, rows)
-    with pytest.raises(RuntimeError, match="not a packed"):
-        kernel.quant_head_split_pack(data[:-64], out_features, cols)
+    with pytest.raises(RuntimeError, match=r"not the file bytes of a \[40, 512\] Q8_0"):
+        kernel.quant_head_split_from_file(file[:-34], out_features, cols)
 
 
 def test_a_split_q8_0_table_s_int8_estimate(kernel):
@@ -373,8 +373,8 @@ def test_a_split_q8_0_table_s_int8_estimate(kernel):
     out_features, cols = 40, 512
     raw = random_blocks("Q8_0", out_features, cols, seed=21)
     weights = gguf_values("Q8_0", raw, out_features, cols)
-    split = kernel.quant_head_split_pack(packed(kernel, "Q8_0", raw, out_features, cols),
-                                         out_features, cols)
+    split = kernel.quant_head_split_from_file(torch.from_numpy(raw.reshape(-1).copy()),
+                                              out_features, cols)
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(22)).bfloat16()
     estimate = kernel.quant_int8_estimate_split(split, out_features, cols, x)
     assert estimate.shape == (20, out_features) and estimate.dtype == torch.float32

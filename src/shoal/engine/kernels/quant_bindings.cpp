@@ -29,9 +29,9 @@ void bind(pybind11::module& m) {
         "table's high nibbles, estimated with int8 x", pybind11::arg("split"),
         pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("quant_head_split_pack", &head_split_pack, "a packed Q8_0 [n, k] weight -> its split "
-        "table", pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("k"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_head_split_from_file", &head_split_from_file, "the file bytes of a Q8_0 [n, k] "
+        "weight -> its split table", pybind11::arg("data"), pybind11::arg("n"),
+        pybind11::arg("k"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_head_split_rows", &head_split_rows, "rows of a split table as float32",
         pybind11::arg("split"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("rows"),
         pybind11::call_guard<pybind11::gil_scoped_release>());

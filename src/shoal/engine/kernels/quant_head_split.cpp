@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "quant_formats.h"
-#include "quant_strip.h"
 
 namespace shoal_quant {
 
@@ -55,37 +54,35 @@ void check_rows(const at::Tensor& rows, int64_t n, const char* who) {
 
 }  // namespace
 
-at::Tensor head_split_pack(const at::Tensor& packed, int64_t n, int64_t k) {
-  const Format& f = format_of(QType::kQ8_0);
+at::Tensor head_split_from_file(const at::Tensor& data, int64_t n, int64_t k) {
   TORCH_CHECK(k > 0 && k % kSplitBlockK == 0, "head split: k must be a multiple of ",
               kSplitBlockK);
-  const int64_t strips = strip_count(n), bytes = strip_bytes(f, k), blocks = k / kSplitBlockK;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == strips * bytes,
-              "head split: not a packed [", n, ", ", k, "] Q8_0 weight");
-  at::Tensor out = at::zeros({split_total_bytes(strips, k)}, packed.options());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
+  constexpr int kBlockBytes = 2 + kSplitBlockK;  // ggml's block_q8_0: fp16 d, 32 int8 q
+  const int64_t row_bytes = k / kSplitBlockK * kBlockBytes;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() &&
+                  data.numel() == n * row_bytes,
+              "head split: not the file bytes of a [", n, ", ", k, "] Q8_0 weight");
+  const int64_t strips = strip_count(n), blocks = k / kSplitBlockK;
+  at::Tensor out = at::zeros({split_total_bytes(strips, k)}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* high0 = out.data_ptr<uint8_t>();
   uint8_t* low0 = high0 + split_high_bytes(strips, k);
-  const int d_at = meta_pos(f).d;
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const StripView view{f, k, src + s * bytes};
-      for (int64_t b = 0; b < blocks; ++b) {  // a Q8_0 tile is one block of 32
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* high = high0 + (s * blocks + b) * kSplitHighBytes;
         uint8_t* low = low0 + (s * blocks + b) * kSplitLowBytes;
-        std::memcpy(high + kSplitScaleAt, view.meta(b) + d_at, 2 * kCols);
-        for (int c = 0; c < kCols; ++c) {
-          uint8_t u[kTileK];  // q + 128
-          read_tile_codes<Planes::kInt8>(view.tile(b), c, u);
-          for (int kk = 0; kk < kTileK; ++kk) {
+        for (int c = 0; c < kCols && s * kCols + c < n; ++c) {  // padding rows stay 0
+          const uint8_t* block = src + (s * kCols + c) * row_bytes + b * kBlockBytes;
+          std::memcpy(high + kSplitScaleAt + 2 * c, block, 2);  // d
+          for (int kk = 0; kk < kSplitBlockK; ++kk) {
+            const unsigned u = block[2 + kk] ^ 0x80u;  // q + 128
             const int p = kk / 4, at = 64 * (p / 2) + 4 * c + kk % 4, shift = 4 * (p % 2);
-            high[at] |= static_cast<uint8_t>((u[kk] >> 4) << shift);
-            low[at] |= static_cast<uint8_t>((u[kk] & 15) << shift);
+            high[at] |= static_cast<uint8_t>((u >> 4) << shift);
+            low[at] |= static_cast<uint8_t>((u & 15) << shift);
           }
         }
       }
-    }
   });
   return out;
 }

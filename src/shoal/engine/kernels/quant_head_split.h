@@ -38,8 +38,9 @@ inline int64_t split_total_bytes(int64_t strips, int64_t k) {
   return strips * (k / kSplitBlockK) * (kSplitHighBytes + kSplitLowBytes);
 }
 
-// A packed Q8_0 [n, k] weight (quant_formats.h's strip layout) -> its split table.
-at::Tensor head_split_pack(const at::Tensor& packed, int64_t n, int64_t k);
+// The file's bytes of a Q8_0 [n, k] weight (ggml's blocks, [n, k / 32 * 34]) -> its split
+// table (a head that splits its table never holds the packed form beside it).
+at::Tensor head_split_from_file(const at::Tensor& data, int64_t n, int64_t k);
 // Rows `rows` [T] of a split table: float32 [T, k], gguf's values exactly.
 at::Tensor head_split_rows(const at::Tensor& split, int64_t n, int64_t k, const at::Tensor& rows);
 // out [S, C] = x [S, k] (bf16) times the split table's rows columns[s] [S, C]: each dot in

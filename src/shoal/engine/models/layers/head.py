@@ -44,6 +44,7 @@ from shoal.engine.models.layers.linear import (
     QuantLinear,
     WeightPlan,
     build_linear,
+    file_bytes,
     pack,
     packed_type,
 )
@@ -78,34 +79,45 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     memory the model may still take for a 3- or 4-bit copy of the head (its estimate)."""
     if embedding is not None and embedding.weight is not None:
         return ExactHead(DenseLinear(embedding.weight), tied=True)
-    if embedding is not None and embedding.packed is not None:
-        code, packed = embedding.type_code, embedding.packed
-    elif plan.kernel is not None and packed_type(raw) is not None:
-        code, packed = pack(raw, plan.kernel)
-    else:
+    kernel = plan.kernel
+    if kernel is None or packed_type(raw) is None:  # a tied embedding would be dense
         return ExactHead(build_linear([raw], None, plan, float_out=True), tied=False)
     vocab, hidden = raw.shape
-    kernel = plan.kernel
-    if raw.quant not in _WIDE_TYPES or vocab * hidden < ESTIMATE_MIN_WEIGHTS:
-        return ExactHead(_exact(kernel, code, packed, vocab, hidden), embedding is not None)
     tied = embedding is not None
-    if kernel.quant_copy_estimate_available() and hidden % COPY_BLOCK == 0:  # 3- and 4-bit copies
-        bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
-        copy = None
-        if _copy_bytes(vocab, hidden, bits) <= spare_bytes:
-            copy = _copy(kernel, code, packed, vocab, hidden, bits)
+    estimated = raw.quant in _WIDE_TYPES and vocab * hidden >= ESTIMATE_MIN_WEIGHTS
+    bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
+    copies = (estimated and kernel.quant_copy_estimate_available() and hidden % COPY_BLOCK == 0
+              and _copy_bytes(vocab, hidden, bits) <= spare_bytes)
+    splits = (estimated and raw.quant == "Q8_0" and kernel.quant_split_estimate_available()
+              and hidden % SPLIT_BLOCK == 0)
+    if splits and not copies:
+        return _split_head(kernel, raw, embedding)
+    code, packed = (embedding.type_code, embedding.packed) if tied else pack(raw, kernel)
+    if copies:
+        copy = _copy(kernel, code, packed, vocab, hidden, bits)
         if copy is not None:
             return EstimatedHead(_exact(kernel, code, packed, vocab, hidden),
                                  Int8Estimate(kernel, copy, vocab, hidden, bits=bits), tied,
                                  _candidates(bits, hidden))
-    if (code == QTYPES["Q8_0"] and kernel.quant_split_estimate_available()
-            and hidden % SPLIT_BLOCK == 0):
-        table = SplitTable(kernel, kernel.quant_head_split_pack(packed, vocab, hidden), vocab,
-                           hidden)
-        if embedding is not None:
-            embedding.use_split(table)  # the Q8_0 table is held once, split
-        return SplitHead(table, tied, _candidates(4, hidden))
+        if splits:  # a weight beyond fp16's range (the copy's scales)
+            del packed
+            return _split_head(kernel, raw, embedding)
     return ExactHead(_exact(kernel, code, packed, vocab, hidden), tied)
+
+
+def _split_head(kernel, raw: RawTensor, embedding: Embedding | None) -> SplitHead:
+    """A Q8_0 head as its split table (SplitTable), built from the file's bytes once a tied
+    embedding has let go of its packed table: the table is never held twice, not even while
+    loading."""
+    vocab, hidden = raw.shape
+    if embedding is not None:
+        embedding.packed = None
+    split = kernel.quant_head_split_from_file(file_bytes(raw), vocab, hidden)
+    raw.release()
+    table = SplitTable(kernel, split, vocab, hidden)
+    if embedding is not None:
+        embedding.use_split(table)
+    return SplitHead(table, embedding is not None, _candidates(4, hidden))
 
 
 def _exact(kernel, code: int, packed: torch.Tensor, vocab: int, hidden: int) -> QuantLinear:

@@ -75,15 +75,18 @@ def pack(raw: RawTensor, kernel: ModuleType) -> tuple[int, torch.Tensor]:
     if name is None:
         raise ValueError(f"{raw.quant} {raw.shape} has no packed form")
     rows, cols = raw.shape
-    if isinstance(raw.data, torch.Tensor):
-        data = raw.data.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-    else:
-        with warnings.catch_warnings():  # the file's read-only bytes are only read
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.ascontiguousarray(raw.data).reshape(-1).view(np.uint8))
-    packed = kernel.quant_pack(QTYPES[name], data, rows, cols)
+    packed = kernel.quant_pack(QTYPES[name], file_bytes(raw), rows, cols)
     raw.release()  # its file pages: loading holds one tensor's at a time
     return QTYPES[name], packed
+
+
+def file_bytes(raw: RawTensor) -> torch.Tensor:
+    """A weight's bytes as stored (uint8, flat), without a copy where they are contiguous."""
+    if isinstance(raw.data, torch.Tensor):
+        return raw.data.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    with warnings.catch_warnings():  # the file's read-only bytes are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(raw.data).reshape(-1).view(np.uint8))
 
 
 def dense_values(raw: RawTensor, unpacker: ModuleType | None) -> torch.Tensor:
