@@ -96,6 +96,7 @@ WEATHER_TOOL = {"name": "get_weather", "description": "Current weather in a city
                                  "properties": {"city": {"type": "string", "maxLength": 30}},
                                  "required": ["city"]}}
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris?"}]
+GREEDY = {"temperature": 0}  # sent as it is: this client's typed signature has no temperature
 
 
 def test_ollama_client_structured_tools_embeddings_and_pull(server):  # noqa: F811
@@ -129,15 +130,18 @@ def test_anthropic_client_forced_tool_call_parses(server):  # noqa: F811
     import jsonschema
 
     client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=120)
+    # Greedy: what is tested is the client reading a forced call, not what sampling picks.
     message = client.messages.create(
         model="smollm2", max_tokens=60, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
-        tool_choice={"type": "tool", "name": "get_weather"})
-    assert message.stop_reason == "tool_use"
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    assert message.stop_reason == "tool_use", message
     [block] = [b for b in message.content if b.type == "tool_use"]
     assert block.name == "get_weather" and block.id
     jsonschema.validate(block.input, WEATHER_TOOL["input_schema"])
     with client.messages.stream(model="smollm2", max_tokens=60, messages=WEATHER_QUESTION,
-                                tools=[WEATHER_TOOL], tool_choice={"type": "any"}) as stream:
+                                tools=[WEATHER_TOOL], tool_choice={"type": "any"},
+                                extra_body=GREEDY) as stream:
         final = stream.get_final_message()
-    [block] = [b for b in final.content if b.type == "tool_use"]
-    jsonschema.validate(block.input, WEATHER_TOOL["input_schema"])
+    calls = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and len(calls) == 1, final
+    jsonschema.validate(calls[0].input, WEATHER_TOOL["input_schema"])
