@@ -303,26 +303,24 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
     # No room for a copy: a Q8_0 head splits its table (the tests below), the others are exact.
     cramped = head_module.build_head(raw, plan, None, spare_bytes=1000)
     assert isinstance(cramped, head_module.SplitHead if name == "Q8_0" else head_module.ExactHead)
-    heads = [head_module.build_head(raw, plan, None, spare_bytes=10**9)]
-    copy = heads[-1]  # a copy of the head, bytes of its own: per 16 x 64 weights, 448 or 576
+    # Room for a copy of the head, bytes of its own: per 16 x 64 weights, 448 or 576.
+    head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
+    assert isinstance(head, head_module.EstimatedHead)
     bits = 3 if hidden >= head_module.COPY_3_BITS_MIN_HIDDEN else 4
-    assert copy.estimate.bits == bits
-    assert copy.candidates == (head_module.RESCORE_CANDIDATES if bits == 3
+    assert head.estimate.bits == bits
+    assert head.candidates == (head_module.RESCORE_CANDIDATES if bits == 3
                                else head_module.NARROW_RESCORE_CANDIDATES)
-    assert copy.nbytes() == copy.exact.nbytes() + vocab * hidden // 1024 * (64 + 128 * bits)
+    assert head.nbytes() == head.exact.nbytes() + vocab * hidden // 1024 * (64 + 128 * bits)
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13)).bfloat16()
-    for head in heads:
-        assert isinstance(head, head_module.EstimatedHead)
-        exact = head.exact(x)  # the exact head, as generated rows compute it
-        ours = head(x)
-        candidates = head.estimate.forward(x, True, False).topk(
-            head.candidates, dim=-1).indices
-        assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
-        assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
-        # Prompt rows (from prompt_from on) get the exact head all through, on the
-        # generated-token arithmetic (a row's logits are the same bits alone or in a batch).
-        assert torch.equal(head(x, 1)[1:], exact[1:])
-        assert torch.equal(head(x[2:], 0), exact[2:])
+    exact = head.exact(x)  # the exact head, as generated rows compute it
+    ours = head(x)
+    candidates = head.estimate.forward(x, True, False).topk(head.candidates, dim=-1).indices
+    assert torch.equal(ours.gather(1, candidates), exact.gather(1, candidates))
+    assert torch.equal(ours.argmax(dim=-1), exact.argmax(dim=-1))
+    # Prompt rows (from prompt_from on) get the exact head all through, on the
+    # generated-token arithmetic (a row's logits are the same bits alone or in a batch).
+    assert torch.equal(head(x, 1)[1:], exact[1:])
+    assert torch.equal(head(x[2:], 0), exact[2:])
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 10**12)
     plain = head_module.build_head(raw, plan, None, spare_bytes=0)
     assert torch.equal(plain(x, 0), plain(x)) and torch.equal(plain(x, 0), exact)

@@ -105,7 +105,7 @@ struct SplitBlocks {
 };
 
 // R rows (from row0) times one strip of Blocks -> out [R][16] float32: per block, scale dx
-// sum u q + minimum dx sum q, as quant_estimate.cpp's estimate_copy_strip computes a copy's.
+// sum u q + minimum dx sum q, as quant_estimate.cpp's estimate_strip computes it.
 // scales_x / offsets_x: [rows][k / Blocks::kK] (Int8Rows).
 template <class Blocks, int R>
 void estimate_strip_avx2(const uint8_t* strip, int64_t k, const int8_t* codes,

@@ -14,8 +14,6 @@ namespace shoal_quant {
 
 namespace {
 
-using bf16 = at::BFloat16;
-
 void check_split(const at::Tensor& split, int64_t n, int64_t k, const char* who) {
   TORCH_CHECK(k > 0 && k % kSplitBlockK == 0, who, ": k must be a multiple of ", kSplitBlockK);
   TORCH_CHECK(split.scalar_type() == at::kByte && split.is_contiguous() &&

@@ -1,8 +1,8 @@
 // A Q8_0 output head split into its codes' two nibbles (models/layers/head.py): the head's
 // estimate where no copy fits, in no memory of its own. Gemma 3's tied 262144 x 640 table
-// (178 MB) leaves no room for a 4-bit copy (94 MB) inside the 1.2x file-size rule, and AVX2
-// has no cheap int8 estimate of Q8_0's own codes; its high nibbles are one. With u = q + 128
-// (0 .. 255, q Q8_0's signed code) and w = d q:
+// (178 MB) leaves no room for a 4-bit copy (94 MB) inside the 1.2x file-size rule; its codes'
+// high nibbles are one, and half the table to read. With u = q + 128 (0 .. 255, q Q8_0's
+// signed code) and w = d q:
 //   high nibble h = u >> 4 (0 .. 15): w ~ 16 d h - 120.5 d (the low nibble taken as 7.5);
 //   low nibble l = u & 15:            w = d (16 h + l - 128), exactly gguf's value.
 // The estimate reads the high part alone (288 of the table's 544 bytes per 16 x 32 weights,

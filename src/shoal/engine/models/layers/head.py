@@ -39,7 +39,6 @@ from torch import nn
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.embedding import Embedding
 from shoal.engine.models.layers.linear import (
-    QTYPES,
     DenseLinear,
     QuantLinear,
     WeightPlan,
