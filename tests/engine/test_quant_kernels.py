@@ -143,6 +143,33 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
             assert torch.equal(part, everything[start:start + count]), (backend, prompt, count)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "BF16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_prompt_rows_over_panels_chunks_and_row_blocks(kernel, name, threads):
+    """Enough prompt rows, strips and k that the long prompt path cuts them every way: panels
+    of strips (a narrower last one, the last strip padded), k in chunks (a short last one),
+    rows in blocks and passes (a short last pass); equal to the float64 product and, row by
+    row, to the same rows run alone."""
+    out_features, cols, rows = 300, 4352, 300
+    raw = random_blocks(name, out_features, cols, seed=6)
+    weights = gguf_values(name, raw, out_features, cols)
+    data = packed(kernel, name, raw, out_features, cols)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for backend, prompt in paths(kernel):
+            linear = kernel.QuantLinear([QTYPES[name]], [data], [out_features], cols, None,
+                                        backend)
+            everything = linear.forward(x, True, prompt)
+            assert relative_error(everything, x, weights) < 1e-5, (backend, prompt)
+            for start, count in ((0, 1), (5, 7), (120, 20), (290, 10)):
+                part = linear.forward(x[start:start + count], True, prompt)
+                assert torch.equal(part, everything[start:start + count]), (backend, count)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q3_K"])
 def test_avx2_prompt_rows_take_the_generated_rows_steps(kernel, name):
     # On AVX2 a plane type's rows all take the same int16 steps: a few rows decode the codes

@@ -100,7 +100,7 @@ class QuantLinear {
   const Segment& segment_of(int64_t strip) const;
   const Segment& segment_of_column(int64_t column) const;
   void store(const Call& call, const Segment& seg, int64_t local, const float* acc, int rows,
-             int64_t row0) const;
+             int64_t row0, int64_t acc_stride = kCols) const;
   // Strips local and local + 1 of seg together, each row's 32 bf16 columns in one 64-byte
   // store (a whole cache line where aligned, which the CPU need not read first); false
   // (nothing stored) where they are not two whole strips or the output is float32.

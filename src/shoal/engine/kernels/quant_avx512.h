@@ -30,17 +30,16 @@ namespace shoal_quant {
 
 // Row(s) of x [rows, k] rearranged like the weights: vector v of tile t takes the pair at
 // t * 32 + 2v, x[4q + c] in its high half and x[4q + c + 2] in its low half (v = 2q + c).
+// Each run of four elements (a, b, c, d) becomes (c, a, d, b): one vpermw per 32.
 inline std::vector<bf16> chain_order(const bf16* x, int64_t rows, int64_t k) {
   std::vector<bf16> out(rows * k);
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 32; ++i) order[i] = static_cast<int16_t>((i & ~3) + "\2\0\3\1"[i & 3]);
+  const __m512i index = _mm512_load_si512(order);
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t t = 0; t < k / kTileK; ++t)
-        for (int v = 0; v < kPairs; ++v) {
-          const int64_t base = r * k + t * kTileK;
-          const int q = v / 2, c = v % 2;
-          out[base + 2 * v] = x[base + 4 * q + c + 2];
-          out[base + 2 * v + 1] = x[base + 4 * q + c];
-        }
+    for (int64_t i = begin * k; i < end * k; i += 32)
+      _mm512_storeu_si512(out.data() + i,
+                          _mm512_permutexvar_epi16(index, _mm512_loadu_si512(x + i)));
   });
   return out;
 }
@@ -148,17 +147,21 @@ void strips_direct(const uint8_t* const* strips, int64_t k, const bf16* xc, int6
 // into acc [R][S][16]
 // (read and written: k may be cut into chunks). Per sub-block, each (row, strip) sums its
 // products in one chain (every plane of a float type in the same chain), then
-// acc = fma(chain, S, acc) and acc = fma(sum(x), O', acc). The sums stay in memory (L1) so
-// that the registers hold R * S chains: each weight vector loaded serves R products and
-// each x pair S. The operations for one row are the same for any R, S, chunking and rows
-// beside it; they differ from the generated rows' order (prompt and generated tokens each
-// have their own arithmetic, as on AMX).
+// acc = fma(chain, S, acc) and acc = fma(sum(x), O', acc). The sums stay in registers
+// beside the R * S chains while the pass runs (loaded and stored once per chunk, not once
+// per sub-block): each weight vector loaded serves R products and each x pair S. The
+// operations for one row are the same for any R, S, chunking and rows beside it; they
+// differ from the generated rows' order (prompt and generated tokens each have their own
+// arithmetic, as on AMX).
 template <QType T, int R, int S>
 void strips_prompt(const __m512i* const* vectors, const float* const* scales,
                    const float* const* offsets, int64_t g0, int64_t g1, const bf16* xc,
                    int64_t ldx, const float* sums, int64_t sum_stride, float* acc) {
   using Tr = Traits<T>;
   constexpr int V = Tr::kVectors;
+  __m512 total[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) total[r][s] = _mm512_loadu_ps(acc + (r * S + s) * kCols);
   for (int64_t g = g0; g < g1; ++g) {
     __m512 chain[R][S];
     for (int r = 0; r < R; ++r)
@@ -183,19 +186,19 @@ void strips_prompt(const __m512i* const* vectors, const float* const* scales,
         offset = _mm512_loadu_ps(offsets[s] + g * kCols);
       }
       for (int r = 0; r < R; ++r) {
-        float* sum = acc + (r * S + s) * kCols;
-        __m512 total = _mm512_loadu_ps(sum);
+        __m512& sum = total[r][s];
         if constexpr (Tr::kFloat) {
-          total = _mm512_add_ps(total, chain[r][s]);
+          sum = _mm512_add_ps(sum, chain[r][s]);
         } else {
-          total = _mm512_fmadd_ps(chain[r][s], scale, total);
+          sum = _mm512_fmadd_ps(chain[r][s], scale, sum);
           if constexpr (kPromptCentred<T> ? Tr::f.has_e : Tr::kOffset)
-            total = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * sum_stride + g]), offset, total);
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * sum_stride + g]), offset, sum);
         }
-        _mm512_storeu_ps(sum, total);
       }
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) _mm512_storeu_ps(acc + (r * S + s) * kCols, total[r][s]);
 }
 
 // Prompt rows without AMX, a few of them: strips_prompt's operations with each tile decoded

@@ -20,12 +20,19 @@ namespace shoal_quant {
 constexpr int kDirectRows = 4;
 constexpr int kGeneratedRows = 8;
 constexpr int64_t kDirectBlockBytes = 256 * 1024;
-// Prompt rows over decoded strips without AMX: rows and strips per pass (16 chains in
-// registers; measured best of 4x3 with sums in registers, 6x2, 8x2, 6x3 and 4x4 on an
-// AVX512-BF16 core), and k per chunk (a chunk's decoded strips stay in L2 while every row
-// pass runs over them).
-constexpr int kGroupRows = 4;
-constexpr int kGroupStrips = 4;
+// Prompt rows over decoded strips without AMX: rows and strips per pass, and k per chunk (a
+// chunk's decoded strips stay in L2 while every row pass runs over them). 7 x 2 holds 14
+// chains and their 14 sums in registers: a Zen 5 core issues two vdpbf16ps a cycle at a
+// latency of ~6, so it needs 12 chains in flight. Measured there, one thread, the pass
+// alone (k 1536-2048, 120 rows): Q4_K 92% of the vdpbf16ps peak, Q6_K 94%, against 85% and
+// 73% for 4 x 4 with its sums in L1 (a load, fma and store per sub-block: Q6_K's 16-wide
+// sub-blocks paid that every 8 products); 4 x 3 and 6 x 2 with sums in registers 87-91%.
+constexpr int kGroupRows = 7;
+constexpr int kGroupStrips = 2;
+// Strips decoded together (a panel, run_groups): each pass's x rows serve all of them while
+// in L1, so x comes from memory once per panel. Measured as above, 504 rows (x 1.5 MB, more
+// than L2): panels of 2 strips 80%, 4 86%, 8 88-92%.
+constexpr int kPanelStrips = 8;
 constexpr int64_t kGroupChunkK = 2048;
 
 using DirectFn = void (*)(const uint8_t* const*, int64_t, const bf16*, int64_t, const float*,

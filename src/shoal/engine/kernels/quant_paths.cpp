@@ -73,14 +73,14 @@ struct PairDecoder {
 }  // namespace
 
 void QuantLinear::store(const Call& call, const Segment& seg, int64_t local, const float* acc,
-                        int rows, int64_t row0) const {
+                        int rows, int64_t row0, int64_t acc_stride) const {
   const int cols = static_cast<int>(std::min<int64_t>(kCols, seg.n - local * kCols));
   const int64_t col0 = seg.first_column + local * kCols;
   if (cols == kCols) {  // a whole strip: 16 columns a vector (the same roundings)
     const shoal_vec::f32x16 bias =
         call.bias != nullptr ? shoal_vec::load(call.bias + col0) : shoal_vec::f32x16{};
     for (int r = 0; r < rows; ++r) {
-      shoal_vec::f32x16 v = shoal_vec::load(acc + r * kCols);
+      shoal_vec::f32x16 v = shoal_vec::load(acc + r * acc_stride);
       if (call.bias != nullptr) v += bias;
       const int64_t at = (row0 + r) * n_total_ + col0;
       if (call.float_out) {
@@ -93,7 +93,7 @@ void QuantLinear::store(const Call& call, const Segment& seg, int64_t local, con
   }
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) {
-      float v = acc[r * kCols + c];
+      float v = acc[r * acc_stride + c];
       if (call.bias != nullptr) v += call.bias[col0 + c];
       const int64_t at = (row0 + r) * n_total_ + col0 + c;
       if (call.float_out) {
