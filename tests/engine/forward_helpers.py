@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from shoal.engine.model_runner import ModelRunner
@@ -21,12 +23,15 @@ def step(runner: ModelRunner, *chunks: ScheduledChunk) -> torch.Tensor:
 
 
 def all_position_logits(runner: ModelRunner, token_ids: list[int], blocks) -> torch.Tensor:
-    """Logits [T, vocab] for every prompt position (one prefill; bypasses sampling rows)."""
+    """Logits [T, vocab] for every prompt position (one prefill, every row asked for: the
+    last layer otherwise goes on with the sampled rows alone)."""
     output = SchedulerOutput(chunks=(chunk("all", token_ids, 0, blocks),))
     with torch.inference_mode():
         part = runner.prepare(output).parts[0]
-        hidden = runner.model(part.token_ids, part.meta, runner.kv_caches)
-        return runner.model.compute_logits(hidden, part.meta.prompt_from)
+        meta = dataclasses.replace(part.meta, logits_indices=torch.arange(len(token_ids)),
+                                   logits_prompt_from=part.meta.prompt_from)
+        hidden = runner.model(part.token_ids, meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden, meta.prompt_from)
 
 
 def greedy(runner: ModelRunner, prompt: list[int], steps: int, blocks) -> list[int]:

@@ -12,6 +12,7 @@ from tiny_models import FAMILIES, VOCAB
 from shoal.engine.config import ModelSource
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
+from shoal.engine.scheduler_output import SchedulerOutput
 
 PROMPT = [3, 17, 99, 42, 5, 77, 8, 120, 64, 33, 2, 91, 15]
 BLOCK = 4
@@ -168,3 +169,30 @@ def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
         step(runner, chunk("a", prompt[:cut], 0, blocks, sample=False))
         split = step(runner, chunk("a", prompt[cut:], cut, blocks, prompt=True))
         assert torch.equal(split, whole), cut
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_checkpoints, family):
+    """A prefill's last layer runs its output projection and MLP on the rows whose logits
+    are sampled only; those rows keep the bits that computing every row gives them, and the
+    cache holds every row's keys and values (the next token attends to them alike)."""
+    fast = load(tiny_checkpoints[family], "gguf", dtype="bfloat16")
+    if not fast.module.plan.keep_quantized:
+        pytest.skip("no packed-weight kernel on this CPU")
+    blocks = shuffled_blocks()
+    pruned_runner, full_runner = ModelRunner(fast, 16, BLOCK), ModelRunner(fast, 16, BLOCK)
+    pruned = step(pruned_runner, chunk("a", PROMPT, 0, blocks))
+    every = all_position_logits(full_runner, PROMPT, blocks)
+    assert pruned.shape == (1, VOCAB)
+    assert torch.equal(pruned[0], every[-1])
+    with torch.inference_mode():  # the model itself hands back the sampled row alone
+        scratch = ModelRunner(fast, 16, BLOCK)
+        part = scratch.prepare(SchedulerOutput(chunks=(chunk("b", PROMPT, 0, blocks),))).parts[0]
+        assert fast.module(part.token_ids, part.meta, scratch.kv_caches).shape[0] == 1
+    slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(PROMPT))])
+    for ours, theirs in zip(pruned_runner.kv_caches, full_runner.kv_caches):
+        assert torch.equal(ours[:, slots], theirs[:, slots])
+    token = int(pruned[0].argmax())
+    after = [step(r, chunk("a", [token], len(PROMPT), blocks)) for r in (pruned_runner,
+                                                                         full_runner)]
+    assert torch.equal(after[0], after[1])

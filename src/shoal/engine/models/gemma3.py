@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shoal.engine.models.config import ModelConfig
-from shoal.engine.models.layers.attention import AttentionMetadata
+from shoal.engine.models.layers.attention import AttentionMetadata, prompt_from_of
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.layers.rotary import RotaryTable
@@ -38,10 +38,12 @@ class Gemma3Block(Layer):
         self.attn = make_attention(config, index, weights, plan)
         self.mlp = make_mlp(config, index, weights, plan)
 
-    def forward(self, h: torch.Tensor, rope, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.post_attn_norm(self.attn(self.attn_norm(h), rope, kv_cache, meta))
-        return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h), meta.prompt_from))
+    def forward(self, h: torch.Tensor, rope, kv_cache: KVCache, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden], or the rows `keep` selects (see LlamaModel)."""
+        attended = self.post_attn_norm(self.attn(self.attn_norm(h), rope, kv_cache, meta, keep))
+        h = (h if keep is None else h[keep]) + attended
+        return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h), prompt_from_of(meta, keep)))
 
 
 class Gemma3Model(LlamaModel):

@@ -17,6 +17,7 @@ from shoal.engine.models.layers.attention import (
     AttentionMetadata,
     SelfAttention,
     attention_dtype_for,
+    prompt_from_of,
 )
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.embedding import Embedding
@@ -96,10 +97,12 @@ class LlamaBlock(Layer):
         self.mlp_norm = make_norm(weights[prefix + "mlp_norm.weight"], config, plan)
         self.mlp = make_mlp(config, index, weights, plan)
 
-    def forward(self, h: torch.Tensor, rope, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), rope, kv_cache, meta)
-        return h + self.mlp(self.mlp_norm(h), meta.prompt_from)
+    def forward(self, h: torch.Tensor, rope, kv_cache: KVCache, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden], or the rows `keep` selects (see LlamaModel)."""
+        attended = self.attn(self.attn_norm(h), rope, kv_cache, meta, keep)
+        h = (h if keep is None else h[keep]) + attended
+        return h + self.mlp(self.mlp_norm(h), prompt_from_of(meta, keep))
 
 
 class LlamaModel(Layer):
@@ -170,10 +173,22 @@ class LlamaModel(Layer):
         tables = self.rope_tables(meta.positions)
         if meta.decode is not None:
             return self._fused(h, kv_caches, tables, meta.slot_mapping, meta.decode)
+        last = len(self.blocks) - 1
         for offset, block in enumerate(self.blocks):
             rope = self.rope_for_layer(self.start + offset, tables)
-            h = block(h, rope, kv_caches[offset], meta)
+            keep = self._rows_to_sample(meta, h.shape[0]) if offset == last else None
+            h = block(h, rope, kv_caches[offset], meta, keep)
         return h
+
+    def _rows_to_sample(self, meta: AttentionMetadata, rows: int) -> torch.Tensor | None:
+        """Past the last layer's attention only the rows whose logits are sampled matter
+        (every row's keys and values are cached by then): its output projection and MLP
+        run on meta.logits_indices alone, and forward returns those rows, in that order.
+        A 500-token prompt then skips ~1/L of its work. Each row's arithmetic does not
+        depend on the rows beside it, so the kept rows' bits are the same."""
+        if not self.has_head or meta.logits_indices.shape[0] == rows:
+            return None
+        return meta.logits_indices
 
     def compute_logits(self, hidden: torch.Tensor,
                        prompt_from: int | None = None) -> torch.Tensor:

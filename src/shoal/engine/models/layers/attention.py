@@ -120,6 +120,13 @@ class AttentionMetadata:
     logits_prompt_from: int | None = None  # the same for the rows of logits_indices
 
 
+def prompt_from_of(meta: AttentionMetadata, keep: torch.Tensor | None) -> int | None:
+    """The first prompt row among the rows a layer computes: all of the step's, or where a
+    model's last layer keeps only the rows whose logits are sampled (keep is
+    meta.logits_indices), among those."""
+    return meta.prompt_from if keep is None else meta.logits_prompt_from
+
+
 def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype of RoPE, attention scores and masks on this device.
 
@@ -152,7 +159,10 @@ class SelfAttention(Layer):
         self.sliding = sliding
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden], or [len(keep), hidden]: every row's keys and values
+        go to the cache, the output projection runs on the kept rows only."""
         # x: [T, hidden] -> qkv: [T, (H + 2 H_kv) * D]
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -175,7 +185,9 @@ class SelfAttention(Layer):
         kv_cache.index_copy_(1, meta.slot_mapping, new_kv.transpose(0, 1))
         outputs = [self._attend(q, new_kv, kv_cache, group) for group in meta.groups]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self.o(out.to(x.dtype), meta.prompt_from)
+        if keep is not None:
+            out = out[keep]
+        return self.o(out.to(x.dtype), prompt_from_of(meta, keep))
 
     def _attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
                 group: AttentionGroup) -> torch.Tensor:
