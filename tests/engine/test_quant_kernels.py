@@ -315,7 +315,25 @@ def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch):
     assert torch.equal(logits.argmax(dim=-1), torch.tensor([4000, 4000]))
 
 
-@pytest.mark.parametrize("name,hidden", [("Q8_0", 256), ("Q6_K", 256), ("Q6_K", 1024)])
+def test_a_q8_0_head_splits_its_table_with_or_without_room_for_a_copy(kernel, monkeypatch):
+    """The split table estimates as fast as a copy and takes no memory of its own."""
+    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.models.layers.linear import WeightPlan
+    from shoal.engine.weights.quant import RawTensor
+
+    if not kernel.quant_split_estimate_available():
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
+    vocab, hidden = 4096, 256
+    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
+    for spare in (0, 10**9):
+        raw = RawTensor((vocab, hidden), "Q8_0", random_blocks("Q8_0", vocab, hidden, seed=12))
+        head = head_module.build_head(raw, plan, None, spare_bytes=spare)
+        assert isinstance(head, head_module.SplitHead) and head.nbytes() == \
+            kernel.quant_packed_bytes(QTYPES["Q8_0"], vocab, hidden)
+
+
+@pytest.mark.parametrize("name,hidden", [("Q6_K", 256), ("Q6_K", 1024)])
 def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name, hidden):
     from shoal.engine.models.layers import head as head_module
     from shoal.engine.models.layers.linear import WeightPlan
@@ -327,9 +345,9 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
     raw = RawTensor((vocab, hidden), name, random_blocks(name, vocab, hidden, seed=12))
     plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
-    # No room for a copy: a Q8_0 head splits its table (the tests below), the others are exact.
+    # No room for a copy: the exact head alone.
     cramped = head_module.build_head(raw, plan, None, spare_bytes=1000)
-    assert isinstance(cramped, head_module.SplitHead if name == "Q8_0" else head_module.ExactHead)
+    assert isinstance(cramped, head_module.ExactHead)
     # Room for a copy of the head, bytes of its own: per 16 x 64 weights, 448 or 576.
     head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
     assert isinstance(head, head_module.EstimatedHead)

@@ -6,9 +6,9 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
-#include <vector>
 
 #include "quant_formats.h"
+#include "vector.h"
 
 namespace shoal_quant {
 
@@ -21,27 +21,66 @@ void check_split(const at::Tensor& split, int64_t n, int64_t k, const char* who)
               who, ": not a split [", n, ", ", k, "] Q8_0 table");
 }
 
-// Row `row` of the table into out [k]: d (16 h + l - 128) per weight, gguf's d q.
-void split_row(const uint8_t* table, int64_t strips, int64_t k, int64_t row, float* out) {
-  const int64_t blocks = k / kSplitBlockK, strip = row / kCols;
-  const int c = static_cast<int>(row % kCols);
-  const uint8_t* high = table + strip * blocks * kSplitHighBytes;
-  const uint8_t* low = table + split_high_bytes(strips, k) + strip * blocks * kSplitLowBytes;
-  for (int64_t b = 0; b < blocks; ++b, high += kSplitHighBytes, low += kSplitLowBytes) {
-    const float d = half_to_float(read_u16(high + kSplitScaleAt + 2 * c));
-    uint8_t u[kSplitBlockK];  // q + 128 = 16 h + l
+// Where row `row`'s blocks lie: its strip's first high and low block, and its column there.
+struct RowBlocks {
+  const uint8_t* high;
+  const uint8_t* low;
+  int c;
+
+  RowBlocks(const uint8_t* table, int64_t strips, int64_t k, int64_t row) {
+    const int64_t blocks = k / kSplitBlockK, strip = row / kCols;
+    c = static_cast<int>(row % kCols);
+    high = table + strip * blocks * kSplitHighBytes;
+    low = table + split_high_bytes(strips, k) + strip * blocks * kSplitLowBytes;
+  }
+
+  float scale(int64_t b) const {
+    return half_to_float(read_u16(high + b * kSplitHighBytes + kSplitScaleAt + 2 * c));
+  }
+
+  // Block b's codes q = 16 h + l - 128 (gguf's int8 codes), in k order, into q [32].
+  void codes(int64_t b, int8_t* q) const {
+    const uint8_t* h = high + b * kSplitHighBytes;
+    const uint8_t* l = low + b * kSplitLowBytes;
     for (int j = 0; j < 4; ++j) {  // chunk j: planes 2 j (k = 8 j + i) and 2 j + 1 (8 j + 4 + i)
       uint32_t h4, l4;
-      std::memcpy(&h4, high + 64 * j + 4 * c, 4);
-      std::memcpy(&l4, low + 64 * j + 4 * c, 4);
-      const uint32_t first = (h4 & 0x0F0F0F0Fu) << 4 | (l4 & 0x0F0F0F0Fu);
-      const uint32_t second = (h4 & 0xF0F0F0F0u) | (l4 >> 4 & 0x0F0F0F0Fu);
-      std::memcpy(u + 8 * j, &first, 4);  // little-endian: byte i is k = 8 j + i
-      std::memcpy(u + 8 * j + 4, &second, 4);
+      std::memcpy(&h4, h + 64 * j + 4 * c, 4);
+      std::memcpy(&l4, l + 64 * j + 4 * c, 4);
+      // u = 16 h + l per byte, then q = u - 128 as a flip of the top bit.
+      const uint32_t first = ((h4 & 0x0F0F0F0Fu) << 4 | (l4 & 0x0F0F0F0Fu)) ^ 0x80808080u;
+      const uint32_t second = ((h4 & 0xF0F0F0F0u) | (l4 >> 4 & 0x0F0F0F0Fu)) ^ 0x80808080u;
+      std::memcpy(q + 8 * j, &first, 4);  // little-endian: byte i is k = 8 j + i
+      std::memcpy(q + 8 * j + 4, &second, 4);
     }
-    float* w = out + b * kSplitBlockK;
-    for (int kk = 0; kk < kSplitBlockK; ++kk) w[kk] = d * static_cast<float>(u[kk] - 128);
   }
+};
+
+// Row `row` of the table into out [k]: d q per weight, gguf's values.
+void split_row(const uint8_t* table, int64_t strips, int64_t k, int64_t row, float* out) {
+  const RowBlocks row_blocks(table, strips, k, row);
+  int8_t q[kSplitBlockK];
+  for (int64_t b = 0; b < k / kSplitBlockK; ++b) {
+    row_blocks.codes(b, q);
+    const float d = row_blocks.scale(b);
+    for (int i = 0; i < kSplitBlockK; ++i) out[b * kSplitBlockK + i] = d * q[i];
+  }
+}
+
+// Row `row` of the table times x [k] (float32): per block d * (q . x), 16 lanes, the lanes
+// summed at the end.
+float split_dot(const uint8_t* table, int64_t strips, int64_t k, int64_t row, const float* x) {
+  using shoal_vec::f32x16;
+  const RowBlocks row_blocks(table, strips, k, row);
+  alignas(16) int8_t q[kSplitBlockK];
+  f32x16 total = shoal_vec::splat(0.f);
+  for (int64_t b = 0; b < k / kSplitBlockK; ++b) {
+    row_blocks.codes(b, q);
+    const float* xb = x + b * kSplitBlockK;
+    const f32x16 block = shoal_vec::fma(shoal_vec::load(q + 16), shoal_vec::load(xb + 16),
+                                        shoal_vec::load(q) * shoal_vec::load(xb));
+    total = shoal_vec::fma(block, shoal_vec::splat(row_blocks.scale(b)), total);
+  }
+  return shoal_vec::hsum(total);
 }
 
 void check_rows(const at::Tensor& rows, int64_t n, const char* who) {
@@ -118,19 +157,9 @@ at::Tensor head_split_columns(const at::Tensor& split, int64_t n, int64_t k, con
   const float* xs = x.data_ptr<float>();
   const int64_t* col = cols.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
-  constexpr int kLanes = 8;  // independent sums, so that the dot vectorizes
   at::parallel_for(0, rows * per_row, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(k);
-    for (int64_t i = begin; i < end; ++i) {
-      split_row(table, strip_count(n), k, col[i], w.data());
-      const float* xr = xs + i / per_row * k;
-      float lanes[kLanes] = {};
-      for (int64_t kk = 0; kk < k; kk += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += xr[kk + l] * w[kk + l];
-      float sum = 0.f;
-      for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-      dst[i] = sum;
-    }
+    for (int64_t i = begin; i < end; ++i)
+      dst[i] = split_dot(table, strip_count(n), k, col[i], xs + i / per_row * k);
   });
   return out;
 }

@@ -44,7 +44,7 @@ at::Tensor head_split_from_file(const at::Tensor& data, int64_t n, int64_t k);
 // Rows `rows` [T] of a split table: float32 [T, k], gguf's values exactly.
 at::Tensor head_split_rows(const at::Tensor& split, int64_t n, int64_t k, const at::Tensor& rows);
 // out [S, C] = x [S, k] (bf16) times the split table's rows columns[s] [S, C]: each dot in
-// float32, in k order.
+// float32, a block's 32 products in 16 lanes scaled into 16 lane sums, those summed last.
 at::Tensor head_split_columns(const at::Tensor& split, int64_t n, int64_t k, const at::Tensor& x,
                               const at::Tensor& columns);
 

@@ -3,10 +3,11 @@
 The head is the biggest single read of a decode step (SmolLM2's tied Q8_0 table is 28 MB,
 Qwen2.5-Coder-0.5B's untied one 145 MB, Gemma 3's tied one 178 MB, Qwen2.5-Coder-1.5B's
 Q6_K one 191 MB). Generated rows read an estimate of it and recompute the estimate's top 64
-tokens of each row exactly (256 for a narrow head's 4-bit copy): the tokens sampling can
+tokens of each row exactly (256 for a narrow head's 4-bit estimate): the tokens sampling can
 realistically pick get the head's exact values, the far tail keeps the estimate.
 
-The estimate is a copy of the head where memory allows one: 3-bit codes (heads of hidden >=
+A head in another wide type (Qwen2.5-Coder-1.5B's Q6_K) estimates from a copy where memory
+allows one: 3-bit codes (heads of hidden >=
 COPY_3_BITS_MIN_HIDDEN) or 4-bit codes, with a scale and minimum per 64 weights (3.5 or 4.5
 bits a weight, kernels/quant_head_copy.h), multiplied with x rounded to int8 (Int8Estimate):
 vpdpbusd on VNNI, vpmaddubsw on AVX2 (the same bits), the copy read as one stream. On
@@ -15,16 +16,18 @@ where a Q4_1 copy (146 MB) on the exact kernels took 2.7-3.7; on a 2-core AVX2 h
 against 5.7-7.0, and 4 rows 13 ms against 15.5. Prompt rows (the first token of each
 request) use the exact head.
 
-A Q8_0 head too big for a copy (Gemma 3's) splits its table into its codes' high and low
-nibbles, in the bytes Q8_0 takes (SplitTable, kernels/quant_head_split.h): the high nibbles
-are the estimate, half the bytes to read, and both give exact rows, for the candidates and
-for a tied embedding's lookups. Gemma 3's head takes 1.3 ms a row on a 2-core AVX512 host
-where an estimate from the Q8_0 codes themselves took 4.9; over ~900 generated rows of
-real text its estimate put the exact top token within its top 10 and the exact top 8 within
-its top 44 (it rescores 256, as a narrow head's 4-bit copy does). Such a head has no exact pass
+A Q8_0 head (SmolLM2's, Gemma 3's, Qwen2.5-Coder-0.5B's) splits its table into its codes'
+high and low nibbles instead, in the bytes Q8_0 takes (SplitTable,
+kernels/quant_head_split.h): the high nibbles are the estimate, half the bytes to read, and
+both give exact rows, for the candidates and for a tied embedding's lookups. No copy: the
+head takes no memory beyond the file's. Gemma 3's head takes 1.3 ms a row on a 2-core
+AVX512 host where an estimate from the Q8_0 codes themselves took 4.9. Over ~700-900
+generated rows of real text the split estimate put the exact top 8 within its top 44
+(Gemma 3), 60 (SmolLM2) and 17 (the 0.5B), the exact top token within its top 10, 7 and 2;
+it rescores 256, as a narrow head's 4-bit copy does. Against the 4-bit copies SmolLM2 and
+the 0.5B kept before (16 and 77 MB), decode steps measured the same or faster (one row,
+and 16 rows, on a 2-core AVX512 host, runs in alternation). Such a head has no exact pass
 over the whole table, so its prompt rows too are the estimate with the top candidates exact.
-A copy is kept where it fits all the same: SmolLM2's 4-bit copy estimates in 0.09 ms a row
-against its split table's 0.10, and rescores faster.
 
 Every row of the head takes the generated-token arithmetic (QuantLinear's prompt=False), the
 last prompt row too: it is one row per request, where the prompt path's tile split would
@@ -85,22 +88,18 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     tied = embedding is not None
     estimated = raw.quant in _WIDE_TYPES and vocab * hidden >= ESTIMATE_MIN_WEIGHTS
     bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
+    if (estimated and raw.quant == "Q8_0" and kernel.quant_split_estimate_available()
+            and hidden % SPLIT_BLOCK == 0):
+        return _split_head(kernel, raw, embedding)
     copies = (estimated and kernel.quant_copy_estimate_available() and hidden % COPY_BLOCK == 0
               and _copy_bytes(vocab, hidden, bits) <= spare_bytes)
-    splits = (estimated and raw.quant == "Q8_0" and kernel.quant_split_estimate_available()
-              and hidden % SPLIT_BLOCK == 0)
-    if splits and not copies:
-        return _split_head(kernel, raw, embedding)
     code, packed = (embedding.type_code, embedding.packed) if tied else pack(raw, kernel)
     if copies:
         copy = _copy(kernel, code, packed, vocab, hidden, bits)
-        if copy is not None:
+        if copy is not None:  # None: a weight beyond fp16's range (the copy's scales)
             return EstimatedHead(_exact(kernel, code, packed, vocab, hidden),
                                  Int8Estimate(kernel, copy, vocab, hidden, bits=bits), tied,
                                  _candidates(bits, hidden))
-        if splits:  # a weight beyond fp16's range (the copy's scales)
-            del packed
-            return _split_head(kernel, raw, embedding)
     return ExactHead(_exact(kernel, code, packed, vocab, hidden), tied)
 
 
