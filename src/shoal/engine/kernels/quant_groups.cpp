@@ -17,7 +17,7 @@ namespace shoal_quant {
 // Strips in panels of up to kPanelStrips, within one segment, each panel decoded once into a
 // thread's buffers; then, per block of rows and chunk of k, each pass of kGroupRows rows
 // runs over the panel's strips kGroupStrips at a time (its x rows stay in L1 meanwhile),
-// their sums kept in `totals` [pairs][rows][kGroupStrips][16] between chunks. x is read
+// their sums kept in `totals` [groups][rows][kGroupStrips][16] between chunks. x is read
 // from memory once per panel, the panel's chunk stays in L2 for every pass.
 void QuantLinear::run_groups(const Call& call) const {
 #if SHOAL_QUANT_AVX512
