@@ -196,3 +196,31 @@ def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_checkpoints, fa
     after = [step(r, chunk("a", [token], len(PROMPT), blocks)) for r in (pruned_runner,
                                                                          full_runner)]
     assert torch.equal(after[0], after[1])
+
+
+def test_a_tied_table_the_head_splits_is_never_packed(tiny_checkpoints, monkeypatch):
+    """Gemma 3's tied Q8_0 table goes straight from the file's bytes to the head's split
+    table: the embedding packs nothing first (it would drop it at once)."""
+    from shoal.engine.models.layers import embedding as embedding_module
+    from shoal.engine.models.layers import head as head_module
+
+    monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
+    packed_shapes = []
+    real_pack = embedding_module.pack
+
+    def counting_pack(raw, kernel):
+        packed_shapes.append(raw.shape)
+        return real_pack(raw, kernel)
+
+    monkeypatch.setattr(embedding_module, "pack", counting_pack)
+    fast = load(tiny_checkpoints["gemma3"], "gguf", dtype="bfloat16")
+    if not fast.module.plan.keep_quantized:
+        pytest.skip("no packed-weight kernel on this CPU")
+    model = fast.module
+    if not isinstance(model.head, head_module.SplitHead):
+        pytest.skip("no split estimate kernel on this CPU")
+    assert packed_shapes == []
+    assert model.embedding.split is model.head.table and model.embedding.packed is None
+    runner = ModelRunner(fast, 16, BLOCK)
+    logits = step(runner, chunk("a", PROMPT, 0, shuffled_blocks()))
+    assert logits.shape == (1, VOCAB) and torch.isfinite(logits).all()

@@ -21,7 +21,7 @@ from shoal.engine.models.layers.attention import (
 )
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.embedding import Embedding
-from shoal.engine.models.layers.head import build_head
+from shoal.engine.models.layers.head import build_head, splits_table
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -125,7 +125,11 @@ class LlamaModel(Layer):
         file_bytes = _file_bytes(weights)  # this stage's tensors as the file stores them
         self.has_embedding = self.start == 0
         self.has_head = self.end == config.num_layers
-        self.embedding = (Embedding(weights["embed.weight"], plan, self.embedding_scale())
+        # A tied Q8_0 table that the head will split is never packed (it would be dropped).
+        split_by_head = (self.has_embedding and self.has_head and "lm_head.weight" not in weights
+                         and splits_table(weights["embed.weight"], plan))
+        self.embedding = (Embedding(weights["embed.weight"], plan, self.embedding_scale(),
+                                    packed=not split_by_head)
                           if self.has_embedding else None)
         blocks = []
         for i in range(self.start, self.end):

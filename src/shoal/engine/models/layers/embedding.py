@@ -16,7 +16,10 @@ class Embedding(Layer):
     otherwise it is dense. A tied head may split a packed Q8_0 table for its estimate
     (head.py, SplitTable): rows are then looked up there."""
 
-    def __init__(self, raw: RawTensor, plan: WeightPlan, scale: float | None = None) -> None:
+    def __init__(self, raw: RawTensor, plan: WeightPlan, scale: float | None = None,
+                 packed: bool = True) -> None:
+        """packed=False: the table is a tied head's that splits it (head.splits_table):
+        nothing is held until the head hands over its split (use_split)."""
         super().__init__()
         self.dtype = plan.compute_dtype
         self.kernel = plan.kernel
@@ -24,7 +27,9 @@ class Embedding(Layer):
         self.packed: torch.Tensor | None = None
         self.split = None  # head.SplitTable, once a tied head has split the table
         self.vocab_size, self.width = raw.shape
-        if plan.kernel is not None and packed_type(raw) is not None:
+        if not packed:
+            pass  # the tied head's split table, once built
+        elif plan.kernel is not None and packed_type(raw) is not None:
             self.type_code, self.packed = pack(raw, plan.kernel)
         else:
             self.weight = dense_values(raw, plan.unpacker).to(device=plan.device,
@@ -51,4 +56,5 @@ class Embedding(Layer):
     def nbytes(self) -> int:
         if self.split is not None:
             return self.split.nbytes()
-        return (self.weight if self.weight is not None else self.packed).nbytes
+        held = self.weight if self.weight is not None else self.packed
+        return 0 if held is None else held.nbytes

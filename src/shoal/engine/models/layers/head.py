@@ -88,8 +88,7 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     tied = embedding is not None
     estimated = raw.quant in _WIDE_TYPES and vocab * hidden >= ESTIMATE_MIN_WEIGHTS
     bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
-    if (estimated and raw.quant == "Q8_0" and kernel.quant_split_estimate_available()
-            and hidden % SPLIT_BLOCK == 0):
+    if splits_table(raw, plan):
         return _split_head(kernel, raw, embedding)
     copies = (estimated and kernel.quant_copy_estimate_available() and hidden % COPY_BLOCK == 0
               and _copy_bytes(vocab, hidden, bits) <= spare_bytes)
@@ -101,6 +100,17 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
                                  Int8Estimate(kernel, copy, vocab, hidden, bits=bits), tied,
                                  _candidates(bits, hidden))
     return ExactHead(_exact(kernel, code, packed, vocab, hidden), tied)
+
+
+def splits_table(raw: RawTensor, plan: WeightPlan) -> bool:
+    """Whether build_head makes this head a split table (SplitTable): a Q8_0 head big
+    enough to estimate, on a CPU with the split kernels. A tied embedding need not pack
+    the table first (Embedding(..., packed=False))."""
+    kernel = plan.kernel
+    vocab, hidden = raw.shape
+    return (kernel is not None and raw.quant == "Q8_0" and packed_type(raw) is not None
+            and vocab * hidden >= ESTIMATE_MIN_WEIGHTS and hidden % SPLIT_BLOCK == 0
+            and kernel.quant_split_estimate_available())
 
 
 def _split_head(kernel, raw: RawTensor, embedding: Embedding | None) -> SplitHead:
@@ -132,7 +142,7 @@ def _candidates(bits: int, hidden: int) -> int:
 def _rescored(logits: torch.Tensor, candidates: int, exact_columns) -> torch.Tensor:
     """logits [S, V] (an estimate) with each row's top `candidates` replaced by
     exact_columns(indices [S, C]) -> [S, C]."""
-    indices = logits.topk(candidates, dim=-1).indices  # [S, C]
+    indices = logits.topk(min(candidates, logits.shape[-1]), dim=-1).indices  # [S, C]
     return logits.scatter_(1, indices, exact_columns(indices))
 
 
