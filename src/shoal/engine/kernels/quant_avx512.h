@@ -33,8 +33,9 @@ namespace shoal_quant {
 // Each run of four elements (a, b, c, d) becomes (c, a, d, b): one vpermw per 32.
 inline std::vector<bf16> chain_order(const bf16* x, int64_t rows, int64_t k) {
   std::vector<bf16> out(rows * k);
+  constexpr int16_t kRun[4] = {2, 0, 3, 1};  // (a, b, c, d) -> (c, a, d, b)
   alignas(64) int16_t order[32];
-  for (int i = 0; i < 32; ++i) order[i] = static_cast<int16_t>((i & ~3) + "\2\0\3\1"[i & 3]);
+  for (int i = 0; i < 32; ++i) order[i] = static_cast<int16_t>((i & ~3) + kRun[i & 3]);
   const __m512i index = _mm512_load_si512(order);
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * k; i < end * k; i += 32)

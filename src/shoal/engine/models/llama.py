@@ -125,11 +125,13 @@ class LlamaModel(Layer):
         file_bytes = _file_bytes(weights)  # this stage's tensors as the file stores them
         self.has_embedding = self.start == 0
         self.has_head = self.end == config.num_layers
-        # A tied Q8_0 table that the head will split is never packed (it would be dropped).
-        split_by_head = (self.has_embedding and self.has_head and "lm_head.weight" not in weights
+        # The embedding's table is the head's when there is no lm_head of its own; a tied
+        # Q8_0 table that the head will split is never packed (it would be dropped).
+        tied = "lm_head.weight" not in weights
+        split_by_head = (self.has_embedding and self.has_head and tied
                          and splits_table(weights["embed.weight"], plan))
         self.embedding = (Embedding(weights["embed.weight"], plan, self.embedding_scale(),
-                                    packed=not split_by_head)
+                                    split_by_head=split_by_head)
                           if self.has_embedding else None)
         blocks = []
         for i in range(self.start, self.end):
@@ -141,7 +143,6 @@ class LlamaModel(Layer):
         if self.has_head:
             self.norm = make_norm(weights["norm.weight"], config, plan)
             head_raw = weights.get("lm_head.weight") or weights["embed.weight"]
-            tied = "lm_head.weight" not in weights
             head_bytes = 0 if tied else _file_bytes({"head": head_raw})
             spare = int(MEMORY_FACTOR * file_bytes) - _held_bytes(self) - head_bytes
             self.head = build_head(head_raw, plan, self.embedding if tied else None, spare)

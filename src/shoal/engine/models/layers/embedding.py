@@ -17,9 +17,9 @@ class Embedding(Layer):
     (head.py, SplitTable): rows are then looked up there."""
 
     def __init__(self, raw: RawTensor, plan: WeightPlan, scale: float | None = None,
-                 packed: bool = True) -> None:
-        """packed=False: the table is a tied head's that splits it (head.splits_table):
-        nothing is held until the head hands over its split (use_split)."""
+                 split_by_head: bool = False) -> None:
+        """split_by_head: the table is a tied head's that splits it (head.splits_table):
+        nothing is held until the head hands its split over (use_split)."""
         super().__init__()
         self.dtype = plan.compute_dtype
         self.kernel = plan.kernel
@@ -27,8 +27,8 @@ class Embedding(Layer):
         self.packed: torch.Tensor | None = None
         self.split = None  # head.SplitTable, once a tied head has split the table
         self.vocab_size, self.width = raw.shape
-        if not packed:
-            pass  # the tied head's split table, once built
+        if split_by_head:
+            self.type_code = None
         elif plan.kernel is not None and packed_type(raw) is not None:
             self.type_code, self.packed = pack(raw, plan.kernel)
         else:

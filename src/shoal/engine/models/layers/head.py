@@ -84,12 +84,12 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
     kernel = plan.kernel
     if kernel is None or packed_type(raw) is None:  # a tied embedding would be dense
         return ExactHead(build_linear([raw], None, plan, float_out=True), tied=False)
+    if splits_table(raw, plan):
+        return _split_head(kernel, raw, embedding)
     vocab, hidden = raw.shape
     tied = embedding is not None
     estimated = raw.quant in _WIDE_TYPES and vocab * hidden >= ESTIMATE_MIN_WEIGHTS
     bits = 3 if hidden >= COPY_3_BITS_MIN_HIDDEN else 4
-    if splits_table(raw, plan):
-        return _split_head(kernel, raw, embedding)
     copies = (estimated and kernel.quant_copy_estimate_available() and hidden % COPY_BLOCK == 0
               and _copy_bytes(vocab, hidden, bits) <= spare_bytes)
     code, packed = (embedding.type_code, embedding.packed) if tied else pack(raw, kernel)
@@ -105,7 +105,7 @@ def build_head(raw: RawTensor, plan: WeightPlan, embedding: Embedding | None,
 def splits_table(raw: RawTensor, plan: WeightPlan) -> bool:
     """Whether build_head makes this head a split table (SplitTable): a Q8_0 head big
     enough to estimate, on a CPU with the split kernels. A tied embedding need not pack
-    the table first (Embedding(..., packed=False))."""
+    the table first (Embedding(..., split_by_head=True))."""
     kernel = plan.kernel
     vocab, hidden = raw.shape
     return (kernel is not None and raw.quant == "Q8_0" and packed_type(raw) is not None
