@@ -2,7 +2,7 @@
 
 Measured (8 chat prompts x 64 greedy tokens in one batch, 2 threads; the loss is the mean
 cross-entropy over the 250-token text below, one prefill), int8 and, for scale, a float32
-cache, each against a bf16 cache (the README's "KV cache dtype" section):
+cache, each against a bf16 cache (docs/performance.md, "KV cache"):
 
     model, KV cache         identical prompts  tokens before the     tokens equal  loss (nats)
                             (of 8)             first divergence      overall       bf16: 3.4260
