@@ -127,7 +127,7 @@ def default_models(config: NodeConfig) -> tuple[str, ...]:
 def make_router(config: NodeConfig, pool: ModelPool, cluster: Any) -> Router:
     """The node's router with its task ladders (a malformed --tasks file is a
     NodeStartError naming file, line and reason)."""
-    from shoal.pool.ladders import load_ladders
+    from shoal.router.ladders import load_ladders
 
     ladders = _read_file(load_ladders, config.pool.tasks_file) or {}
     return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue.timeout_s)
