@@ -9,10 +9,9 @@ this node's pool when that rank runs here, as a task over the cluster otherwise.
 Embeddings are served on this node: an embedding model is placed here.
 
 Every request first waits its turn in the node's admission queue (pool/queue.py). The name
-it gives is resolved once, when it joins the queue (pool/names.py: the same names the pool's
-worker side uses to start runners). A model placed for a request goes where it fits without
-unloading anything (this node first), else here after evicting idle models, else split
-across nodes (placer.py). A model named `task:NAME` is served by the first model of that
+it gives is worked out once, when it joins the queue (naming.py). A model placed for a
+request goes where it fits without unloading anything (this node first), else here after
+evicting idle models, else split across nodes (placer.py). A model named `task:NAME` is served by the first model of that
 fallback ladder that is loaded, or loads within the ladder's budget (ladders.py).
 """
 
@@ -23,13 +22,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from shoal.catalog.resolve import ModelNotFound
 from shoal.cluster.instances import Instance
 from shoal.cluster.service import ClusterService
-from shoal.engine.config import ModelSource, ModelTask
+from shoal.engine.config import ModelTask
 from shoal.metrics import NodeMetrics
 from shoal.pool.names import WrongModelTask
 from shoal.pool.pool import ModelPool, ModelUnavailable
@@ -43,7 +40,8 @@ from shoal.protocol import (
 from shoal.router.cancellable import CancellableStream
 from shoal.router.chooser import InstanceChooser
 from shoal.router.clock import RequestClock
-from shoal.router.ladders import Ladder, UnknownTask, task_name
+from shoal.router.ladders import Ladder
+from shoal.router.naming import Named, Naming
 from shoal.router.placer import Placer
 from shoal.router.refusal import refusal
 from shoal.runner.supervisor import RunnerSupervisor
@@ -56,16 +54,6 @@ log = logging.getLogger("shoal.router")
 _LOAD_SPAN_MIN_NS = 1_000_000
 
 
-@dataclass(frozen=True)
-class Named:
-    """What a model name means here, resolved once per request."""
-
-    model_id: str
-    source: ModelSource | None  # resolved just now; None when known before (or elsewhere)
-    # Set when only another node's instance knows the name (it cannot be resolved here).
-    not_found: ModelNotFound | None = None
-
-
 class Router:
     def __init__(self, pool: ModelPool, cluster: ClusterService,
                  ladders: Mapping[str, Ladder] | None = None, **placing: Any) -> None:
@@ -73,10 +61,9 @@ class Router:
         self.pool = pool
         self.cluster = cluster
         self.queue = pool.queue
-        self.names = pool.names  # one cache of resolved names for requests and runners
-        self.ladders = dict(ladders or {})
         self.placer = Placer(pool, cluster, **placing)
         self.chooser = InstanceChooser(pool, cluster)
+        self.naming = Naming(pool.names, self.chooser, ladders or {})
         self._in_flight: dict[str, CancellableStream] = {}  # request id -> its stream
         self.metrics = NodeMetrics()  # GET /metrics
         self.spans = pool.spans  # the node process's spans (GET /v1/traces/{id})
@@ -173,7 +160,7 @@ class Router:
             placing_ns = time.time_ns()
             try:
                 if isinstance(named, Ladder):  # ladders hold text models: look the name up
-                    named = await self._identify(request.model, "embed")
+                    named = await self.naming.identify(request.model, "embed")
                 instance = await self._instance_of(request.model, named, here_only=True)
                 runner = await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
@@ -221,12 +208,11 @@ class Router:
         """The request's turn in the node's queue, keyed by the model it will most likely
         use (a ladder's first loaded model, else its first), and what name names (the
         rungs of a ladder are named as they are tried)."""
-        named: Named | Ladder | None = self._ladder(name)
+        named = await self.naming.name(name, task)
         if isinstance(named, Ladder):
             model_id = next((m for m in named.models if self._ready_instance(m)),
                             named.models[0])
         else:
-            named = await self._identify(name, task)
             model_id = named.model_id
         warm = self._ready_instance(model_id) is not None
         return await self.queue.admit(model_id, priority, client, warm), named
@@ -237,25 +223,12 @@ class Router:
         self.queue.release(ticket)
         return await self.queue.admit(model_id, ticket.priority, ticket.client, warm=True)
 
-    async def _identify(self, name: str, task: ModelTask | None) -> Named:
-        """What name means: resolved here, else the model of an instance of that name
-        elsewhere in the cluster (a path on another machine, say); ModelNotFound if
-        neither, WrongModelTask if the model does not do task."""
-        try:
-            model_id, source = await self.names.identify(name, task)
-        except ModelNotFound as error:
-            model_id = self.chooser.model_named(name)
-            if model_id is None:
-                raise
-            return Named(model_id, None, not_found=error)
-        return Named(model_id, source)
-
     async def load(self, name: str, keep_alive_s: float | None = None) -> bool:
         """Apply a keep-alive with no request to run (Ollama's empty request): load the model
         unless keep_alive_s is 0, which unloads a loaded model once idle. True if loaded
         afterwards (or unloading after its keep-alive)."""
         if keep_alive_s == 0:
-            model_id, _ = await self.names.identify(name)
+            model_id, _ = await self.naming.names.identify(name)
             instances = self.chooser.live(model_id)
             for instance in instances:
                 if self.chooser.here(instance):
@@ -273,42 +246,27 @@ class Router:
     async def preload(self, names: Sequence[str], pinned: bool = False) -> None:
         """Place every named model, kept loaded (pinned: never evicted), and wait until each
         serves; raises ModelNotFound / ModelUnavailable on the first failure."""
+        model_names = self.naming.names
         for name in names:
-            model_id, source = await self.names.identify(name)
+            model_id, source = await model_names.identify(name)
             instance = await self.placer.place(model_id,
-                                               source or await self.names.resolve(name),
+                                               source or await model_names.resolve(name),
                                                keep_alive_s=None, here_only=False,
                                                pinned=pinned)
             if self.chooser.here(instance):
                 await self._local_runner(instance)
 
     def canonical_id(self, name: str) -> str:
-        canonical = self.names.canonical_id(name)
-        if canonical == name:
-            return self.chooser.model_named(name) or name
-        return canonical
+        return self.naming.canonical_id(name)
 
     def task_of(self, name: str) -> ModelTask | None:
-        if self._ladder(name) is not None:
-            return "generate"
-        return self.names.task_of(name)
+        return self.naming.task_of(name)
 
     async def shutdown(self) -> None:
         self.placer.cancel()
         await self.pool.shutdown()
 
-    # ---- ladders ----------------------------------------------------------------------------
-
-    def _ladder(self, name: str) -> Ladder | None:
-        """The ladder name asks for (task:NAME); UnknownTask if there is none by that name."""
-        task = task_name(name)
-        if task is None:
-            return None
-        ladder = self.ladders.get(task)
-        if ladder is None:
-            known = ", ".join(sorted(self.ladders)) or "none are configured (--tasks)"
-            raise UnknownTask(f"task {task!r} not found; known tasks: {known}")
-        return ladder
+    # ---- the instance and runner that serve a request ---------------------------------------
 
     async def _serving(self, request: GenerationRequest, named: Named | Ladder
                        ) -> tuple[Instance, RunnerSupervisor | None]:
@@ -367,7 +325,7 @@ class Router:
         prefer the instance holding its KV).
 
         Raises ModelNotFound, WrongModelTask (ValueError) or ModelUnavailable."""
-        named = await self._identify(name, task)
+        named = await self.naming.identify(name, task)
         return await self._instance_of(name, named, here_only, keep_alive_s, pinned, request)
 
     async def _instance_of(self, name: str, named: Named, here_only: bool = False,
@@ -380,7 +338,7 @@ class Router:
         if chosen is not None:
             return chosen
         # Placing: the name as resolved for this request, else looked up afresh.
-        source = named.source or await self.names.resolve(name)
+        source = named.source or await self.naming.names.resolve(name)
         keep = self.pool.keep_alive_s if keep_alive_s is None else keep_alive_s
         return await self.placer.place(named.model_id, source, keep_alive_s=keep,
                                        here_only=here_only, pinned=pinned)
