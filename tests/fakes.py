@@ -260,14 +260,24 @@ class ScriptedRouter:
     (AcceptedChunk first). The default script says "hello world" and stops."""
 
     def __init__(self, script=None) -> None:
+        from shoal.metrics import NodeMetrics
+        from shoal.pool.queue import AdmissionQueue
+        from shoal.tracing.spans import SpanBuffer
+
         self.requests = []
         self.supervisors = []
         self.script = script or (lambda request: scripted_reply(request, ["hello", " world"]))
+        self.metrics = NodeMetrics()
+        self.spans = SpanBuffer()
+        self.queue = AdmissionQueue()  # stays empty: nothing waits for a turn here
 
     async def submit(self, request):
         self.requests.append(request)
         for chunk in self.script(request):
             yield chunk
+
+    def cancel(self, request_id: str) -> bool:
+        return False  # a scripted request is over before anyone could cancel it
 
     def canonical_id(self, name: str) -> str:
         return name

@@ -116,7 +116,7 @@ class PoolSettings:
     pinned: tuple[str, ...] = ()  # models loaded at start and never evicted
     queue: QueueLimits = field(default_factory=QueueLimits)  # --max-queue, --parallel, ...
     clients_file: Path | None = None  # --clients: per-client tiers (pool/clients.py)
-    tasks_file: Path | None = None  # --tasks: fallback ladders (pool/ladders.py)
+    tasks_file: Path | None = None  # --tasks: fallback ladders (router/ladders.py)
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_budget <= 0:

@@ -29,9 +29,11 @@ from shoal.api.auth import ApiKeys
 from shoal.config import NodeConfig
 from shoal.diagnostics.error_log import RecentErrors
 from shoal.diagnostics.report import NodeDiagnostics
+from shoal.pool.clients import load_clients
 from shoal.pool.pool import ModelPool
 from shoal.pool.queue import AdmissionQueue
 from shoal.router import ModelUnavailable, Router
+from shoal.router.ladders import load_ladders
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.registry import RunnerRegistry, SupervisorFactory
 from shoal.runner.supervisor import RunnerSupervisor
@@ -84,8 +86,6 @@ def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = No
               resolve: Callable[[str], Any] | None = None) -> ModelPool:
     """This node's runner registry, the pool over it and its admission queue; a malformed
     --clients file is a NodeStartError naming file, line and reason."""
-    from shoal.pool.clients import load_clients
-
     settings = config.pool
     tiers = _read_file(load_clients, settings.clients_file)
     queue = AdmissionQueue(settings.queue, tiers)
@@ -127,8 +127,6 @@ def default_models(config: NodeConfig) -> tuple[str, ...]:
 def make_router(config: NodeConfig, pool: ModelPool, cluster: Any) -> Router:
     """The node's router with its task ladders (a malformed --tasks file is a
     NodeStartError naming file, line and reason)."""
-    from shoal.pool.ladders import load_ladders
-
     ladders = _read_file(load_ladders, config.pool.tasks_file) or {}
     return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue.timeout_s)
 

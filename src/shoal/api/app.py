@@ -20,9 +20,8 @@ from shoal.api import requests as request_routes
 from shoal.api import traces
 from shoal.api.errors import install_error_handlers, register_error_dialect
 from shoal.api.requests import RequestIds
+from shoal.api.router_view import RouterView
 from shoal.api.trace_context import TraceContext
-from shoal.tracing.spans import SpanBuffer
-from shoal.metrics import NodeMetrics
 from shoal.api.ollama import embed as ollama_embed
 from shoal.api.ollama import errors as ollama_errors
 from shoal.api.ollama import generate as ollama_generate
@@ -37,23 +36,21 @@ def _catalog_entries() -> Sequence[Any]:
     return list_models()
 
 
-def create_app(router: Any, keepalive_s: float = 15.0,
+def create_app(router: RouterView, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
                lifespan: Any = None, cluster: Any = None,
                api_keys: ApiKeys | None = None, diagnose: Any = None) -> FastAPI:
-    """The HTTP app over router (shoal.router.Router or anything with its interface), with
+    """The HTTP app over router (shoal.router.Router, or a fake with the same view), with
     the cluster routes when cluster (shoal.cluster.service.ClusterService) is given and the
     diagnostics routes' answers from diagnose (diagnostics.report.NodeDiagnostics); every
     route but /health and / wants one of api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys)
-    # Fake routers in tests have no metrics of their own.
-    app.state.metrics = getattr(router, "metrics", None) or NodeMetrics()
+    app.state.metrics = router.metrics
     app.add_middleware(RequestIds, metrics=app.state.metrics)  # a 401 too
     # The node's own spans (the router records queue and load waits there too).
-    spans = getattr(router, "spans", None)  # (an empty buffer is falsy: no `or` here)
-    app.state.spans = spans if spans is not None else SpanBuffer()
+    app.state.spans = router.spans
     app.add_middleware(TraceContext, spans=app.state.spans)  # outermost: traceparent on all
     app.include_router(request_routes.router)
     app.include_router(traces.router)
@@ -94,9 +91,8 @@ def create_app(router: Any, keepalive_s: float = 15.0,
         failed = any(s.state in ("failed", "stopped") for s in supervisors)
         status = "ok" if ready else ("degraded" if failed else "loading")
         body: dict[str, Any] = {"status": status, "models": states}
-        queue = getattr(request.app.state.router, "queue", None)
-        if queue is not None:  # this node's admission queue
-            body["queue"] = {"waiting": queue.depth(), "running": queue.running()}
+        queue = request.app.state.router.queue  # this node's admission queue
+        body["queue"] = {"waiting": queue.depth(), "running": queue.running()}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return app

@@ -68,8 +68,7 @@ class RequestIds:
 async def cancel_request(request_id: str, request: Request) -> dict[str, Any]:
     """End a generation in flight that arrived at this node (queued, loading or generating);
     its stream ends with finish reason "abort" (or a "cancelled" error before it started)."""
-    cancel = getattr(request.app.state.router, "cancel", None)
-    if cancel is None or not cancel(request_id):
+    if not request.app.state.router.cancel(request_id):
         raise APIError(404, f"no request {request_id!r} is in flight on this node (a "
                             "request is cancelled at the node that accepted it)",
                        param="request_id", code="request_not_found")

@@ -48,7 +48,4 @@ async def _parts(request: Request, trace_id: str) -> tuple[list[dict[str, Any]],
         part = {"node_id": "local", "name": "node",
                 "processes": [{"label": "node", "spans": spans}] if spans else []}
         return [part], {}
-    from shoal.cluster.traces import cluster_trace
-
-    return await cluster_trace(cluster.queries, request.app.state.router.pool, cluster.state,
-                               cluster.node_id, trace_id)
+    return await cluster.trace(trace_id)

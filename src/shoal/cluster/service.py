@@ -121,6 +121,12 @@ class ClusterService:
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
         pool.unloader = lambda instance_id, reason: self.delete(instance_id, reason)
 
+    async def trace(self, trace_id: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """trace_id's spans from every node (this node's from its pool): the parts that
+        hold any, and {node id: why it gave no answer} (traces.py)."""
+        return await traces.cluster_trace(self.queries, self._pool, self.state, self.node_id,
+                                          trace_id)
+
     # --- life ----------------------------------------------------------------------------------
 
     async def start(self) -> None:

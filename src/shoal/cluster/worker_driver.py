@@ -255,7 +255,7 @@ class WorkerDriver:
 
     async def _starting(self, runner: _Runner, instance: Instance, rank: Rank) -> None:
         try:
-            source = await self._pool.source_of(instance.model)
+            source = await self._pool.names.source_of(instance.model)
             parallel = (parallel_config(instance, rank, self._group_connect_s)
                         if rank.world_size > 1 else None)
             if parallel is not None:

@@ -1,1 +1,2 @@
-"""The node's local model pool: which models run here, loading on first use, keep-alive."""
+"""The node's model pool: policy over the runner registry for the instances served here
+(keep-alive, eviction, the admission queue and client tiers, the names clients use)."""

@@ -30,10 +30,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.engine.config import ModelSource, ModelTask
 from shoal.pool.eviction import Resident
 from shoal.pool.names import ModelNames, Resolver, WrongModelTask
-from shoal.pool.ladders import UnknownTask
 from shoal.pool.queue import AdmissionQueue, Overloaded
 from shoal.protocol import (
     EmbeddingRequest,
@@ -114,24 +112,6 @@ class ModelPool:
         self.counts = PoolCounts()
         # The node process's spans (queue and load waits, generations); runners keep theirs.
         self.spans = spans if spans is not None else SpanBuffer()
-
-    # ---- names ----------------------------------------------------------------------------
-
-    async def identify(self, name: str, task: ModelTask | None = None
-                       ) -> tuple[str, ModelSource | None]:
-        return await self.names.identify(name, task)
-
-    async def resolve(self, name: str) -> ModelSource:
-        return await self.names.resolve(name)
-
-    async def source_of(self, model_id: str) -> ModelSource:
-        return await self.names.source_of(model_id)
-
-    def canonical_id(self, name: str) -> str:
-        return self.names.canonical_id(name)
-
-    def task_of(self, name: str) -> ModelTask | None:
-        return self.names.task_of(name)
 
     # ---- instances served here ------------------------------------------------------------
 
@@ -268,7 +248,7 @@ class ModelPool:
     async def submit(self, instance_id: str, request: GenerationRequest,
                      wanted: Wanted | None = None) -> AsyncIterator[Any]:
         """request's chunks from the instance's serving runner here (rank 0), waiting for it
-        to load; one ErrorChunk if it cannot serve."""
+        to load (held meanwhile); one ErrorChunk if it cannot serve."""
         self.hold(instance_id, request.keep_alive_s, request.priority)
         try:
             try:
@@ -276,6 +256,18 @@ class ModelPool:
             except ModelUnavailable as error:
                 yield refusal(request.request_id, error)
                 return
+            async with contextlib.aclosing(supervisor.submit(request)) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            self.release(instance_id)
+
+    async def submit_to(self, supervisor: RunnerSupervisor, instance_id: str,
+                        request: GenerationRequest) -> AsyncIterator[Any]:
+        """request's chunks from supervisor, the instance's serving runner here, which the
+        caller has waited for (serving_runner); the request holds the instance meanwhile."""
+        self.hold(instance_id, request.keep_alive_s, request.priority)
+        try:
             async with contextlib.aclosing(supervisor.submit(request)) as stream:
                 async for chunk in stream:
                     yield chunk
@@ -305,14 +297,12 @@ class ModelPool:
         finally:
             self.queue.release(ticket)
 
-    async def embed(self, instance_id: str, request: EmbeddingRequest,
-                    wanted: Wanted | None = None) -> EmbeddingResult | ErrorChunk:
+    async def embed(self, supervisor: RunnerSupervisor, instance_id: str,
+                    request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
+        """request's vectors from supervisor, the instance's serving runner here, which the
+        caller has waited for (serving_runner); an empty batch only holds the instance."""
         self.hold(instance_id, request.keep_alive_s, request.priority)
         try:
-            try:
-                supervisor = await self.serving_runner(instance_id, wanted)
-            except ModelUnavailable as error:
-                return refusal(request.request_id, error)
             if request.num_inputs == 0:
                 return EmbeddingResult(request_id=request.request_id, embeddings=(),
                                        prompt_tokens=0)
@@ -335,24 +325,12 @@ class ModelPool:
         await self.registry.close()
 
 
-def _not_found_types() -> tuple[type[BaseException], ...]:
-    from shoal.catalog.resolve import ModelNotFound
-
-    return (ModelNotFound, UnknownTask)
-
-
 def refusal(request_id: str, error: BaseException) -> ErrorChunk:
-    """The ErrorChunk for a request whose model could not be found, started or used, or
-    that could not wait its turn."""
-    if isinstance(error, _not_found_types()):
-        return ErrorChunk(request_id=request_id, code="model_not_found", message=str(error),
-                          param="model")
+    """The ErrorChunk for a request whose instance here could not serve it, or that could
+    not wait its turn (the router maps the errors of naming a model: router/refusal.py)."""
     if isinstance(error, Overloaded):
         return ErrorChunk(request_id=request_id, code="overloaded", message=str(error),
                           retry_after_s=error.retry_after_s)
     if isinstance(error, ModelUnavailable):
         return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
-    if isinstance(error, ValueError):  # WrongModelTask, an empty or malformed name
-        return ErrorChunk(request_id=request_id, code="invalid_request", message=str(error),
-                          param="model")
     raise error

@@ -31,6 +31,7 @@ from shoal.api.ollama.adapter import (
 from shoal.api.ollama.schemas import ChatRequest, GenerateRequest
 from shoal.api.sse import ndjson_line
 from shoal.protocol import GenerationRequest
+from shoal.router import ModelUnavailable
 
 router = APIRouter()
 
@@ -62,7 +63,6 @@ async def _respond(request: Request, internal: GenerationRequest, endpoint: Endp
 async def _load(request: Request, internal: GenerationRequest, endpoint: Endpoint) -> Response:
     """Load the model (keep_alive applies), or with keep_alive 0 unload it once idle."""
     from shoal.catalog.resolve import ModelNotFound
-    from shoal.router import ModelUnavailable
 
     router = request.app.state.router
     try:

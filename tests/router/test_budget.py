@@ -19,7 +19,7 @@ from memory_pool import (
 
 from shoal.cluster.model_facts import model_facts_from_source
 from shoal.cluster.placement import shard_bytes
-from shoal.pool.ladders import Ladder
+from shoal.router.ladders import Ladder
 
 MIB = 2**20
 

@@ -62,7 +62,7 @@ async def _collect(stream) -> list:
 
 
 def test_a_stream_cancelled_before_its_pump_ran_still_ends():
-    from shoal.pool.cancellable import CancellableStream
+    from shoal.router.cancellable import CancellableStream
 
     async def chunks():
         raise AssertionError("never started")

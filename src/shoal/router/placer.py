@@ -19,9 +19,9 @@ from shoal.cluster.model_facts import ModelFacts, model_facts_from_source
 from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
 from shoal.engine.config import ModelSource
 from shoal.pool.pool import ModelPool, ModelUnavailable
-from shoal.pool.room import Room, evict, room_for
+from shoal.router.room import Room, evict, room_for
 
-log = logging.getLogger("shoal.pool")
+log = logging.getLogger("shoal.router")
 
 # How long a placement waits for the cluster to be able to place (a master, memory readings).
 DEFAULT_PLACE_WAIT_S = 30.0

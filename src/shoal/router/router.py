@@ -8,11 +8,11 @@ single placement. The request then goes to the instance's serving rank (rank 0):
 this node's pool when that rank runs here, as a task over the cluster otherwise.
 Embeddings are served on this node: an embedding model is placed here.
 
-Every request first waits its turn in the node's admission queue (pool/queue.py). A model
-placed for a request goes where it fits without unloading anything (this node first), else
-here after evicting idle models, else split across nodes (pool/placer.py).
-A model named `task:NAME` is served by the first model of that fallback ladder that is
-loaded, or loads within the ladder's budget (pool/ladders.py).
+Every request first waits its turn in the node's admission queue (pool/queue.py). The name
+it gives is worked out once, when it joins the queue (naming.py). A model placed for a
+request goes where it fits without unloading anything (this node first), else here after
+evicting idle models, else split across nodes (placer.py). A model named `task:NAME` is served by the first model of that
+fallback ladder that is loaded, or loads within the ladder's budget (ladders.py).
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ from typing import Any
 
 from shoal.cluster.instances import Instance
 from shoal.cluster.service import ClusterService
-from shoal.engine.config import ModelSource, ModelTask
+from shoal.engine.config import ModelTask
 from shoal.metrics import NodeMetrics
-from shoal.pool.cancellable import CancellableStream
-from shoal.pool.chooser import InstanceChooser
-from shoal.pool.clock import RequestClock
-from shoal.pool.ladders import Ladder, UnknownTask, task_name
-from shoal.pool.placer import Placer
-from shoal.pool.pool import ModelPool, ModelUnavailable, WrongModelTask, refusal
+from shoal.pool.names import WrongModelTask
+from shoal.pool.pool import ModelPool, ModelUnavailable
 from shoal.pool.queue import Ticket
 from shoal.protocol import (
     EmbeddingRequest,
@@ -41,6 +37,13 @@ from shoal.protocol import (
     ErrorChunk,
     GenerationRequest,
 )
+from shoal.router.cancellable import CancellableStream
+from shoal.router.chooser import InstanceChooser
+from shoal.router.clock import RequestClock
+from shoal.router.ladders import Ladder
+from shoal.router.naming import Named, Naming
+from shoal.router.placer import Placer
+from shoal.router.refusal import refusal
 from shoal.runner.supervisor import RunnerSupervisor
 
 __all__ = ["ModelUnavailable", "Router", "WrongModelTask"]
@@ -58,9 +61,9 @@ class Router:
         self.pool = pool
         self.cluster = cluster
         self.queue = pool.queue
-        self.ladders = dict(ladders or {})
         self.placer = Placer(pool, cluster, **placing)
         self.chooser = InstanceChooser(pool, cluster)
+        self.naming = Naming(pool.names, self.chooser, ladders or {})
         self._in_flight: dict[str, CancellableStream] = {}  # request id -> its stream
         self.metrics = NodeMetrics()  # GET /metrics
         self.spans = pool.spans  # the node process's spans (GET /v1/traces/{id})
@@ -95,21 +98,18 @@ class Router:
 
     async def _submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
         clock = RequestClock()
-        ticket = await self._turn(request, "generate", clock)
-        if isinstance(ticket, ErrorChunk):
-            yield ticket
+        turn = await self._turn(request, "generate", clock)
+        if isinstance(turn, ErrorChunk):
+            yield turn
             return
+        ticket, named = turn
         try:
             clock.queued()
-            ladder = self._ladder(request.model)
             placing_ns = time.time_ns()
             try:
-                instance = await self._instance_for_request(request, ladder)
-                self.chooser.pin_session(request, instance)
+                instance, runner = await self._serving(request, named)
                 if instance.model != ticket.model:  # a ladder fell back to another rung
                     ticket = await self._requeue(ticket, instance.model)
-                if self.chooser.here(instance):
-                    await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
                 self._record_load(request, placing_ns, None)
                 yield clock.explain(refusal(request.request_id, error))
@@ -117,14 +117,15 @@ class Router:
             self._record_load(request, placing_ns, instance)
             clock.loaded()
             keep_alive_s = request.keep_alive_s
-            if keep_alive_s is None and ladder is not None:
-                keep_alive_s = ladder.keep_alive_s
+            if keep_alive_s is None and isinstance(named, Ladder):
+                keep_alive_s = named.keep_alive_s
             request = request.model_copy(update={
                 "model": instance.model, "priority": ticket.priority,
                 "keep_alive_s": keep_alive_s})
             delivered_ns = time.time_ns()
             try:
-                async with contextlib.aclosing(self._deliver(instance, request)) as stream:
+                async with contextlib.aclosing(self._deliver(instance, runner, request)
+                                               ) as stream:
                     async for chunk in stream:
                         if chunk.kind == "accepted":
                             chunk = chunk.model_copy(update={"model": instance.model})
@@ -132,33 +133,36 @@ class Router:
                             chunk = clock.explain(chunk)
                         yield chunk
             finally:
-                here = self.chooser.here(instance)
-                self.spans.record(request.trace, "generate" if here else "remote",
+                self.spans.record(request.trace, "generate" if runner else "remote",
                                   delivered_ns, args={
                                       "instance": instance.instance_id,
                                       "node": instance.ranks[0].node_id})
         finally:
             self.queue.release(ticket)
 
-    def _deliver(self, instance: Instance, request: GenerationRequest) -> AsyncIterator[Any]:
+    def _deliver(self, instance: Instance, runner: RunnerSupervisor | None,
+                 request: GenerationRequest) -> AsyncIterator[Any]:
         """The request's chunks from the instance's serving rank: through the pool when it
-        runs here, as a cluster task otherwise."""
-        if self.chooser.here(instance):
-            return self.pool.submit(instance.instance_id, request, self._wanted(instance))
+        runs here (runner), as a cluster task otherwise."""
+        if runner is not None:
+            return self.pool.submit_to(runner, instance.instance_id, request)
         return self.cluster.submit_remote(request, instance.instance_id)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
         """The request's vectors, or one ErrorChunk. An empty batch just loads the model."""
         clock = RequestClock()
-        ticket = await self._turn(request, "embed", clock)
-        if isinstance(ticket, ErrorChunk):
-            return ticket
+        turn = await self._turn(request, "embed", clock)
+        if isinstance(turn, ErrorChunk):
+            return turn
+        ticket, named = turn
         try:
             clock.queued()
             placing_ns = time.time_ns()
             try:
-                instance = await self.instance_for(request.model, "embed", here_only=True)
-                await self._local_runner(instance)
+                if isinstance(named, Ladder):  # ladders hold text models: look the name up
+                    named = await self.naming.identify(request.model, "embed")
+                instance = await self._instance_of(request.model, named, here_only=True)
+                runner = await self._local_runner(instance)
             except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
                 self._record_load(request, placing_ns, None)
                 return clock.explain(refusal(request.request_id, error))
@@ -166,8 +170,7 @@ class Router:
             load_s = clock.loaded()
             request = request.model_copy(update={"priority": ticket.priority})
             embedding_ns = time.time_ns()
-            result = await self.pool.embed(instance.instance_id, request,
-                                           self._wanted(instance))
+            result = await self.pool.embed(runner, instance.instance_id, request)
             self.spans.record(request.trace, "embed", embedding_ns,
                               args={"instance": instance.instance_id,
                                     "inputs": request.num_inputs})
@@ -178,8 +181,9 @@ class Router:
             self.queue.release(ticket)
 
     async def _turn(self, request: GenerationRequest | EmbeddingRequest, task: ModelTask,
-                    clock: RequestClock) -> Ticket | ErrorChunk:
-        """The request's slot once its turn comes, or the ErrorChunk that refuses it."""
+                    clock: RequestClock) -> tuple[Ticket, Named | Ladder] | ErrorChunk:
+        """The request's slot once its turn comes and what its model name names (a model,
+        or a ladder of them), or the ErrorChunk that refuses it."""
         queued_ns = time.time_ns()
         try:
             return await self._admit(request.model, task, request.priority,
@@ -200,17 +204,18 @@ class Router:
             "model": request.model, "instance": instance.instance_id if instance else None})
 
     async def _admit(self, name: str, task: ModelTask, priority: int,
-                     client: str | None) -> Ticket:
+                     client: str | None) -> tuple[Ticket, Named | Ladder]:
         """The request's turn in the node's queue, keyed by the model it will most likely
-        use (a ladder's first loaded model, else its first)."""
-        ladder = self._ladder(name)
-        if ladder is not None:
-            model_id = next((m for m in ladder.models if self._ready_instance(m)),
-                            ladder.models[0])
+        use (a ladder's first loaded model, else its first), and what name names (the
+        rungs of a ladder are named as they are tried)."""
+        named = await self.naming.name(name, task)
+        if isinstance(named, Ladder):
+            model_id = next((m for m in named.models if self._ready_instance(m)),
+                            named.models[0])
         else:
-            model_id = await self._model_id(name, task)
+            model_id = named.model_id
         warm = self._ready_instance(model_id) is not None
-        return await self.queue.admit(model_id, priority, client, warm)
+        return await self.queue.admit(model_id, priority, client, warm), named
 
     async def _requeue(self, ticket: Ticket, model_id: str) -> Ticket:
         """A turn keyed by the model that will really serve (its --parallel applies), in
@@ -218,23 +223,12 @@ class Router:
         self.queue.release(ticket)
         return await self.queue.admit(model_id, ticket.priority, ticket.client, warm=True)
 
-    async def _model_id(self, name: str, task: ModelTask | None) -> str:
-        from shoal.catalog.resolve import ModelNotFound
-
-        try:
-            model_id, _ = await self.pool.identify(name, task)
-        except ModelNotFound:
-            model_id = self.chooser.model_named(name)
-            if model_id is None:
-                raise
-        return model_id
-
     async def load(self, name: str, keep_alive_s: float | None = None) -> bool:
         """Apply a keep-alive with no request to run (Ollama's empty request): load the model
         unless keep_alive_s is 0, which unloads a loaded model once idle. True if loaded
         afterwards (or unloading after its keep-alive)."""
         if keep_alive_s == 0:
-            model_id, _ = await self.pool.identify(name)
+            model_id, _ = await self.naming.names.identify(name)
             instances = self.chooser.live(model_id)
             for instance in instances:
                 if self.chooser.here(instance):
@@ -252,59 +246,50 @@ class Router:
     async def preload(self, names: Sequence[str], pinned: bool = False) -> None:
         """Place every named model, kept loaded (pinned: never evicted), and wait until each
         serves; raises ModelNotFound / ModelUnavailable on the first failure."""
+        model_names = self.naming.names
         for name in names:
-            model_id, source = await self.pool.identify(name)
+            model_id, source = await model_names.identify(name)
             instance = await self.placer.place(model_id,
-                                               source or await self.pool.resolve(name),
+                                               source or await model_names.resolve(name),
                                                keep_alive_s=None, here_only=False,
                                                pinned=pinned)
             if self.chooser.here(instance):
                 await self._local_runner(instance)
 
     def canonical_id(self, name: str) -> str:
-        canonical = self.pool.canonical_id(name)
-        if canonical == name:
-            return self.chooser.model_named(name) or name
-        return canonical
+        return self.naming.canonical_id(name)
 
     def task_of(self, name: str) -> ModelTask | None:
-        if self._ladder(name) is not None:
-            return "generate"
-        return self.pool.task_of(name)
+        return self.naming.task_of(name)
 
     async def shutdown(self) -> None:
         self.placer.cancel()
         await self.pool.shutdown()
 
-    # ---- ladders ----------------------------------------------------------------------------
+    # ---- the instance and runner that serve a request ---------------------------------------
 
-    def _ladder(self, name: str) -> Ladder | None:
-        """The ladder name asks for (task:NAME); UnknownTask if there is none by that name."""
-        task = task_name(name)
-        if task is None:
-            return None
-        ladder = self.ladders.get(task)
-        if ladder is None:
-            known = ", ".join(sorted(self.ladders)) or "none are configured (--tasks)"
-            raise UnknownTask(f"task {task!r} not found; known tasks: {known}")
-        return ladder
+    async def _serving(self, request: GenerationRequest, named: Named | Ladder
+                       ) -> tuple[Instance, RunnerSupervisor | None]:
+        """The instance that serves request, and its serving runner once loaded when that
+        runs here (None: on another node); the request's session goes there from now on."""
+        if isinstance(named, Ladder):
+            instance, runner = await self._climb(named)
+            self.chooser.pin_session(request, instance)
+            return instance, runner
+        instance = await self._instance_of(request.model, named, request=request)
+        self.chooser.pin_session(request, instance)
+        return instance, await self._runner_here(instance)
 
-    async def _instance_for_request(self, request: GenerationRequest,
-                                    ladder: Ladder | None) -> Instance:
-        if ladder is None:
-            return await self.instance_for(request.model, "generate", request=request)
-        return await self._climb(ladder)
-
-    async def _climb(self, ladder: Ladder) -> Instance:
+    async def _climb(self, ladder: Ladder) -> tuple[Instance, RunnerSupervisor | None]:
         """The first rung with a ready instance; else the first that loads within the
         ladder's budget. pin_primary: always the first (placed pinned), however long its
-        load takes."""
+        load takes. With the rung's serving runner, as _serving."""
         if ladder.pin_primary:
             return await self._rung(ladder.models[0], ladder.keep_alive_s, pinned=True)
         for model in ladder.models:
             ready = self._ready_instance(model)
             if ready is not None:
-                return ready
+                return ready, await self._runner_here(ready)
         deadline = time.monotonic() + ladder.budget_s
         missed = []
         for model in ladder.models:
@@ -322,13 +307,11 @@ class Router:
         raise ModelUnavailable(f"task {ladder.name!r}: no model of its ladder could serve "
                                f"within {ladder.budget_s:g} s ({'; '.join(missed)})")
 
-    async def _rung(self, model: str, keep_alive_s: float | None,
-                    pinned: bool = False) -> Instance:
+    async def _rung(self, model: str, keep_alive_s: float | None, pinned: bool = False
+                    ) -> tuple[Instance, RunnerSupervisor | None]:
         instance = await self.instance_for(model, "generate", keep_alive_s=keep_alive_s,
                                            pinned=pinned)
-        if self.chooser.here(instance):
-            await self._local_runner(instance)
-        return instance
+        return instance, await self._runner_here(instance)
 
     # ---- choosing and placing ---------------------------------------------------------------
 
@@ -342,24 +325,22 @@ class Router:
         prefer the instance holding its KV).
 
         Raises ModelNotFound, WrongModelTask (ValueError) or ModelUnavailable."""
-        from shoal.catalog.resolve import ModelNotFound
+        named = await self.naming.identify(name, task)
+        return await self._instance_of(name, named, here_only, keep_alive_s, pinned, request)
 
-        source: ModelSource | None = None
-        try:
-            model_id, source = await self.pool.identify(name, task)
-        except ModelNotFound:
-            # Not resolvable here (a path on another machine, say): an instance of that
-            # name elsewhere in the cluster can still serve it.
-            model_id = self.chooser.model_named(name)
-            if model_id is None or here_only:
-                raise
-        chosen = self.chooser.choose(model_id, here_only, request)
+    async def _instance_of(self, name: str, named: Named, here_only: bool = False,
+                           keep_alive_s: float | None = None, pinned: bool = False,
+                           request: GenerationRequest | None = None) -> Instance:
+        """instance_for, with name already identified as named."""
+        if named.not_found is not None and here_only:
+            raise named.not_found  # only another node knows the name
+        chosen = self.chooser.choose(named.model_id, here_only, request)
         if chosen is not None:
             return chosen
-        if source is None:
-            source = await self.pool.resolve(name)
+        # Placing: the name as resolved for this request, else looked up afresh.
+        source = named.source or await self.naming.names.resolve(name)
         keep = self.pool.keep_alive_s if keep_alive_s is None else keep_alive_s
-        return await self.placer.place(model_id, source, keep_alive_s=keep,
+        return await self.placer.place(named.model_id, source, keep_alive_s=keep,
                                        here_only=here_only, pinned=pinned)
 
     def _ready_instance(self, name: str) -> Instance | None:
@@ -368,6 +349,12 @@ class Router:
     async def _local_runner(self, instance: Instance) -> RunnerSupervisor:
         """The instance's serving runner here, once loaded (ModelUnavailable if not)."""
         return await self.pool.serving_runner(instance.instance_id, self._wanted(instance))
+
+    async def _runner_here(self, instance: Instance) -> RunnerSupervisor | None:
+        """_local_runner when the instance's serving rank runs here; None otherwise."""
+        if not self.chooser.here(instance):
+            return None
+        return await self._local_runner(instance)
 
     def _wanted(self, instance: Instance) -> Callable[[], str | None]:
         def gone() -> str | None:

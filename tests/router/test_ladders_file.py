@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.config_file import ConfigFileError
-from shoal.pool.ladders import Ladder, load_ladders, task_name
+from shoal.router.ladders import Ladder, load_ladders, task_name
 
 EXAMPLE = """\
 [tasks.code]

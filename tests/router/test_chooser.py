@@ -11,7 +11,7 @@ from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.prefix_index import PrefixIndex, PrefixUpdate
 from shoal.engine.kv.prefix_cache import extend_block_hashes
 from shoal.ids import InstanceId, ModelId, NodeId, runner_id_for
-from shoal.pool.chooser import InstanceChooser
+from shoal.router.chooser import InstanceChooser
 from shoal.protocol import ChatMessage, GenerationRequest
 from shoal.routing_keys import prefix_keys, session_key
 

@@ -2,7 +2,7 @@
 
 The node's budget and slots are counted from the cluster state (cluster/node_budget.py),
 the same way the master counts them when it places; which idle instances go is the pool's
-eviction choice (eviction.py).
+eviction choice (pool/eviction.py).
 """
 
 from __future__ import annotations
