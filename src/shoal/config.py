@@ -11,20 +11,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal.cluster.tls import ClusterTls, rank_key, read_cluster_tls
+from shoal.api.auth import read_keys_file
+from shoal.catalog.cards import load_builtin_catalog
+from shoal.catalog.resolve import find_card, resolve_model
+from shoal.cluster.settings import ClusterSettings
+from shoal.cluster.tls import read_cluster_tls
 from shoal.config_values import as_bool, as_float, as_int, as_list, parse_size, pick
 from shoal.durations import parse_duration_s
 from shoal.engine.config import KV_CACHE_DTYPES, EngineConfig, KvDiskConfig, ModelSource
 from shoal.engine.speculation.config import SpeculativeConfig, parse_assignment
+from shoal.paths import default_data_dir
 from shoal.pool.queue import QueueLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
-def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "shoal"
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = DEFAULT_HOST
@@ -63,9 +63,6 @@ class EngineDefaults:
 
     def speculation_for(self, model_id: str) -> SpeculativeConfig | None:
         """The speculation named for a model, by its id or any catalogue name of it."""
-        from shoal.catalog.cards import load_builtin_catalog
-        from shoal.catalog.resolve import find_card
-
         catalog = load_builtin_catalog() if self.speculative else ()
         for name, speculative in self.speculative:
             card = find_card(name, catalog)
@@ -128,53 +125,6 @@ class PoolSettings:
 
 
 @dataclass(frozen=True)
-class ClusterSettings:
-    """How this node joins a cluster.
-
-    standalone: no network at all, a cluster of this node alone. Otherwise a Zenoh peer
-    session: listen on `listen` (Zenoh picks when empty), dial `peers`, and discover nodes
-    by multicast scouting when `discovery` is on (by default: unless peers are given).
-    `secret` isolates clusters; it is never logged or shown. `tls` (--cluster-tls): Zenoh
-    links are mutual TLS under the cluster CA, and its secret file keys the ranks' proofs.
-    """
-
-    standalone: bool = False
-    listen: tuple[str, ...] = ()
-    peers: tuple[str, ...] = ()
-    secret: str = field(default="", repr=False)
-    force_master: bool = False
-    discovery: bool | None = None
-    name: str = ""  # shown in GET /cluster; the host name when empty
-    tls: ClusterTls | None = None
-    discovery_interface: str = ""  # the interface multicast scouting uses; Zenoh picks
-    # --propose-for TARGET[=SOURCE]: (target model id, proposal source) this node guesses
-    # tokens for, for verifiers on other nodes (cluster/proposer_service.py).
-    propose_for: tuple[tuple[str, str], ...] = ()
-    # Capability cards: exchanged with every peer each interval, expired after the TTL.
-    card_interval_s: float = 5.0
-    card_ttl_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.card_interval_s <= 0 or self.card_ttl_s <= 2 * self.card_interval_s:
-            raise ValueError("a capability card's TTL must exceed two exchange intervals "
-                             f"({self.card_ttl_s:g} s, interval {self.card_interval_s:g} s)")
-        if self.standalone and (self.listen or self.peers or self.discovery or self.tls):
-            raise ValueError("a standalone node neither listens, dials peers, discovers nor "
-                             "uses --cluster-tls")
-        if self.tls is not None:
-            for endpoint in (*self.listen, *self.peers):
-                if not endpoint.startswith("tls/"):
-                    raise ValueError(f"with --cluster-tls every cluster endpoint is tls/HOST:"
-                                     f"PORT, not {endpoint!r}")
-
-    @property
-    def rank_key(self) -> str:
-        """What the ranks of an instance prove to each other: from the --cluster-tls secret
-        file, else from --cluster-secret; "" (no proof) with neither."""
-        return rank_key(self.tls.secret if self.tls is not None else self.secret.encode())
-
-
-@dataclass(frozen=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # Model ids, aliases or paths preloaded at start; empty means the catalogue default.
@@ -215,8 +165,6 @@ class NodeConfig:
     def _draft_source(self, speculative: SpeculativeConfig | None) -> ModelSource | None:
         if speculative is None or speculative.method != "draft":
             return None
-        from shoal.catalog.resolve import resolve_model
-
         return resolve_model(speculative.draft_model, data_dir=self.data_dir)
 
 
@@ -252,9 +200,6 @@ def _propose_for(flags: Sequence[str], env: Mapping[str, str]
                  ) -> tuple[tuple[str, str], ...]:
     """--propose-for TARGET[=SOURCE] values (else SHOAL_PROPOSE_FOR, comma-separated), the
     target named by its catalogue id when it has one; SOURCE defaults to ngram."""
-    from shoal.catalog.cards import load_builtin_catalog
-    from shoal.catalog.resolve import find_card
-
     values = list(flags) or [v for v in env.get("SHOAL_PROPOSE_FOR", "").split(",") if v.strip()]
     if not values:
         return ()
@@ -340,8 +285,6 @@ def _api_keys(flags: Sequence[str], keys_file: str | None,
               env: Mapping[str, str]) -> tuple[str, ...]:
     """--api-key values (else SHOAL_API_KEY) plus the keys of --api-keys-file (else
     SHOAL_API_KEYS_FILE)."""
-    from shoal.api.auth import read_keys_file
-
     keys = tuple(flags) or tuple(k for k in (env.get("SHOAL_API_KEY"),) if k)
     path = pick(keys_file, env, "SHOAL_API_KEYS_FILE")
     if path is not None:

@@ -28,7 +28,7 @@ from shoal.api.app import create_app
 from shoal.api.auth import ApiKeys
 from shoal.config import NodeConfig
 from shoal.diagnostics.error_log import RecentErrors
-from shoal.diagnostics.report import NodeDiagnostics
+from shoal.node_diagnostics import NodeDiagnostics
 from shoal.pool.clients import load_clients
 from shoal.pool.pool import ModelPool
 from shoal.pool.queue import AdmissionQueue

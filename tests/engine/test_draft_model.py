@@ -130,4 +130,4 @@ def test_a_proposer_node_s_draft_loads_on_the_first_ask_and_guesses_greedily(tin
 
 def test_a_draft_source_needs_a_model_name():
     with pytest.raises(ValueError, match="draft:MODEL"):
-        DraftSource("")
+        DraftSource("", resolve=lambda name: None)

@@ -34,11 +34,14 @@ def make_engine(model: str, dtype: str, speculative: SpeculativeConfig | None,
                 cache_dir, kv_cache_dtype: str = "auto") -> Engine:
     try:
         source = resolve_model(model)
+        draft_source = (resolve_model(speculative.draft_model)
+                        if speculative is not None and speculative.method == "draft" else None)
     except ModelNotFound as missing:
         pytest.skip(str(missing))
     return Engine(EngineConfig(source=source, dtype=dtype, threads=2,
                                kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512,
-                               speculative=speculative, cache_dir=cache_dir,
+                               speculative=speculative, draft_source=draft_source,
+                               cache_dir=cache_dir,
                                kv_cache_dtype=kv_cache_dtype))
 
 

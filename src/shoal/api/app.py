@@ -42,7 +42,7 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
                api_keys: ApiKeys | None = None, diagnose: Any = None) -> FastAPI:
     """The HTTP app over router (shoal.router.Router, or a fake with the same view), with
     the cluster routes when cluster (shoal.cluster.service.ClusterService) is given and the
-    diagnostics routes' answers from diagnose (diagnostics.report.NodeDiagnostics); every
+    diagnostics routes' answers from diagnose (node_diagnostics.NodeDiagnostics); every
     route but /health and / wants one of api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:

@@ -1,5 +1,5 @@
 """GET /v1/diagnostics/node and /v1/diagnostics/cluster: what `shoal diagnose` saves for a
-bug report (diagnostics/report.py), secrets removed. Protected by API keys like every
+bug report (node_diagnostics.py), secrets removed. Protected by API keys like every
 route."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shoal.catalog import parts
 from shoal.catalog.cards import ModelCard, load_builtin_catalog
-from shoal.config import default_data_dir
+from shoal.paths import default_data_dir
 from shoal.engine.config import ModelSource, ModelTask
 from shoal.engine.models.registry import task_of_hf_config
 

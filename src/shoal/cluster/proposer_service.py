@@ -18,6 +18,7 @@ loop either way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.catalog.resolve import resolve_model
 from shoal.cluster.transport.base import Subscription, Transport, TransportError
 from shoal.engine.speculation.config import MAX_NUM_DRAFTS
 from shoal.engine.speculation.ngram import NgramProposer
@@ -46,7 +48,8 @@ SourceFactory = Callable[[str, str, "Path | None"], Proposer]
 def _draft_source(target: str, source: str, data_dir: Path | None) -> Proposer:
     from shoal.engine.speculation.draft import DraftSource  # torch: only where it guesses
 
-    return DraftSource(source.partition(":")[2], data_dir)
+    return DraftSource(source.partition(":")[2],
+                       functools.partial(resolve_model, data_dir=data_dir))
 
 
 SOURCES: dict[str, SourceFactory] = {"ngram": lambda target, source, data_dir: NgramProposer(),

@@ -23,7 +23,7 @@ from shoal.cluster.telemetry import NodeReading, read_node
 from shoal.cluster.transport.base import Transport
 from shoal.cluster.transport.memory import MemoryHub
 from shoal.cluster.transport.topics import check_node_id
-from shoal.config import ClusterSettings
+from shoal.cluster.settings import ClusterSettings
 from shoal.ids import NodeId, new_node_id
 from shoal.pool.pool import ModelPool
 

@@ -49,6 +49,8 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
     memory budget), never more than max_num_seqs full contexts need. STAGE_SHARE of it (at most
     STAGE_MAX_TOKENS tokens) is the decode stage; the paged blocks get the rest.
     """
+    # Here, not at the top: placement reads this module's constants in a node that never
+    # imports torch, and the loader does.
     from shoal.engine.models.loader import kv_bytes_per_token
 
     start, end = loaded.layer_range

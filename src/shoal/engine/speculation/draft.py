@@ -11,7 +11,7 @@ verify.kept_tokens keeps the output exactly the target's, whatever the target sa
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +19,13 @@ import torch
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.kv.block_pool import BlockPool
 from shoal.engine.model_runner import ModelRunner
-from shoal.engine.models.loader import LoadedModel, load_model
+from shoal.engine.kv_budget import check_weights_fit
+from shoal.engine.models.loader import (
+    LoadedModel,
+    kv_bytes_per_token,
+    load_model,
+    read_model_config,
+)
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from shoal.engine.speculation.proposer import Proposal, common_prefix
 from shoal.engine.tokenizer.tokenizer import Tokenizer
@@ -93,10 +99,10 @@ class DraftModel:
         """The draft model named by the target's --speculative, refused unless it shares
         the target's tokenizer; its KV cache holds as many tokens as the target's (at the
         draft's smaller size per token)."""
-        from shoal.catalog.resolve import resolve_model
-        from shoal.engine.kv_budget import check_weights_fit
-
-        source = config.draft_source or resolve_model(config.speculative.draft_model)
+        source = config.draft_source
+        if source is None:
+            raise ValueError(f"speculating with draft model {config.speculative.draft_model!r} "
+                             f"needs its files: the node resolves them into draft_source")
         check_weights_fit(source)
         tokenizer = Tokenizer.load(source, cache_dir=config.cache_dir)
         check_same_tokenizer(config.source.model_id, target_tokenizer, source.model_id,
@@ -192,11 +198,12 @@ class DraftSource:
 
     blocking = True  # its forward passes run off the node's event loop
 
-    def __init__(self, model: str, data_dir=None) -> None:
+    def __init__(self, model: str, resolve: Callable[[str], ModelSource]) -> None:
+        """resolve: the node's resolver from a model name to its files (catalogue, paths)."""
         if not model:
             raise ValueError("name the draft model, as draft:MODEL")
         self.model = model
-        self._data_dir = data_dir
+        self._resolve = resolve
         self._draft: DraftModel | None = None
 
     def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal | None:
@@ -208,10 +215,7 @@ class DraftSource:
 
     def _loaded(self) -> DraftModel:
         if self._draft is None:
-            from shoal.catalog.resolve import resolve_model
-            from shoal.engine.models.loader import kv_bytes_per_token, read_model_config
-
-            source = resolve_model(self.model, data_dir=self._data_dir)
+            source = self._resolve(self.model)
             config = read_model_config(source)
             per_block = kv_bytes_per_token(config, "auto") * BLOCK_SIZE
             self._draft = DraftModel.load(source, "auto", "cpu",
