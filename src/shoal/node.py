@@ -26,7 +26,11 @@ import uvicorn
 from shoal import logs
 from shoal.api.app import create_app
 from shoal.api.auth import ApiKeys
+from shoal.catalog.resolve import DEFAULT_MODEL_ID, ModelNotFound, resolve_model
+from shoal.cluster.setup import open_cluster
+from shoal.cluster.transport.base import TransportError
 from shoal.config import NodeConfig
+from shoal.config_file import ConfigFileError
 from shoal.diagnostics.error_log import RecentErrors
 from shoal.node_diagnostics import NodeDiagnostics
 from shoal.pool.clients import load_clients
@@ -95,8 +99,6 @@ def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = No
 
 
 def _read_file(load: Callable[[Any], Any], path: Any) -> Any:
-    from shoal.config_file import ConfigFileError
-
     if path is None:
         return None
     try:
@@ -107,8 +109,6 @@ def _read_file(load: Callable[[Any], Any], path: Any) -> Any:
 
 def node_resolver(config: NodeConfig) -> Callable[[str], Any]:
     """resolve_model with this node's data dir (where models from part packages are joined)."""
-    from shoal.catalog.resolve import resolve_model
-
     return functools.partial(resolve_model, data_dir=config.data_dir)
 
 
@@ -119,8 +119,6 @@ def default_models(config: NodeConfig) -> tuple[str, ...]:
         return config.models
     if config.pool.pinned:
         return ()
-    from shoal.catalog.resolve import DEFAULT_MODEL_ID
-
     return (DEFAULT_MODEL_ID,)
 
 
@@ -211,9 +209,6 @@ def is_loopback(host: str) -> bool:
 
 
 async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str]) -> Any:
-    from shoal.cluster.setup import open_cluster
-    from shoal.cluster.transport.base import TransportError
-
     try:
         return await open_cluster(config.cluster, config.data_dir, pool,
                                   lambda: tuple(addresses),
@@ -228,8 +223,6 @@ async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str
 
 async def _preload(router: Router, models: tuple[str, ...], stop: asyncio.Event,
                    pinned: bool = False) -> None:
-    from shoal.catalog.resolve import ModelNotFound
-
     if not models or stop.is_set():
         return
     preload = asyncio.ensure_future(router.preload(models, pinned=pinned))

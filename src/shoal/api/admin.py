@@ -15,9 +15,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shoal.api.errors import APIError, invalid_parameter
+from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.cluster.instances import PlacementRequest
+from shoal.cluster.model_facts import model_facts_from_source
 from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
 from shoal.cluster.views import describe_instance
+from shoal.engine.errors import UnsupportedModel
 
 router = APIRouter()
 
@@ -41,10 +44,6 @@ def _cluster(request: Request) -> ClusterService:
 
 async def _placement_request(body: PlaceBody) -> PlacementRequest:
     """The model resolved on this node and read (headers only) into a PlacementRequest."""
-    from shoal.catalog.resolve import ModelNotFound, resolve_model
-    from shoal.cluster.model_facts import model_facts_from_source
-    from shoal.engine.errors import UnsupportedModel
-
     try:
         source = await asyncio.to_thread(resolve_model, body.model)
         facts = await asyncio.to_thread(model_facts_from_source, source)

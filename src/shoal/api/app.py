@@ -11,28 +11,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shoal.api import admin, diagnostics
+from shoal.api import admin, diagnostics, traces
+from shoal.api import requests as request_routes
 from shoal.api.anthropic import errors as anthropic_errors
+from shoal.api.anthropic import messages as anthropic_messages
 from shoal.api.auth import ApiKeys, RequireApiKey
 from shoal.api.dashboard import routes as dashboard
-from shoal.api.anthropic import messages as anthropic_messages
-from shoal.api import requests as request_routes
-from shoal.api import traces
 from shoal.api.errors import install_error_handlers, register_error_dialect
-from shoal.api.requests import RequestIds
-from shoal.api.router_view import RouterView
-from shoal.api.trace_context import TraceContext
 from shoal.api.ollama import embed as ollama_embed
 from shoal.api.ollama import errors as ollama_errors
 from shoal.api.ollama import generate as ollama_generate
 from shoal.api.ollama import models as ollama_models
 from shoal.api.ollama import pull as ollama_pull
 from shoal.api.openai import chat, completions, embeddings, models, responses
+from shoal.api.requests import RequestIds
+from shoal.api.router_view import RouterView
+from shoal.api.trace_context import TraceContext
+from shoal.catalog.resolve import list_models
 
 
 def _catalog_entries() -> Sequence[Any]:
-    from shoal.catalog.resolve import list_models
-
     return list_models()
 
 

@@ -67,6 +67,7 @@ def cluster_config(settings: ClusterSettings, data_dir: Path,
 async def open_transport(settings: ClusterSettings, node_id: NodeId) -> Transport:
     if settings.standalone:
         return MemoryHub().connect(node_id)
+    # Here, not at the top: a standalone node never loads zenoh's native library.
     from shoal.cluster.transport.zenoh import ZenohConfig, ZenohTransport
 
     return await ZenohTransport.open(node_id, ZenohConfig(

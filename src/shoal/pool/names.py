@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import ModelSource, ModelTask
 
 Resolver = Callable[[str], ModelSource]
@@ -21,8 +22,6 @@ class WrongModelTask(ValueError):
 
 
 def default_resolver(name: str) -> ModelSource:
-    from shoal.catalog.resolve import resolve_model
-
     return resolve_model(name)
 
 

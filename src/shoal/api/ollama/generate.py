@@ -30,6 +30,7 @@ from shoal.api.ollama.adapter import (
 )
 from shoal.api.ollama.schemas import ChatRequest, GenerateRequest
 from shoal.api.sse import ndjson_line
+from shoal.catalog.resolve import ModelNotFound
 from shoal.protocol import GenerationRequest
 from shoal.router import ModelUnavailable
 
@@ -62,8 +63,6 @@ async def _respond(request: Request, internal: GenerationRequest, endpoint: Endp
 
 async def _load(request: Request, internal: GenerationRequest, endpoint: Endpoint) -> Response:
     """Load the model (keep_alive applies), or with keep_alive 0 unload it once idle."""
-    from shoal.catalog.resolve import ModelNotFound
-
     router = request.app.state.router
     try:
         await until_disconnect(request, router.load(internal.model, internal.keep_alive_s))

@@ -26,6 +26,8 @@ from shoal.api.errors import APIError
 from shoal.api.model_list import ListedModel, find_listed, listed_models, placements
 from shoal.api.ollama.adapter import model_name
 from shoal.api.ollama.schemas import ModelNameRequest
+from shoal.catalog.cards import load_builtin_catalog
+from shoal.catalog.resolve import find_card
 
 router = APIRouter()
 
@@ -36,15 +38,11 @@ OLLAMA_API_VERSION = "0.12.0"
 
 @functools.cache
 def _builtin_catalog() -> tuple[Any, ...]:
-    from shoal.catalog.cards import load_builtin_catalog
-
     return load_builtin_catalog()  # package data: it cannot change while shoal runs
 
 
 def _card(model_id: str) -> Any | None:
     """The catalogue card (family, parameters, quantization) of a model, if it has one."""
-    from shoal.catalog.resolve import find_card
-
     return find_card(model_id, _builtin_catalog())
 
 

@@ -19,6 +19,7 @@ from shoal.api.errors import APIError
 from shoal.api.ollama.adapter import model_name
 from shoal.api.ollama.schemas import ModelNameRequest
 from shoal.api.sse import ndjson_line
+from shoal.catalog.resolve import ModelNotFound, resolve_model
 
 router = APIRouter()
 
@@ -27,8 +28,6 @@ PULL_TIMEOUT_S = 600.0
 
 
 def _resolve(name: str) -> Path:
-    from shoal.catalog.resolve import resolve_model
-
     return Path(resolve_model(name).path)
 
 
@@ -40,8 +39,6 @@ def _size(path: Path) -> int:
 
 @router.post("/api/pull")
 async def pull(body: ModelNameRequest, request: Request) -> Response:
-    from shoal.catalog.resolve import ModelNotFound
-
     name = model_name(body.model_name)
     if not name:
         raise APIError(400, "model is required", param="model", code="invalid_parameter")
