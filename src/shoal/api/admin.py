@@ -8,7 +8,7 @@ cluster information is still arriving.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -18,6 +18,7 @@ from shoal.api.errors import APIError, invalid_parameter
 from shoal.cluster.instances import PlacementRequest
 from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
 from shoal.cluster.views import describe_instance
+from shoal.sharding import RequestedSharding
 
 router = APIRouter()
 
@@ -26,7 +27,7 @@ class PlaceBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    sharding: Literal["auto", "single", "pipeline", "tensor"] = "auto"
+    sharding: RequestedSharding = "auto"
     min_nodes: int = Field(default=1, ge=1)
     excluded_nodes: list[str] = Field(default_factory=list)
     # int8 hidden states between pipeline ranks (fewer bytes on slow links; not exact)
