@@ -79,7 +79,7 @@ def set_up_rank(config: EngineConfig, progress: Progress,
 def _agree(group: RankGroup, parallel: ParallelConfig, sizes: list[int],
            eos_token_ids: tuple[int, ...], layout: Layout
            ) -> tuple[list[int], tuple[int, ...], tuple[Layout, ...]]:
-    """The smallest of each rank's sizes (blocks, context, stage slots), rank 0's eos, and
+    """The smallest of each rank's sizes (blocks, context, row buffer slots), rank 0's eos, and
     (on rank 0) the other ranks' cache layouts."""
     # Ranks finish loading at different times: these waits get the group-formation bound.
     wait_s = parallel.connect_timeout_s
