@@ -21,7 +21,7 @@ class ParallelConfig:
 
     rank: int
     world_size: int
-    sharding: Sharding
+    sharding: Sharding  # pipeline or tensor: a single-rank instance has no ParallelConfig
     layer_start: int
     layer_end: int
     master_addr: str
