@@ -49,7 +49,7 @@ def test_pull_says_why_it_failed_and_exits_1(node_url, capsys, monkeypatch):
     monkeypatch.setenv("SHOAL_API_KEY", KEY)
     assert main(["pull", "no-such-model", "--url", node_url]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("shoal: pull no-such-model: ") and "pip install" in err
+    assert err.startswith("shoal: error: pull no-such-model: ") and "pip install" in err
     assert main(["pull", "smollm2", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "no shoal node answers" in capsys.readouterr().err
 

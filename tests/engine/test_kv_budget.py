@@ -9,7 +9,7 @@ import torch
 
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.errors import ModelDoesNotFit
-from shoal.engine.kv_budget import STAGE_MAX_TOKENS, check_weights_fit, plan_kv_cache
+from shoal.engine.kv_budget import ROW_BUFFER_MAX_TOKENS, check_weights_fit, plan_kv_cache
 from shoal.engine.models.config import ModelConfig
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 23,040 bytes per token in bf16.
@@ -42,8 +42,8 @@ def test_a_pipeline_rank_budgets_for_its_own_layers(source):
 def test_explicit_budget_sets_block_count_and_context(source):
     config = EngineConfig(source=source, kv_cache_bytes=128 * 16 * PER_TOKEN)
     plan = plan_kv_cache(config, CONFIG, Loaded())
-    # An eighth of the budget is the decode stage; the paged blocks get the rest.
-    assert plan.stage_tokens == 16 * 16
+    # An eighth of the budget is the decode row buffer; the paged blocks get the rest.
+    assert plan.row_buffer_tokens == 16 * 16
     assert plan.num_blocks == 112
     assert plan.max_model_len == 112 * 16  # the pool holds fewer tokens than the model's 8192
 
@@ -52,24 +52,24 @@ def test_budget_counts_the_cache_dtype_not_the_compute_dtype(source):
     # On CPU a bf16 model keeps its cache in float32: the same bytes hold half the blocks.
     config = EngineConfig(source=source, kv_cache_bytes=128 * 16 * PER_TOKEN)
     plan = plan_kv_cache(config, CONFIG, Loaded(cache_dtype=torch.float32))
-    assert (plan.num_blocks, plan.stage_tokens) == (56, 8 * 16)
+    assert (plan.num_blocks, plan.row_buffer_tokens) == (56, 8 * 16)
 
 
 def test_the_decode_stage_is_capped(source):
     config = EngineConfig(source=source, kv_cache_bytes=2**20 * PER_TOKEN)
     plan = plan_kv_cache(config, CONFIG, Loaded())
-    assert plan.stage_tokens == STAGE_MAX_TOKENS
-    assert plan.num_blocks * 16 + plan.stage_tokens <= 2**20
+    assert plan.row_buffer_tokens == ROW_BUFFER_MAX_TOKENS
+    assert plan.num_blocks * 16 + plan.row_buffer_tokens <= 2**20
 
 
 def test_default_budget_is_a_share_of_available_memory_capped_by_need(source):
     config = EngineConfig(source=source, max_num_seqs=2)
     plenty = plan_kv_cache(config, CONFIG, Loaded(), available_bytes=2**40)
     # two full contexts, no more (stage included)
-    assert plenty.num_blocks * 16 + plenty.stage_tokens == 2 * 8192
+    assert plenty.num_blocks * 16 + plenty.row_buffer_tokens == 2 * 8192
     assert plenty.max_model_len == 8192
     tight = plan_kv_cache(config, CONFIG, Loaded(), available_bytes=512 * PER_TOKEN * 4)
-    assert (tight.num_blocks, tight.stage_tokens) == (448 // 16, 64)
+    assert (tight.num_blocks, tight.row_buffer_tokens) == (448 // 16, 64)
 
 
 def test_a_budget_below_the_minimum_context_is_refused_clearly(source):

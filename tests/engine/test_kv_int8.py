@@ -74,7 +74,7 @@ def test_the_same_memory_holds_more_tokens_by_the_row_sizes_ratio(tiny_checkpoin
         loaded = load(checkpoint, "gguf", dtype="bfloat16", kv_cache_dtype=kv_dtype)
         config = EngineConfig(source=source, kv_cache_bytes=4 * 2**20, kv_cache_dtype=kv_dtype)
         plan = plan_kv_cache(config, loaded.config, loaded)
-        tokens[kv_dtype] = plan.num_blocks * config.block_size + plan.stage_tokens
+        tokens[kv_dtype] = plan.num_blocks * config.block_size + plan.row_buffer_tokens
     d = loaded.config.head_dim
     assert tokens["int8"] / tokens["bfloat16"] == pytest.approx(2 * d / (d + 2), rel=0.01)
 
@@ -134,17 +134,17 @@ def test_int8_logits_stay_close_to_bf16s(kernel, tiny_checkpoints, wide_heads, f
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "wide-heads"])
 def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, wide_heads, family):
-    """float32 compute has no kernels: attention gathers, slices or stages int8 rows and
+    """float32 compute has no kernels: attention gathers, slices or buffers int8 rows and
     dequantizes only those. Its logits follow a float32 cache's closely."""
     checkpoint = wide_heads if family == "wide-heads" else tiny_checkpoints[family]
     results = {}
     for kv_dtype in ("float32", "int8"):
         loaded = load(checkpoint, "gguf", kv_cache_dtype=kv_dtype)  # float32 compute
         assert loaded.module.plan.kernel is None and loaded.cache_dtype == getattr(torch, kv_dtype)
-        runner = ModelRunner(loaded, 40, BLOCK, stage_tokens=64)
+        runner = ModelRunner(loaded, 40, BLOCK, row_buffer_tokens=64)
         blocks = [shuffled_blocks(20, seed=1), list(range(20, 40))]
         # Request a: prefill in two chunks over scattered blocks (a gather); request b: one
-        # prefill over consecutive blocks (a slice); then decodes of both (the stage).
+        # prefill over consecutive blocks (a slice); then decodes of both (the row buffer).
         step(runner, chunk("a", PROMPT[:6], 0, blocks[0], sample=False))
         first = [step(runner, chunk("a", PROMPT[6:], 6, blocks[0])),
                  step(runner, chunk("b", PROMPT, 0, blocks[1]))]
@@ -156,7 +156,7 @@ def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, wide_head
                                  in zip("ab", tokens, lengths, blocks)))
             rows.append(out)
             lengths = [n + 1 for n in lengths]
-        assert runner.stage is not None and runner.kv_caches[0].shape[-1] == row_width(
+        assert runner.row_buffer is not None and runner.kv_caches[0].shape[-1] == row_width(
             loaded.config.head_dim, loaded.cache_dtype)
         results[kv_dtype] = torch.cat(first + rows)
     ours, theirs = results["int8"], results["float32"]

@@ -67,11 +67,11 @@ STEADY = [(0, 1, 2)] * 10
 CHANGING = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 1, 2), (1, 2), (1, 2), (0, 1, 2), (0, 1, 2)]
 
 
-@pytest.mark.parametrize("stage_tokens, schedule", [(0, STEADY), (64, STEADY), (64, CHANGING)],
-                         ids=["gather", "stage", "stage-batch-changes"])
+@pytest.mark.parametrize("row_buffer_tokens, schedule", [(0, STEADY), (64, STEADY), (64, CHANGING)],
+                         ids=["gather", "row-buffer", "row-buffer-batch-changes"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, stage_tokens, schedule):
-    # The stage holds 64 // 3 = 21 tokens per row: the steady run outgrows it (and gathers).
+def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffer_tokens, schedule):
+    # The row buffer holds 64 // 3 = 21 tokens per row: the steady run outgrows it (and gathers).
     loaded = load(tiny_checkpoints[family], "gguf")
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:11]]  # different lengths; gemma window is 5
     tables = [shuffled_blocks(16, seed)[:8] for seed in range(3)]
@@ -81,7 +81,7 @@ def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, stage_tok
         return [step(runner, chunk(str(i), p, 0, tables[i])) for i, p in enumerate(prompts)]
 
     alone = ModelRunner(loaded, 48, BLOCK)
-    batched = ModelRunner(loaded, 48, BLOCK, stage_tokens=stage_tokens)
+    batched = ModelRunner(loaded, 48, BLOCK, row_buffer_tokens=row_buffer_tokens)
     firsts = prefill(alone)
     prefill(batched)
     tokens = [int(f[0].argmax()) for f in firsts]

@@ -8,7 +8,7 @@ cluster information is still arriving.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -21,6 +21,7 @@ from shoal.cluster.model_facts import model_facts_from_source
 from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
 from shoal.cluster.views import describe_instance
 from shoal.engine.errors import UnsupportedModel
+from shoal.sharding import RequestedSharding
 
 router = APIRouter()
 
@@ -29,7 +30,7 @@ class PlaceBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    sharding: Literal["auto", "single", "pipeline", "tensor"] = "auto"
+    sharding: RequestedSharding = "auto"
     min_nodes: int = Field(default=1, ge=1)
     excluded_nodes: list[str] = Field(default_factory=list)
     # int8 hidden states between pipeline ranks (fewer bytes on slow links; not exact)

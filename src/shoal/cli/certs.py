@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from shoal.cli.errors import CommandFailed
 
 
 def add_parser(commands) -> None:
@@ -32,11 +33,9 @@ def run_certs(args: argparse.Namespace) -> int:
     try:
         written = make_cluster_certs(directory, args.host, force=args.force)
     except CertsExist as error:
-        print(f"shoal: {error}", file=sys.stderr)
-        return 1
+        raise CommandFailed(str(error)) from error
     except OSError as error:
-        print(f"shoal: cannot write to {directory}: {error.strerror or error}", file=sys.stderr)
-        return 1
+        raise CommandFailed(f"cannot write to {directory}: {error.strerror or error}") from error
     print(f"wrote in {directory}:")
     for path in written.files:
         print(f"  {path.name:<15} mode {path.stat().st_mode & 0o777:o}")

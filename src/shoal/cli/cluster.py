@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any
 
 import httpx
 
 from shoal.cli import certs
+from shoal.cli.errors import CommandFailed, node_failed
 from shoal.cli.table import print_table
 
 
@@ -28,20 +28,18 @@ def add_parsers(commands) -> None:
     certs.add_parser(cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND"))
 
 
-def fetch_cluster(url: str | None) -> dict[str, Any] | None:
-    """GET /cluster of the node at url; None (after saying why on stderr) if it fails."""
+def fetch_cluster(url: str | None) -> dict[str, Any]:
+    """GET /cluster of the node at url; CommandFailed when it does not answer or refuses."""
     from shoal.cli.run import api_headers, server_url
 
     base = server_url(url)
     try:
         response = httpx.get(base + "/cluster", headers=api_headers(), timeout=10.0)
     except httpx.HTTPError as error:
-        print(f"shoal: no shoal node answers at {base} ({error})", file=sys.stderr)
-        return None
+        raise node_failed(base, error) from error
     if response.status_code != 200:
-        print(f"shoal: {base}/cluster answered {response.status_code}: {response.text[:200]}",
-              file=sys.stderr)
-        return None
+        raise CommandFailed(f"{base}/cluster answered {response.status_code}: "
+                            f"{response.text[:200]}")
     return response.json()
 
 
@@ -129,8 +127,6 @@ def _expiry(when: float | None) -> str:
 
 def run_cluster(args: argparse.Namespace) -> int:
     cluster = fetch_cluster(args.url)
-    if cluster is None:
-        return 1
     if args.json:
         print(json.dumps(cluster, indent=2))
         return 0
@@ -152,8 +148,6 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 def run_ps(args: argparse.Namespace) -> int:
     cluster = fetch_cluster(args.url)
-    if cluster is None:
-        return 1
     runners = fetch_memory(args.url)
     memory = local_memory(cluster, runners)
     if args.json:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from shoal.cli.errors import CommandFailed, node_failed
 
 # The node waits up to 5 s for each other node; leave room for that and the transfer.
 _TIMEOUT_S = 30.0
@@ -41,17 +42,13 @@ def run_diagnose(args: argparse.Namespace) -> int:
     try:
         response = httpx.get(url, headers=api_headers(), timeout=_TIMEOUT_S)
     except httpx.HTTPError as error:
-        print(f"shoal: no shoal node answers at {base} ({error})", file=sys.stderr)
-        return 1
+        raise node_failed(base, error) from error
     if response.status_code != 200:
-        print(f"shoal: {url} answered {response.status_code}: {response.text[:300]}",
-              file=sys.stderr)
-        return 1
+        raise CommandFailed(f"{url} answered {response.status_code}: {response.text[:300]}")
     path = Path(args.output) if args.output else default_output()
     try:
         path.write_text(json.dumps(response.json(), indent=2) + "\n", encoding="utf-8")
     except (OSError, ValueError) as error:
-        print(f"shoal: cannot write {path}: {error}", file=sys.stderr)
-        return 1
+        raise CommandFailed(f"cannot write {path}: {error}") from error
     print(path)
     return 0

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
+
+from shoal.cli.errors import CommandFailed, node_failed
 
 # The node bounds a pull at 600 s (api/ollama/pull.py); wait a little longer for its answer.
 _TIMEOUT = httpx.Timeout(connect=5.0, read=630.0, write=30.0, pool=5.0)
@@ -87,16 +88,10 @@ def run_pull(args: argparse.Namespace) -> int:
             print(describe(event), flush=True)
             last = event
     except PullError as error:
-        print(f"shoal: pull {args.model}: {error}", file=sys.stderr)
-        return 1
-    except httpx.TimeoutException as error:
-        print(f"shoal: {url} did not answer in time ({type(error).__name__})", file=sys.stderr)
-        return 1
+        raise CommandFailed(f"pull {args.model}: {error}") from error
     except httpx.HTTPError as error:
-        print(f"shoal: no shoal node answers at {url} ({error})", file=sys.stderr)
-        return 1
+        raise node_failed(url, error) from error
     if last is None or last.get("status") != "success":
-        print(f"shoal: pull {args.model}: the node's answer ended before it reported success",
-              file=sys.stderr)
-        return 1
+        raise CommandFailed(f"pull {args.model}: the node's answer ended before it reported "
+                            "success")
     return 0

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 
+from shoal.cli.errors import CommandFailed, node_failed
 from shoal.cli.serve import add_engine_flags
 from shoal.config import (
     DEFAULT_HOST,
@@ -27,7 +28,7 @@ from shoal.config import (
 _TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=5.0)
 
 
-class RunError(RuntimeError):
+class RunError(CommandFailed):
     """A request failed; the message is the server's error message."""
 
 
@@ -146,9 +147,8 @@ def run_run(args: argparse.Namespace) -> int:
             answer(url, {**body, "messages": [{"role": "user", "content": args.prompt}]})
         else:
             interactive(url, body)
-    except (RunError, httpx.HTTPError) as error:
-        print(f"shoal: {error}", file=sys.stderr)
-        return 1
+    except httpx.HTTPError as error:
+        raise node_failed(url, error) from error
     finally:
         if node is not None:
             node.stop()

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from shoal import logs
+from shoal.cli.errors import CommandFailed
 from shoal.config import (
     DEFAULT_PORT,
     NodeConfig,
@@ -16,7 +17,7 @@ from shoal.config import (
     build_pool_settings,
 )
 from shoal.engine.config import KV_CACHE_DTYPES
-from shoal.node import NodeStartError, serve
+from shoal.node import serve
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -179,8 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         check_draft_models(config)
     except (ValueError, LookupError) as error:
-        print(f"shoal: --speculative: {error}", file=sys.stderr)
-        return 1
+        raise CommandFailed(f"--speculative: {error}") from error
     chosen = logs.configure("node", "%(asctime)s %(name)s %(levelname)s %(message)s",
                             args.log_format)
 
@@ -191,9 +191,5 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    try:
-        asyncio.run(serve(config, on_listening=announce))
-    except NodeStartError as error:
-        print(f"shoal: {error}", file=sys.stderr)
-        return 1
+    asyncio.run(serve(config, on_listening=announce))  # main reports a NodeStartError
     return 0

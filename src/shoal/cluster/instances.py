@@ -8,15 +8,11 @@ everything.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from shoal.cluster.model_facts import ModelFacts
 from shoal.ids import InstanceId, ModelId, NodeId, RunnerId
-
-Sharding = Literal["single", "pipeline", "tensor"]
-RequestedSharding = Literal["auto", "single", "pipeline", "tensor"]
+from shoal.sharding import RequestedSharding, Sharding
 
 
 class Frozen(BaseModel):

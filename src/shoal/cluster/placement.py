@@ -21,16 +21,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.cluster.instances import (
-    Instance,
-    PlacementRequest,
-    Rank,
-    Rendezvous,
-    Sharding,
-)
+from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous
 from shoal.cluster.model_facts import ModelFacts
 from shoal.engine.kv_budget import LOAD_OVERHEAD_FACTOR
 from shoal.ids import InstanceId, NodeId, runner_id_for
+from shoal.sharding import MULTI_RANK_SHARDINGS, Sharding
 
 GIB = 2**30
 # System RAM the engine may use at most; the rest stays with the OS and other processes.
@@ -229,7 +224,7 @@ def previews(request: PlacementRequest, nodes: Sequence[NodeCapacity],
     if isinstance(candidates, PlacementError):
         return ()
     options: list[tuple[Sharding, int]] = [("single", 1)]
-    for sharding in ("pipeline", "tensor"):
+    for sharding in MULTI_RANK_SHARDINGS:
         options += [(sharding, w) for w in range(2, len(candidates) + 1)]
     out = []
     for sharding, width in options:
@@ -347,7 +342,7 @@ def _attempts(request: PlacementRequest, available: int) -> list[tuple[Sharding,
     low = request.min_nodes
     if request.sharding == "single":
         return [("single", 1)]
-    if request.sharding in ("pipeline", "tensor"):
+    if request.sharding in MULTI_RANK_SHARDINGS:
         return [(request.sharding, w) for w in range(low, available + 1)]
     single: list[tuple[Sharding, int]] = [("single", 1)] if low == 1 else []
     return single + [("pipeline", w) for w in range(max(2, low), available + 1)]

@@ -51,6 +51,7 @@ from shoal.engine.parallel.config import ParallelConfig
 from shoal.ids import InstanceId, NodeId, RequestId, RunnerId, new_command_id
 from shoal.pool.pool import ModelPool
 from shoal.protocol import ErrorChunk
+from shoal.sharding import MULTI_RANK_SHARDINGS
 
 log = logging.getLogger("shoal.cluster.worker")
 
@@ -68,7 +69,7 @@ DEFAULT_GROUP_CONNECT_S = 120.0
 def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) -> ParallelConfig:
     """A multi-rank instance's rank as its runner joins the group: the master's rendezvous,
     the rank's layers, the group-formation deadline."""
-    if instance.rendezvous is None or instance.sharding not in ("pipeline", "tensor"):
+    if instance.rendezvous is None or instance.sharding not in MULTI_RANK_SHARDINGS:
         raise ValueError(f"instance {instance.instance_id} is not a multi-rank instance")
     return ParallelConfig(rank=rank.rank, world_size=rank.world_size,
                           sharding=instance.sharding, layer_start=rank.layer_start,

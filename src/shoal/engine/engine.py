@@ -76,7 +76,7 @@ class Engine:
             kv_plan = plan_kv_cache(config, self.loaded.config, self.loaded)
             num_blocks, self.max_model_len = kv_plan.num_blocks, kv_plan.max_model_len
             self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,
-                                      kv_plan.stage_tokens)
+                                      kv_plan.row_buffer_tokens)
             self.executor: Executor = LocalExecutor(self.runner, self.sampler)
             ranks = None  # no other ranks hold shares of the KV
         else:
@@ -84,7 +84,7 @@ class Engine:
             self.loaded = setup.loaded
             num_blocks, self.max_model_len = setup.num_blocks, setup.max_model_len
             self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.device,
-                                      setup.stage_tokens)
+                                      setup.row_buffer_tokens)
             self.executor = ranks = LeaderExecutor(self.runner, self.sampler, setup.group,
                                                    config.parallel, setup.hidden_wire(),
                                                    setup.share_layouts)

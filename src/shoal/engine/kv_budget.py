@@ -17,16 +17,17 @@ MIN_CONTEXT_TOKENS = 256
 LOAD_OVERHEAD_FACTOR = 1.3
 
 
-# The decode stage (kv/stage.py) takes this share of the KV budget, at most STAGE_MAX_TOKENS.
-STAGE_SHARE = 0.125
-STAGE_MAX_TOKENS = 8192
+# The decode row buffer (kv/row_buffer.py) takes this share of the KV budget, at most
+# ROW_BUFFER_MAX_TOKENS.
+ROW_BUFFER_SHARE = 0.125
+ROW_BUFFER_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True)
 class KVPlan:
     num_blocks: int
     max_model_len: int
-    stage_tokens: int = 0  # slots of the decode stage, after the paged blocks
+    row_buffer_tokens: int = 0  # slots of the decode row buffer, after the paged blocks
 
 
 def check_weights_fit(source: ModelSource, available_bytes: int | None = None) -> None:
@@ -46,8 +47,9 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
 
     The budget is --kv-cache-memory when given, else DEFAULT_KV_SHARE of available memory
     (within the runner's memory limit, less what it holds already: its share of the node's
-    memory budget), never more than max_num_seqs full contexts need. STAGE_SHARE of it (at most
-    STAGE_MAX_TOKENS tokens) is the decode stage; the paged blocks get the rest.
+    memory budget), never more than max_num_seqs full contexts need. ROW_BUFFER_SHARE of it
+    (at most ROW_BUFFER_MAX_TOKENS tokens) is the decode row buffer; the paged blocks get the
+    rest.
     """
     # Here, not at the top: placement reads this module's constants in a node that never
     # imports torch, and the loader does.
@@ -71,8 +73,8 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
             available = min(available, max(0, config.memory_limit_bytes - held))
         budget = min(int(available * DEFAULT_KV_SHARE),
                      config.max_num_seqs * context * per_token)
-    stage_tokens = min(STAGE_MAX_TOKENS, int(budget * STAGE_SHARE) // per_token)
-    num_blocks = (budget - stage_tokens * per_token) // per_block
+    row_buffer_tokens = min(ROW_BUFFER_MAX_TOKENS, int(budget * ROW_BUFFER_SHARE) // per_token)
+    num_blocks = (budget - row_buffer_tokens * per_token) // per_block
     tokens = num_blocks * config.block_size
     if tokens < min(MIN_CONTEXT_TOKENS, context):
         raise ModelDoesNotFit(
@@ -81,4 +83,4 @@ def plan_kv_cache(config: EngineConfig, model_config, loaded,
             f"{min(MIN_CONTEXT_TOKENS, context)} are needed. "
             "Raise --kv-cache-memory or free memory.")
     return KVPlan(num_blocks=int(num_blocks), max_model_len=int(min(context, tokens)),
-                  stage_tokens=stage_tokens)
+                  row_buffer_tokens=row_buffer_tokens)

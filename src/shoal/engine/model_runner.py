@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.engine.kv.stage import DecodeStage
+from shoal.engine.kv.row_buffer import RowBuffer
 from shoal.engine.kv.tensors import allocate_kv_cache
 from shoal.engine.models.layers.attention import (
     AttentionGroup,
@@ -65,8 +65,9 @@ class ModelRunner:
     """Owns the paged KV cache of one model stage and runs its forward pass."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu", stage_tokens: int = 0) -> None:
-        """stage_tokens: slots for the decode stage (kv/stage.py); 0 gathers every step."""
+                 device: str | torch.device = "cpu", row_buffer_tokens: int = 0) -> None:
+        """row_buffer_tokens: slots for the decode row buffer (kv/row_buffer.py); 0 gathers every
+        step."""
         self.loaded = loaded
         self.model = loaded.module
         self.config = loaded.config
@@ -75,8 +76,9 @@ class ModelRunner:
         self.device = torch.device(device)
         start, end = loaded.layer_range
         self.kv_caches = allocate_kv_cache(self.config, end - start, num_blocks, block_size,
-                                           loaded.cache_dtype, self.device, stage_tokens)
-        self.stage = DecodeStage(num_blocks * block_size, stage_tokens) if stage_tokens else None
+                                           loaded.cache_dtype, self.device, row_buffer_tokens)
+        self.row_buffer = (RowBuffer(num_blocks * block_size, row_buffer_tokens)
+                           if row_buffer_tokens else None)
         self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
         # With the compiled kernels each Python-path row attends on its own (kernels
         # attend_rows): its result does not depend on how its prompt was split.
@@ -150,9 +152,9 @@ class ModelRunner:
             ordered = ([i for i in rest if not chunks[i].prompt]
                        + [i for i in rest if chunks[i].prompt])
             parts.append(self._part(chunks, ordered, fused=False))
-        if self.stage is not None and not any(
+        if self.row_buffer is not None and not any(
                 g.stage_write for part in parts for g in part.meta.groups):
-            self.stage.reset()
+            self.row_buffer.reset()
         in_parts = [i for part in parts for i in part.chunks if chunks[i].needs_sample]
         in_chunks = [i for i, c in enumerate(chunks) if c.needs_sample]
         order = None
@@ -245,10 +247,10 @@ class ModelRunner:
                 full=AttentionView(gather=None, mask=None, rows=self._row_keys(members, None)),
                 sliding=None if sliding is None else AttentionView(gather=None, mask=None,
                                                                    rows=sliding))
-        if query_len == 1 and self.stage is not None:
-            staged = self._staged_group(row, members, ctx)
-            if staged is not None:
-                return staged
+        if query_len == 1 and self.row_buffer is not None:
+            buffered = self._row_buffer_group(row, members, ctx)
+            if buffered is not None:
+                return buffered
         single = members[0].block_ids if len(members) == 1 else None
         if single is not None and members[0].start_position == 0 and query_len > 1:
             # A fresh prefill attends only to its own new keys: no gather needed.
@@ -283,18 +285,18 @@ class ModelRunner:
                        position=torch.cat(positions).to(device), lo=torch.cat(los).to(device),
                        prompt=members[0].prompt)
 
-    def _staged_group(self, row: int, members: tuple[ScheduledChunk, ...],
-                      ctx: list[int]) -> AttentionGroup | None:
-        """A decode group read from the stage, where it would otherwise gather; None if a
-        lone request can slice the cache or the batch does not fit the stage."""
+    def _row_buffer_group(self, row: int, members: tuple[ScheduledChunk, ...],
+                          ctx: list[int]) -> AttentionGroup | None:
+        """A decode group read from the row buffer, where it would otherwise gather; None if
+        a lone request can slice the cache or the batch does not fit the row buffer."""
         if len(members) == 1 and self._span(members[0].block_ids, 0, ctx[0]) is not None:
             return None
-        placement = self.stage.place(tuple(c.request_id for c in members), tuple(ctx))
-        if placement is None:
+        layout = self.row_buffer.fit(tuple(c.request_id for c in members), tuple(ctx))
+        if layout is None:
             return None
-        first, row_len = placement.first, placement.row_len
+        first, row_len = layout.first, layout.row_len
         keys = _KeyWindow([0] * len(ctx), ctx)
-        if placement.rebuild:
+        if layout.rebuild:
             write = StageWrite(first, rebuild=self._gather(members, keys, row_len))
         else:
             slots = [first + b * row_len + c - 1 for b, c in enumerate(ctx)]

@@ -4,7 +4,7 @@ A cache row (one token's key or value of one KV head) is D int8 values followed 
 scale per group of GROUP consecutive channels (a single group when D is not a multiple of
 GROUP), in the same int8 tensor: [2 * H_kv, slots, D + D / 8]: 56% of a bf16 row. Keeping
 the scales in the row keeps one tensor per layer, so whatever moves cache rows (the decode
-stage, index_copy_ writes, copies of blocks) moves the scales with them, and the compiled
+row buffer, index_copy_ writes, copies of blocks) moves the scales with them, and the compiled
 kernels find a row's scales in the cache line after its values. Quantization is symmetric
 absmax per group: scale = bf16(max |x| / 127), q = round(x / scale) (half to even, clamped
 to +-127), value = q * scale.

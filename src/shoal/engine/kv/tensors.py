@@ -18,16 +18,17 @@ from shoal.engine.models.config import ModelConfig
 
 def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu",
-                      stage_slots: int = 0) -> list[torch.Tensor]:
+                      row_buffer_slots: int = 0) -> list[torch.Tensor]:
     """One [2 * H_kv, slots, W] tensor per local layer; slot = block_id * block_size + offset.
 
-    stage_slots more slots follow the paged blocks: the decode stage (kv/stage.py).
+    row_buffer_slots more slots follow the paged blocks: the decode row buffer
+    (kv/row_buffer.py).
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError("num_blocks and block_size must be >= 1")
-    if stage_slots < 0:
-        raise ValueError("stage_slots must be >= 0")
-    shape = (2 * config.num_kv_heads, num_blocks * block_size + stage_slots,
+    if row_buffer_slots < 0:
+        raise ValueError("row_buffer_slots must be >= 0")
+    shape = (2 * config.num_kv_heads, num_blocks * block_size + row_buffer_slots,
              row_width(config.head_dim, dtype))
     return [_lazy_cache(shape, dtype, device) for _ in range(num_layers)]
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
 
-Sharding = Literal["pipeline", "tensor"]
+from shoal.sharding import MULTI_RANK_SHARDINGS, Sharding
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class ParallelConfig:
 
     rank: int
     world_size: int
-    sharding: Sharding
+    sharding: Sharding  # pipeline or tensor: a single-rank instance has no ParallelConfig
     layer_start: int
     layer_end: int
     master_addr: str
@@ -42,7 +41,7 @@ class ParallelConfig:
         if self.world_size < 2 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} of world size {self.world_size}: a parallel "
                              "instance has at least two ranks")
-        if self.sharding not in ("pipeline", "tensor"):
+        if self.sharding not in MULTI_RANK_SHARDINGS:
             raise ValueError(f"sharding must be pipeline or tensor, not {self.sharding!r}")
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"invalid layer range [{self.layer_start}, {self.layer_end})")

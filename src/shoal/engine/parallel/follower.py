@@ -42,7 +42,7 @@ class FollowerEngine:
         self.vocab_size = setup.loaded.config.vocab_size
         self.max_model_len = setup.max_model_len
         self.runner = ModelRunner(setup.loaded, setup.num_blocks, config.block_size,
-                                  config.device, setup.stage_tokens)
+                                  config.device, setup.row_buffer_tokens)
         mirror = None
         if parallel.sharding == "pipeline" and parallel.is_last:
             mirror = SamplingMirror(Sampler(eos_token_ids=setup.eos_token_ids), config.device)

@@ -37,7 +37,7 @@ class RankSetup:
     loaded: LoadedModel
     num_blocks: int
     max_model_len: int
-    stage_tokens: int  # the decode stage's slots (the same on every rank)
+    row_buffer_tokens: int  # the decode row buffer's slots (the same on every rank)
     eos_token_ids: tuple[int, ...]
     share_layouts: tuple[Layout, ...]  # rank 0: ranks 1.. caches' layouts; others: ()
 
@@ -67,19 +67,19 @@ def set_up_rank(config: EngineConfig, progress: Progress,
         start, end = loaded.layer_range
         layout = layout_of(allocate_kv_cache(loaded.config, end - start, 1, config.block_size,
                                              loaded.cache_dtype, "meta"))
-        agreed = _agree(group, parallel, [own.num_blocks, own.max_model_len, own.stage_tokens],
-                        tuple(eos_token_ids), layout)
+        sizes = [own.num_blocks, own.max_model_len, own.row_buffer_tokens]
+        agreed = _agree(group, parallel, sizes, tuple(eos_token_ids), layout)
     except BaseException:
         group.close()
         raise
-    (num_blocks, max_len, stage_tokens), eos, layouts = agreed
-    return RankSetup(parallel, group, loaded, num_blocks, max_len, stage_tokens, eos, layouts)
+    (num_blocks, max_len, row_buffer_tokens), eos, layouts = agreed
+    return RankSetup(parallel, group, loaded, num_blocks, max_len, row_buffer_tokens, eos, layouts)
 
 
 def _agree(group: RankGroup, parallel: ParallelConfig, sizes: list[int],
            eos_token_ids: tuple[int, ...], layout: Layout
            ) -> tuple[list[int], tuple[int, ...], tuple[Layout, ...]]:
-    """The smallest of each rank's sizes (blocks, context, stage slots), rank 0's eos, and
+    """The smallest of each rank's sizes (blocks, context, row buffer slots), rank 0's eos, and
     (on rank 0) the other ranks' cache layouts."""
     # Ranks finish loading at different times: these waits get the group-formation bound.
     wait_s = parallel.connect_timeout_s

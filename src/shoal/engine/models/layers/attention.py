@@ -51,8 +51,8 @@ class AttentionView:
     mask: torch.Tensor | None
     is_causal: bool = False
     span: tuple[int, int] | None = None
-    # (first, row_len, lo, end): a decode group read from the stage (kv/stage.py), row b's
-    # keys at positions [lo, end) being slots first + b * row_len + [lo, end).
+    # (first, row_len, lo, end): a decode group read from the row buffer (kv/row_buffer.py),
+    # row b's keys at positions [lo, end) being slots first + b * row_len + [lo, end).
     staged: tuple[int, int, int, int] | None = None
     # Set when each row attends on its own through the compiled kernel (the others unused).
     rows: RowKeys | None = None
