@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from shoal.cli.errors import CommandFailed
+from shoal.cluster.certs import CertsExist, make_cluster_certs
+from shoal.cluster.tls import CA_KEY
 
 
 def add_parser(commands) -> None:
@@ -26,9 +28,6 @@ def add_parser(commands) -> None:
 
 
 def run_certs(args: argparse.Namespace) -> int:
-    from shoal.cluster.certs import CertsExist, make_cluster_certs
-    from shoal.cluster.tls import CA_KEY
-
     directory = Path(args.directory).expanduser()
     try:
         written = make_cluster_certs(directory, args.host, force=args.force)

@@ -13,6 +13,7 @@ import httpx
 
 from shoal.cli import certs
 from shoal.cli.errors import CommandFailed, node_failed
+from shoal.cli.run import api_headers, server_url
 from shoal.cli.table import print_table
 
 
@@ -30,8 +31,6 @@ def add_parsers(commands) -> None:
 
 def fetch_cluster(url: str | None) -> dict[str, Any]:
     """GET /cluster of the node at url; CommandFailed when it does not answer or refuses."""
-    from shoal.cli.run import api_headers, server_url
-
     base = server_url(url)
     try:
         response = httpx.get(base + "/cluster", headers=api_headers(), timeout=10.0)
@@ -46,8 +45,6 @@ def fetch_cluster(url: str | None) -> dict[str, Any]:
 def fetch_memory(url: str | None) -> dict[str, dict[str, Any]]:
     """Model id -> the memory figures ("shoal" of GET /api/ps) of the node's runners; empty
     if the node does not say (the table then shows "-")."""
-    from shoal.cli.run import api_headers, server_url
-
     try:
         response = httpx.get(server_url(url) + "/api/ps", headers=api_headers(), timeout=10.0)
         models = response.json()["models"] if response.status_code == 200 else []

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from shoal.cli.errors import CommandFailed, node_failed
+from shoal.cli.run import api_headers, server_url
 
 # The node waits up to 5 s for each other node; leave room for that and the transfer.
 _TIMEOUT_S = 30.0
@@ -35,8 +36,6 @@ def default_output(now: float | None = None) -> Path:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    from shoal.cli.run import api_headers, server_url
-
     base = server_url(args.url)
     url = f"{base}/v1/diagnostics/{'cluster' if args.cluster else 'node'}"
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from shoal.catalog.resolve import DEFAULT_MODEL_ID, list_models
 from shoal.cli.table import print_table
 
 
@@ -17,8 +18,6 @@ def _size(size_bytes: int) -> str:
 
 
 def run_models(_args: argparse.Namespace) -> int:
-    from shoal.catalog.resolve import DEFAULT_MODEL_ID, list_models
-
     rows = [("MODEL", "KIND", "FORMAT", "SIZE", "CONTEXT", "LOCAL")]
     for entry in list_models():
         name = entry.id + (" (default)" if entry.id == DEFAULT_MODEL_ID else "")

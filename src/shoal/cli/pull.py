@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from shoal.cli.errors import CommandFailed, node_failed
+from shoal.cli.run import api_headers, server_url
 
 # The node bounds a pull at 600 s (api/ollama/pull.py); wait a little longer for its answer.
 _TIMEOUT = httpx.Timeout(connect=5.0, read=630.0, write=30.0, pool=5.0)
@@ -79,8 +80,6 @@ def pull(url: str, model: str, headers: dict[str, str]) -> Iterator[dict[str, An
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from shoal.cli.run import api_headers, server_url
-
     url = server_url(args.url)
     last: dict[str, Any] | None = None
     try:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 
+from shoal.catalog.resolve import DEFAULT_MODEL_ID
 from shoal.cli.errors import CommandFailed, node_failed
 from shoal.cli.serve import add_engine_flags
 from shoal.config import (
@@ -24,6 +25,7 @@ from shoal.config import (
     ServerConfig,
     build_node_config,
 )
+from shoal.node import BackgroundNode
 
 _TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=5.0)
 
@@ -129,8 +131,6 @@ def interactive(url: str, body: dict) -> None:
 
 
 def run_run(args: argparse.Namespace) -> int:
-    from shoal.catalog.resolve import DEFAULT_MODEL_ID
-
     model = args.model or DEFAULT_MODEL_ID
     url = server_url(args.url)
     node = None
@@ -156,8 +156,6 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 def _start_local_node(args: argparse.Namespace, model: str):
-    from shoal.node import BackgroundNode
-
     base = build_node_config(models=[model], data_dir=args.data_dir, dtype=args.dtype,
                              threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     # A node for this command alone: no network, no cluster to join.
