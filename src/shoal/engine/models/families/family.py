@@ -82,6 +82,7 @@ class ModelFamily:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     gguf_config_extras: GGUFConfigExtras | None = None
     hf_config_extras: HFConfigExtras | None = None
+    # Whether a config.json may turn sliding-window attention on (the extras read it).
     supports_sliding_window: bool = False
     # llama.cpp's converter stores this family's q/k rows permuted (rotary halves
     # interleaved per head); the GGUF reader restores Hugging Face's order.
