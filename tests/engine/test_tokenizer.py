@@ -16,7 +16,7 @@ from transformers_refs import transformers_tokenizer
 
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
-from shoal.engine.tokenizer.gguf_metadata import GGUFFormatError, read_gguf_metadata
+from shoal.engine.weights.gguf_file import GGUFFormatError, read_gguf_metadata
 from shoal.engine.tokenizer.gguf_vocab import (
     UnsupportedTokenizer,
     build_tokenizer,

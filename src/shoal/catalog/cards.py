@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
 
+from shoal.engine.models.registry import find_family
+
 ModelKind = Literal["chat", "base", "embedding"]
 LocateKind = Literal["package_file", "package_call", "joined_parts"]
 
@@ -80,10 +82,19 @@ class ModelCard:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"model {self.id}: kind must be one of {_KINDS}")
+        self._check_family()
         if self.format not in _FORMATS:
             raise ValueError(f"model {self.id}: format must be one of {_FORMATS}")
         if self.context_length < 1 or self.size_bytes < 0:
             raise ValueError(f"model {self.id}: context_length and size_bytes must be positive")
+
+    def _check_family(self) -> None:
+        # family names a declaration in engine/models/families/, whose task fits the kind.
+        family = find_family(self.family)
+        if family is None or family.name != self.family:
+            raise ValueError(f"model {self.id}: family {self.family!r} is not a model family")
+        if (family.task == "embed") != (self.kind == "embedding"):
+            raise ValueError(f"model {self.id}: a {self.family} model cannot be {self.kind!r}")
 
     @property
     def names(self) -> tuple[str, ...]:

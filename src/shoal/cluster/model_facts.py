@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
+from shoal.engine.models.families.family import GGUF_CONFIG_KEYS, HF_CONFIG_KEYS
+from shoal.engine.models.registry import find_family, hf_architecture_name
 from shoal.ids import ModelId
 
 
@@ -66,25 +68,30 @@ def model_facts_from_source(source: ModelSource) -> ModelFacts:
 
 
 def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
+    # The reader imports numpy and the gguf package, which a node serving no GGUF never needs.
     from shoal.engine.weights.gguf_file import GGUFFile
 
     metadata = GGUFFile(path).metadata
     arch = metadata.get("general.architecture")
+    # A family shoal cannot run still has facts: its keys are the common ones.
+    family = find_family(str(arch))
+    keys = family.gguf_config_keys if family is not None else GGUF_CONFIG_KEYS
 
-    def field(key: str, default=None):
-        value = metadata.get(f"{arch}.{key}")
+    def field(name: str, default=None):
+        key = f"{arch}.{keys[name]}"
+        value = metadata.get(key)
         if value is None and default is None:
-            raise UnsupportedModel(f"{path}: GGUF metadata lacks {arch}.{key}")
+            raise UnsupportedModel(f"{path}: GGUF metadata lacks {key}")
         return default if value is None else value
 
-    heads = int(field("attention.head_count"))
-    hidden = int(field("embedding_length"))
-    intermediate = metadata.get(f"{arch}.feed_forward_length")
+    heads = int(field("num_heads"))
+    hidden = int(field("hidden_size"))
+    intermediate = metadata.get(f"{arch}.{keys['intermediate_size']}")
     return ModelFacts(
         model=model, weight_bytes=path.stat().st_size,
-        n_layers=int(field("block_count")), n_heads=heads,
-        n_kv_heads=int(field("attention.head_count_kv", heads)),
-        head_dim=int(field("attention.key_length", hidden // heads)),
+        n_layers=int(field("num_layers")), n_heads=heads,
+        n_kv_heads=int(field("num_kv_heads", heads)),
+        head_dim=int(field("head_dim", hidden // heads)),
         # Mixture-of-experts files store a per-layer array here; treat that as unknown.
         intermediate_size=intermediate if isinstance(intermediate, int) else None)
 
@@ -98,14 +105,16 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
     # Multimodal wrappers nest the decoder's settings in text_config.
     if "text_config" in hf and "num_hidden_layers" not in hf:
         hf = hf["text_config"]
+    family = find_family(hf_architecture_name(hf))
+    keys = family.hf_config_keys if family is not None else HF_CONFIG_KEYS
     try:
-        heads = int(hf["num_attention_heads"])
+        heads = int(hf[keys["num_heads"]])
         return ModelFacts(
             model=model,
             weight_bytes=sum(f.stat().st_size for f in directory.glob("*.safetensors")),
-            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-            intermediate_size=hf.get("intermediate_size"))
+            n_layers=int(hf[keys["num_layers"]]), n_heads=heads,
+            n_kv_heads=int(hf.get(keys["num_kv_heads"]) or heads),
+            head_dim=int(hf.get(keys["head_dim"]) or int(hf[keys["hidden_size"]]) // heads),
+            intermediate_size=hf.get(keys["intermediate_size"]))
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error

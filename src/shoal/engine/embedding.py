@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import ContextLengthExceeded, UnsupportedModel
 from shoal.engine.kv_budget import check_weights_fit
-from shoal.engine.models.registry import canonical_architecture, encoder_loader
+from shoal.engine.models.registry import encoder_loader, family_of, hf_architecture_name
 from shoal.engine.pooling import pool, read_pooling_config
 from shoal.engine.sampling import InvalidParameter
 from shoal.engine.tokenizer.tokenizer import Tokenizer
@@ -45,7 +45,7 @@ class EmbeddingEngine:
         report("tokenizer", 0.0)
         self.tokenizer = Tokenizer.load(source, cache_dir=config.cache_dir)
         hf = json.loads((Path(source.path) / "config.json").read_text())
-        family = canonical_architecture((hf.get("architectures") or [hf.get("model_type")])[0])
+        family = family_of(hf_architecture_name(hf))
         self.pooling = read_pooling_config(source.path)
         # auto means float32 here: encoders are small and embeddings are judged by exactness.
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32

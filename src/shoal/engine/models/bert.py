@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.errors import UnsupportedModel
-from shoal.engine.models.registry import canonical_architecture
+from shoal.engine.models.families.bert import BERT
+from shoal.engine.models.registry import family_of, hf_architecture_name
 from shoal.engine.weights.quant import RawTensor
 from shoal.engine.weights.safetensors import read_tensors
 
@@ -54,9 +55,9 @@ class BertConfig:
     @classmethod
     def from_hf(cls, hf: Mapping) -> BertConfig:
         """The encoder's shape from a config.json dict; UnsupportedModel for variants."""
-        names = hf.get("architectures") or [hf.get("model_type", "")]
-        if canonical_architecture(names[0]) != "bert":
-            raise UnsupportedModel(f"{names[0]!r} is not a BERT checkpoint")
+        name = hf_architecture_name(hf)
+        if family_of(name) is not BERT:
+            raise UnsupportedModel(f"{name!r} is not a BERT checkpoint")
         position = hf.get("position_embedding_type", "absolute")
         if position != "absolute":
             raise UnsupportedModel(f"BERT position embeddings {position!r} are not supported")

@@ -12,7 +12,7 @@ LayerType = Literal["full", "sliding"]
 class ModelConfig:
     """Everything the forward path needs to know about a checkpoint.
 
-    architecture is the registry's canonical family name ("llama", "qwen2", "qwen3", "gemma3").
+    architecture is the canonical name of the model family (engine/models/families/).
     layer_types gives each layer's attention kind; sliding layers attend to the last
     sliding_window positions and use rope_local_theta.
     """

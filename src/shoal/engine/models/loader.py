@@ -16,7 +16,7 @@ from shoal.engine.kernels.build import KERNEL
 from shoal.engine.kv.quant import check_head_dim, row_bytes
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.linear import WeightPlan
-from shoal.engine.models.registry import model_class
+from shoal.engine.models.registry import family_of, model_class
 from shoal.engine.parallel.shard import TensorShard
 from shoal.engine.parallel.tensor import rank_config
 from shoal.engine.weights.names import check_layer_range
@@ -106,7 +106,7 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
                       shard=shard if shard is not None and shard.size > 1 else None,
                       reduce=reduce)
     with torch.inference_mode():
-        module = model_class(config.architecture)(config, (start, end),
+        module = model_class(family_of(config.architecture))(config, (start, end),
                                                   dict(checkpoint.stream((start, end))), plan,
                                                   progress)
     module.eval()

@@ -1,64 +1,79 @@
-"""Checkpoint architecture names -> shoal's model families and their classes."""
+"""The model families shoal runs (models/families/), looked up by architecture name."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from shoal.engine.config import ModelTask
 from shoal.engine.errors import UnsupportedModel
+from shoal.engine.models.families.bert import BERT
+from shoal.engine.models.families.family import ModelFamily
+from shoal.engine.models.families.gemma3 import GEMMA3
+from shoal.engine.models.families.llama import LLAMA
+from shoal.engine.models.families.qwen2 import QWEN2
+from shoal.engine.models.families.qwen3 import QWEN3
 
-# GGUF general.architecture and HF config.json "architectures" entries.
-_FAMILIES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-    "gemma3": "gemma3", "gemma3_text": "gemma3",
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "bert": "bert", "BertModel": "bert", "BertForMaskedLM": "bert",
-}
-# Families that encode text into embeddings instead of generating it (models/bert.py).
-EMBEDDING_FAMILIES = frozenset({"bert"})
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, GEMMA3, BERT)
 
 
-def canonical_architecture(name: str) -> str:
-    """The family ("llama", "qwen2", "qwen3", "gemma3", "bert") of an architecture name."""
-    try:
-        return _FAMILIES[name]
-    except KeyError:
-        supported = ", ".join(sorted(_FAMILIES))
+def _by_name(families: tuple[ModelFamily, ...]) -> dict[str, ModelFamily]:
+    index: dict[str, ModelFamily] = {}
+    for family in families:
+        for name in (family.name, *family.names):
+            if index.setdefault(name, family) is not family:
+                raise ValueError(f"architecture name {name!r} is declared by two families")
+    return index
+
+
+_BY_NAME = _by_name(FAMILIES)
+
+
+def find_family(name: str) -> ModelFamily | None:
+    """The family an architecture name (GGUF, config.json or shoal's own) means, if any."""
+    return _BY_NAME.get(name)
+
+
+def family_of(name: str) -> ModelFamily:
+    """The family of an architecture name; UnsupportedModel if shoal has none."""
+    family = find_family(name)
+    if family is None:
+        supported = ", ".join(sorted(_BY_NAME))
         raise UnsupportedModel(
-            f"architecture {name!r} is not supported (supported: {supported})") from None
+            f"architecture {name!r} is not supported (supported: {supported})")
+    return family
 
 
-def is_embedding_family(family: str) -> bool:
-    return family in EMBEDDING_FAMILIES
+def hf_architecture_name(hf: Mapping[str, Any]) -> str:
+    """The architecture a config.json names: its first "architectures" entry, else its
+    model_type."""
+    names = hf.get("architectures") or [hf.get("model_type", "")]
+    return names[0] if names and isinstance(names[0], str) else ""
 
 
-def task_of_hf_config(hf: dict[str, Any]) -> ModelTask:
+def task_of_hf_config(hf: Mapping[str, Any]) -> ModelTask:
     """"embed" for an encoder checkpoint's config.json, "generate" for anything else (an
     unsupported architecture is reported when the engine loads it)."""
-    names = hf.get("architectures") or [hf.get("model_type", "")]
-    family = _FAMILIES.get(names[0]) if names and isinstance(names[0], str) else None
-    return "embed" if family in EMBEDDING_FAMILIES else "generate"
+    family = find_family(hf_architecture_name(hf))
+    return family.task if family is not None else "generate"
 
 
-def model_class(family: str):
-    """The nn.Module class that runs a family (imported lazily: torch-heavy modules)."""
-    if family in ("llama", "qwen2", "qwen3"):
-        from shoal.engine.models.llama import LlamaModel
-        return LlamaModel
-    if family == "gemma3":
-        from shoal.engine.models.gemma3 import Gemma3Model
-        return Gemma3Model
-    if family in EMBEDDING_FAMILIES:
-        raise UnsupportedModel(f"{family!r} is an embedding model; it cannot generate text")
-    raise UnsupportedModel(f"model family {family!r} is not supported")
+def _model_attribute(family: ModelFamily) -> Any:
+    # Imported when a model loads, not with the registry: model files import torch.
+    module, attribute = family.model.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
-def encoder_loader(family: str) -> Callable[..., Any]:
+def model_class(family: ModelFamily):
+    """The nn.Module class that runs a generating family."""
+    if family.task != "generate":
+        raise UnsupportedModel(f"{family.name!r} is an embedding model; it cannot generate text")
+    return _model_attribute(family)
+
+
+def encoder_loader(family: ModelFamily) -> Callable[..., Any]:
     """load(directory, dtype, device, progress) -> encoder module, for an embedding family."""
-    if family == "bert":
-        from shoal.engine.models.bert import load_bert
-        return load_bert
-    raise UnsupportedModel(f"model family {family!r} does not produce embeddings")
+    if family.task != "embed":
+        raise UnsupportedModel(f"model family {family.name!r} does not produce embeddings")
+    return _model_attribute(family)

@@ -16,6 +16,8 @@ from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shoal.engine.models.registry import find_family
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -23,32 +25,16 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Gemma's turn format: a system message is folded into the first user turn, "assistant" is
-# spelled "model", and the prompt starts with <bos>.
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if messages and messages[0]['role'] == 'system' %}"
-    "{% set system_prefix = messages[0]['content'] | trim + '\\n\\n' %}"
-    "{% set turns = messages[1:] %}"
-    "{% else %}{% set system_prefix = '' %}{% set turns = messages %}{% endif %}"
-    "{% for message in turns %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\\n' + (system_prefix if loop.first else '')"
-    " + message['content'] | trim + '<end_of_turn>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-)
-
-_GEMMA_FAMILIES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
-
-
 class ChatTemplateError(ValueError):
     """The template failed to render these messages (or called raise_exception)."""
 
 
 def default_template(architecture: str) -> str:
-    """The chat format for a model family whose checkpoint carries no template."""
-    return GEMMA_TEMPLATE if architecture in _GEMMA_FAMILIES else CHATML_TEMPLATE
+    """The chat format for a model whose checkpoint carries no template: its family's
+    (models/families/), else ChatML."""
+    family = find_family(architecture)
+    template = family.default_chat_template if family is not None else None
+    return template or CHATML_TEMPLATE
 
 
 class _GenerationBlock(Extension):

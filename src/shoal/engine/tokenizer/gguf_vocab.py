@@ -5,8 +5,8 @@ Two vocabulary styles are supported:
     the pre-tokenizer regexes named by tokenizer.ggml.pre, as llama.cpp does.
   - "llama": SentencePiece-style BPE with scores and byte fallback (Llama 2, Gemma). The file has
     no merges; they are recovered from the vocabulary: every token that splits into two other
-    tokens gives a merge, ranked by the token's score (or, for Gemma, by its position, which is
-    the order SentencePiece learned them in).
+    tokens gives a merge, ranked by the token's score (or, for families declared with Gemma's
+    sentencepiece_style, by its position, which is the order SentencePiece learned them in).
 Control tokens become special added tokens, user-defined ones plain added tokens, so neither is
 ever cut into pieces.
 """
@@ -30,13 +30,13 @@ from tokenizers import (
 )
 
 from shoal.engine.errors import UnsupportedModel
+from shoal.engine.models.registry import find_family
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 _SPIECE_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 # Pre-tokenizer split patterns by tokenizer.ggml.pre, each applied in turn (as llama.cpp does).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -163,7 +163,8 @@ def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str]) -> tuple[Tokeni
 
 def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str],
                        architecture: str) -> tuple[Tokenizer, dict]:
-    gemma = architecture in _GEMMA_ARCHITECTURES
+    family = find_family(architecture)
+    gemma = family is not None and family.sentencepiece_style == "gemma"
     if gemma:
         # Gemma files store tokens of two or more spaces as real spaces; the model looks them up
         # as "▁▁", so respell them before deriving merges.

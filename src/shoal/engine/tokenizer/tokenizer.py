@@ -18,13 +18,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
 from shoal.engine.tokenizer.chat_template import ChatTemplate, default_template
-from shoal.engine.tokenizer.gguf_metadata import read_gguf_metadata
 from shoal.engine.tokenizer.gguf_vocab import (
     TokenizerInfo,
     build_tokenizer,
     byte_alphabet_inverse,
     tokenizer_info,
 )
+from shoal.engine.weights.gguf_file import read_gguf_metadata
 
 _CACHE_FORMAT = 1  # bump when the built tokenizer.json would change for the same file
 

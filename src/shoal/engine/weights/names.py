@@ -3,13 +3,89 @@
 Global: embed.weight, norm.weight, lm_head.weight. Per layer i: layers.{i}.<part>.weight
 (and .bias) with part one of attn_norm, q, k, v, o, q_norm, k_norm, post_attn_norm,
 mlp_norm, post_mlp_norm, gate, up, down.
+
+A family's GGUF and Hugging Face names come from the gguf package's tables for the family's
+architecture (MODEL_TENSORS, TENSOR_NAMES, TensorNameMap); this module only says which of
+its tensor kinds is which canonical part.
 """
 
 from __future__ import annotations
 
+import re
+
+from gguf import (
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    MODEL_TENSORS,
+    TENSOR_NAMES,
+    TensorNameMap,
+)
+
+from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
+from shoal.engine.models.families.family import ModelFamily
 
 LayerRange = tuple[int, int]
+CanonicalName = tuple[str | None, int | None]  # (name, layer index); (None, None): not used
+
+_GLOBAL_PARTS = {
+    MODEL_TENSOR.TOKEN_EMBD: "embed", MODEL_TENSOR.OUTPUT_NORM: "norm",
+    MODEL_TENSOR.OUTPUT: "lm_head",
+}
+# In llama-style blocks the pre-MLP norm is FFN_NORM; Gemma's FFN_PRE_NORM is the same
+# tensor in a GGUF file ("ffn_norm"), its post_attention_layernorm a true ATTN_POST_NORM.
+_LAYER_PARTS = {
+    MODEL_TENSOR.ATTN_NORM: "attn_norm", MODEL_TENSOR.ATTN_Q: "q", MODEL_TENSOR.ATTN_K: "k",
+    MODEL_TENSOR.ATTN_V: "v", MODEL_TENSOR.ATTN_OUT: "o",
+    MODEL_TENSOR.ATTN_Q_NORM: "q_norm", MODEL_TENSOR.ATTN_K_NORM: "k_norm",
+    MODEL_TENSOR.ATTN_POST_NORM: "post_attn_norm", MODEL_TENSOR.FFN_NORM: "mlp_norm",
+    MODEL_TENSOR.FFN_PRE_NORM: "mlp_norm", MODEL_TENSOR.FFN_POST_NORM: "post_mlp_norm",
+    MODEL_TENSOR.FFN_GATE: "gate", MODEL_TENSOR.FFN_UP: "up", MODEL_TENSOR.FFN_DOWN: "down",
+}
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class TensorNames:
+    """One family's GGUF and Hugging Face tensor names -> shoal's canonical names."""
+
+    def __init__(self, family: ModelFamily, num_layers: int) -> None:
+        if family.tensor_tables is None:
+            raise UnsupportedModel(f"family {family.name!r} declares no tensor names")
+        self.arch = _model_arch(family.tensor_tables)
+        self.num_layers = num_layers
+        kinds = MODEL_TENSORS[self.arch]
+        # GGUF base name ("token_embd", or a block's "attn_q") -> canonical part.
+        self._global = {TENSOR_NAMES[kind]: part for kind, part in _GLOBAL_PARTS.items()
+                        if kind in kinds}
+        self._layer = {TENSOR_NAMES[kind].removeprefix("blk.{bid}."): part
+                       for kind, part in _LAYER_PARTS.items() if kind in kinds}
+        self._hf_map: TensorNameMap | None = None  # built on first from_hf
+
+    def from_gguf(self, name: str) -> CanonicalName:
+        """"blk.3.attn_q.weight" -> ("layers.3.q.weight", 3); "output.weight" ->
+        ("lm_head.weight", None)."""
+        if name.endswith(".weight") and name[:-7] in self._global:
+            return f"{self._global[name[:-7]]}.weight", None
+        match = _GGUF_BLOCK.match(name)
+        if match is None or match.group(2) not in self._layer:
+            return None, None
+        layer = int(match.group(1))
+        return f"layers.{layer}.{self._layer[match.group(2)]}.{match.group(3)}", layer
+
+    def from_hf(self, name: str) -> CanonicalName:
+        """"model.layers.3.self_attn.q_proj.weight" -> ("layers.3.q.weight", 3)."""
+        if self._hf_map is None:
+            self._hf_map = TensorNameMap(self.arch, self.num_layers)
+        found = self._hf_map.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
+        return (None, None) if found is None else self.from_gguf(found[1])
+
+
+def _model_arch(name: str) -> MODEL_ARCH:
+    for arch, arch_name in MODEL_ARCH_NAMES.items():
+        if arch_name == name:
+            return arch
+    raise UnsupportedModel(f"the gguf package has no tensor tables for {name!r}")
 
 
 def check_layer_range(layer_range: LayerRange | None, num_layers: int) -> LayerRange:

@@ -1,37 +1,23 @@
 """Hugging Face directories: config.json -> ModelConfig, *.safetensors -> (name, RawTensor).
 
-Gemma 3 stores RMSNorm weights as w with the model computing (1 + w); this reader adds the 1
-so every norm in shoal multiplies by its weight directly (as GGUF files already store it).
+The family's declaration (models/families/) names the config.json keys and, through the gguf
+package's TensorNameMap, the tensor names. Families whose norms compute (1 + w) from a
+stored w (Gemma) declare the offset; this reader adds it, so every norm in shoal multiplies
+by its weight directly (as GGUF files already store it).
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
-from shoal.engine.models.registry import canonical_architecture, is_embedding_family
-from shoal.engine.weights.names import LayerRange, in_stage
+from shoal.engine.models.registry import family_of, hf_architecture_name
+from shoal.engine.weights.names import LayerRange, TensorNames, in_stage
 from shoal.engine.weights.quant import RawTensor
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_COMMON_PARTS = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
-    "self_attn.v_proj": "v", "self_attn.o_proj": "o", "self_attn.q_norm": "q_norm",
-    "self_attn.k_norm": "k_norm", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
-    "mlp.down_proj": "down",
-}
-# post_attention_layernorm is the pre-MLP norm in llama-style blocks but a true
-# post-attention norm in Gemma 3, which has its own pre_feedforward_layernorm.
-_LLAMA_PARTS = {**_COMMON_PARTS, "post_attention_layernorm": "mlp_norm"}
-_GEMMA_PARTS = {**_COMMON_PARTS, "post_attention_layernorm": "post_attn_norm",
-                "pre_feedforward_layernorm": "mlp_norm",
-                "post_feedforward_layernorm": "post_mlp_norm"}
-_GLOBAL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-           "lm_head.weight": "lm_head.weight"}
 
 
 class SafetensorsCheckpoint:
@@ -53,16 +39,17 @@ class SafetensorsCheckpoint:
 
         config = self.config
         start, end = layer_range or (0, config.num_layers)
-        parts = _GEMMA_PARTS if config.architecture == "gemma3" else _LLAMA_PARTS
+        family = family_of(config.architecture)
+        names = TensorNames(family, config.num_layers)
         for file in self.files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    canonical, layer = _canonical(name, parts)
+                    canonical, layer = names.from_hf(name)
                     if canonical is None or not in_stage(canonical, layer, start, end, config):
                         continue
                     tensor = handle.get_tensor(name)
-                    if config.architecture == "gemma3" and canonical.endswith("norm.weight"):
-                        tensor = tensor.float() + 1.0
+                    if family.hf_norm_offset and canonical.endswith("norm.weight"):
+                        tensor = tensor.float() + family.hf_norm_offset
                     yield canonical, RawTensor(tuple(tensor.shape), "dense", tensor)
 
 
@@ -81,43 +68,39 @@ def read_tensors(directory: Path) -> Iterator[tuple[str, RawTensor]]:
                 yield name, RawTensor(tuple(tensor.shape), "dense", tensor)
 
 
-def _canonical(name: str, parts: dict[str, str]) -> tuple[str | None, int | None]:
-    if name in _GLOBAL:
-        return _GLOBAL[name], None
-    match = _LAYER.match(name)
-    if match is None or match.group(2) not in parts:
-        return None, None
-    layer = int(match.group(1))
-    return f"layers.{layer}.{parts[match.group(2)]}.{match.group(3)}", layer
-
-
-def config_from_hf(hf: dict) -> ModelConfig:
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from a config.json dict (text config of multimodal wrappers too)."""
     hf = hf.get("text_config", hf) if "text_config" in hf and "hidden_size" not in hf else hf
-    names = hf.get("architectures") or [hf.get("model_type", "")]
-    family = canonical_architecture(names[0])
-    if is_embedding_family(family):
-        raise UnsupportedModel(f"{names[0]} is an embedding model; it cannot generate text")
-    heads = hf["num_attention_heads"]
+    name = hf_architecture_name(hf)
+    family = family_of(name)
+    if family.task != "generate":
+        raise UnsupportedModel(f"{name} is an embedding model; it cannot generate text")
+    keys, defaults = family.hf_config_keys, family.config_defaults
+
+    def read(field: str, default: Any = None) -> Any:
+        return hf.get(keys[field], default)
+
+    hidden, heads = hf[keys["hidden_size"]], hf[keys["num_heads"]]
     rope = _rope_parameters(hf)
-    common = dict(
-        architecture=family, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        vocab_size=hf["vocab_size"], max_position=hf.get("max_position_embeddings", 2048),
+    values = dict(
+        defaults,
+        architecture=family.name, num_layers=hf[keys["num_layers"]], hidden_size=hidden,
+        intermediate_size=hf[keys["intermediate_size"]], num_heads=heads,
+        num_kv_heads=read("num_kv_heads") or heads, head_dim=read("head_dim") or hidden // heads,
+        vocab_size=hf[keys["vocab_size"]], max_position=read("max_position", 2048),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3")),
-        qkv_bias=bool(hf.get("attention_bias", family == "qwen2")),
-        qk_norm=family in ("qwen3", "gemma3"),
+        rms_eps=float(read("rms_eps", 1e-6)),
+        tie_embeddings=bool(read("tie_embeddings", defaults.get("tie_embeddings", False))),
+        qkv_bias=bool(read("qkv_bias", defaults.get("qkv_bias", False))),
         rope_scaling_factor=_linear_factor(rope),
     )
-    if family == "gemma3":
-        return _gemma3(hf, common)
-    if hf.get("sliding_window") and hf.get("use_sliding_window"):
-        raise UnsupportedModel("sliding-window attention is only supported for Gemma 3")
-    return ModelConfig(**common)
+    if not family.supports_sliding_window and hf.get("sliding_window") \
+            and hf.get("use_sliding_window"):
+        raise UnsupportedModel(f"sliding-window attention is not supported for {family.name} "
+                               "(only for Gemma 3)")
+    if family.hf_config_extras is not None:
+        values.update(family.hf_config_extras(hf, values))
+    return ModelConfig(**values)
 
 
 def _rope_parameters(hf: dict) -> dict:
@@ -139,21 +122,3 @@ def _linear_factor(rope: dict) -> float:
     if kind == "linear":
         return float(rope["factor"])
     raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported")
-
-
-def _gemma3(hf: dict, common: dict) -> ModelConfig:
-    layers = common["num_layers"]
-    types = hf.get("layer_types") or [
-        "full_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) == 0
-        else "sliding_attention" for i in range(layers)]
-    local = (hf.get("rope_parameters") or {}).get("sliding_attention", {})
-    local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
-    return ModelConfig(
-        **common,
-        sliding_window=hf.get("sliding_window", 512),
-        layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
-        rope_local_theta=float(local_theta),
-        attention_scale=float(hf.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5,
-        hidden_activation="gelu_tanh",
-        final_logit_softcap=hf.get("final_logit_softcapping"),
-    )

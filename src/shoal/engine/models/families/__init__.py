@@ -1,0 +1,1 @@
+"""One declaration per model family; engine/models/registry.py looks them up by name."""

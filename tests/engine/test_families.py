@@ -1,0 +1,62 @@
+"""The family declarations: names are unambiguous, and every table a declaration names exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.engine.errors import UnsupportedModel
+from shoal.engine.models.registry import (
+    FAMILIES,
+    encoder_loader,
+    family_of,
+    find_family,
+    model_class,
+    task_of_hf_config,
+)
+from shoal.engine.weights.names import TensorNames
+
+
+def test_every_architecture_name_finds_its_family():
+    for family in FAMILIES:
+        for name in (family.name, *family.names):
+            assert find_family(name) is family
+
+
+def test_an_unknown_architecture_is_unsupported_and_named():
+    assert find_family("mamba") is None
+    with pytest.raises(UnsupportedModel, match="mamba"):
+        family_of("mamba")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
+def test_the_model_a_family_names_imports(family):
+    load = model_class if family.task == "generate" else encoder_loader
+    assert callable(load(family))
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.tensor_tables],
+                         ids=lambda family: family.name)
+def test_gguf_and_hugging_face_names_meet_at_the_same_canonical_name(family):
+    names = TensorNames(family, num_layers=2)
+    hf_to_gguf = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.layers.1.self_attn.q_proj.weight": "blk.1.attn_q.weight",
+        "model.layers.1.self_attn.q_proj.bias": "blk.1.attn_q.bias",
+        "model.layers.1.mlp.down_proj.weight": "blk.1.ffn_down.weight",
+    }
+    for hf_name, gguf_name in hf_to_gguf.items():
+        assert names.from_hf(hf_name) == names.from_gguf(gguf_name) != (None, None)
+
+
+def test_gemma_post_attention_norm_is_not_the_mlp_norm():
+    # The same config.json name means the pre-MLP norm in llama-style blocks.
+    name = "model.layers.0.post_attention_layernorm.weight"
+    gemma, llama = TensorNames(family_of("gemma3"), 1), TensorNames(family_of("llama"), 1)
+    assert gemma.from_hf(name) == ("layers.0.post_attn_norm.weight", 0)
+    assert llama.from_hf(name) == ("layers.0.mlp_norm.weight", 0)
+
+
+def test_task_of_a_config_json_follows_its_family():
+    assert task_of_hf_config({"architectures": ["BertModel"]}) == "embed"
+    assert task_of_hf_config({"model_type": "qwen2"}) == "generate"
+    assert task_of_hf_config({"architectures": ["SomethingNew"]}) == "generate"
