@@ -8,6 +8,7 @@ import logging
 import sys
 
 from shoal import logs
+from shoal.catalog.resolve import resolve_model
 from shoal.cli.errors import CommandFailed
 from shoal.config import (
     DEFAULT_PORT,
@@ -148,8 +149,7 @@ def check_draft_models(config: NodeConfig) -> None:
               if source.startswith("draft:")]
     if not pairs:
         return  # the node process itself never imports torch (~1.4 s of every start)
-    from shoal.catalog.resolve import resolve_model
-    from shoal.engine.speculation.draft import check_draft_pair
+    from shoal.engine.speculation.draft import check_draft_pair  # torch: only with draft pairs
 
     for name, draft_name in pairs:
         target = resolve_model(name, data_dir=config.data_dir)
