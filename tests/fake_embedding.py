@@ -1,4 +1,5 @@
-"""A fake embedding engine (shoal.engine.embedding.EmbeddingEngine's contract, no torch),
+"""A fake embedding engine (EngineCore as shoal.engine.embedding.EmbeddingEngine implements
+it, no torch),
 and an engine factory that serves it for task "embed" and the fake text engine otherwise.
 
 Each word is one token (fakes.FakeTokenizer) between a [CLS]-like 2 and a [SEP]-like 3; a
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from fakes import VOCAB_SIZE, FakeTokenizer, make_fake_engine
 
+from shoal.engine.core import NoGeneration, NotFollower
 from shoal.engine.errors import ContextLengthExceeded
 from shoal.engine.sampling import InvalidParameter
 
@@ -29,11 +31,13 @@ def fake_vector(ids: list[int]) -> list[float]:
     return [v / norm for v in raw]
 
 
-class FakeEmbeddingEngine:
+class FakeEmbeddingEngine(NoGeneration, NotFollower):
     task = "embed"
+    tracer = None
 
     def __init__(self, config, progress=None) -> None:
         (progress or (lambda stage, fraction: None))("ready", 1.0)
+        self.config = config
         self.model_id = config.source.model_id
         self.tokenizer = FakeTokenizer()
         self.tokenizer.has_chat_template = False
@@ -43,6 +47,12 @@ class FakeEmbeddingEngine:
 
     def weight_bytes(self) -> int:
         return 1234
+
+    def kv_bytes_per_block(self):
+        return None  # no KV cache
+
+    def close(self) -> None:
+        pass
 
     def tokenize(self, texts, truncate: bool) -> list[list[int]]:
         ids = [[CLS, *self.tokenizer.encode(text), SEP] for text in texts]

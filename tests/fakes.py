@@ -1,4 +1,5 @@
-"""A fake engine that follows shoal.engine.engine.Engine's contract without torch.
+"""A fake engine that implements EngineCore (shoal.engine.core) as a generating Engine
+would, without torch.
 
 Behaviour is steered by the model id (load) and by markers in the prompt (step):
   model ids:  fake-fail-load (raises UnsupportedModel), fake-exit-on-load (os._exit),
@@ -15,10 +16,12 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from shoal.engine.core import NoEmbedding, NotFollower
 from shoal.engine.errors import UnsupportedModel, check_context
 from shoal.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from shoal.engine.sampling import InvalidParameter
@@ -57,7 +60,11 @@ class _FakeRequest:
     text: str = ""
 
 
-class FakeEngine:
+class FakeEngine(NoEmbedding, NotFollower):
+    task = "generate"
+    tracer = None
+    speculator = None
+
     def __init__(self, config, progress=None) -> None:
         report = progress or (lambda stage, fraction: None)
         model_id = config.source.model_id
@@ -70,6 +77,7 @@ class FakeEngine:
                 report("weights", i / 5)
                 time.sleep(0.2)
         report("ready", 1.0)
+        self.config = config
         self.model_id = model_id
         self.tokenizer = FakeTokenizer()
         self.max_model_len = MAX_MODEL_LEN
@@ -109,6 +117,30 @@ class FakeEngine:
 
     def stats(self) -> dict:
         return {"num_running": len(self._requests), "num_waiting": 0}
+
+    def idle(self) -> None:
+        pass
+
+    def prefix_pool(self):
+        return None  # no prefix cache to share
+
+    def kv_layout_key(self) -> str:
+        return ""
+
+    def export_prefix(self, token_ids, max_blocks=None):
+        return None
+
+    def import_prefix(self, blocks) -> int:
+        return 0
+
+    def weight_bytes(self):
+        return None  # cannot tell
+
+    def kv_bytes_per_block(self):
+        return None  # no KV cache
+
+    def close(self) -> None:
+        pass
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish(rid, "abort", "", ()) for rid in self._aborted
@@ -181,16 +213,24 @@ WEIGHT_BYTES = 5000
 
 class FakeKVEngine(FakeEngine):
     """FakeEngine with what the runner reads for its memory report, as the real Engine has
-    it: weights held (loaded.weight_bytes), the model shape and cache dtype that size a KV
-    block, and stats() with the blocks in use (each request holds its tokens' blocks).
-    Measuring it imports torch (kv_bytes_per_token), so only memory tests use it."""
+    it: the weights held, the bytes of a KV block (sized by the engine's own rule from a
+    model shape and cache dtype), and stats() with the blocks in use (each request holds
+    its tokens' blocks). Measuring it imports torch (kv_bytes_per_token), so only memory
+    tests use it."""
 
     def __init__(self, config, progress=None) -> None:
         super().__init__(config, progress)
-        self.config = SimpleNamespace(block_size=KV_BLOCK_SIZE, parallel=None)
         shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
         self.loaded = SimpleNamespace(weight_bytes=WEIGHT_BYTES, config=shape,
                                       cache_dtype="float32", layer_range=(0, 2))
+
+    def weight_bytes(self) -> int:
+        return self.loaded.weight_bytes
+
+    def kv_bytes_per_block(self) -> int:
+        from shoal.engine.kv_budget import kv_bytes_per_block  # imports torch
+
+        return kv_bytes_per_block(self.loaded, KV_BLOCK_SIZE)
 
     def stats(self) -> dict:
         used = sum(-(-(len(r.prompt_ids) + len(r.generated)) // KV_BLOCK_SIZE)
@@ -205,6 +245,7 @@ def make_fake_kv_engine(config, progress=None) -> FakeKVEngine:
 # ---- helpers for tests that spawn runners with the fake engine ----------------------------
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+FAKE_RUNNER = os.path.join(TESTS_DIR, "fake_runner.py")
 
 
 def fake_runner_env() -> dict[str, str]:
@@ -242,10 +283,13 @@ def fake_engine_config(tmp_dir, model_id: str = "fake-model"):
     return EngineConfig(source=ModelSource(model_id=model_id, format="gguf", path=weights))
 
 
-def fake_supervisor_options(**overrides):
+def fake_supervisor_options(fake_engine: str = "text", **overrides):
+    """Options whose runners serve a fake engine (tests/fake_runner.py): "text" (FakeEngine),
+    "kv" (FakeKVEngine) or "embedding" (FakeEmbeddingEngine for task "embed", else text)."""
     from shoal.runner.options import SupervisorOptions
 
-    values = dict(engine_factory="fakes:make_fake_engine", env=fake_runner_env(),
+    values = dict(runner_command=(sys.executable, FAKE_RUNNER, "--fake-engine", fake_engine),
+                  env=fake_runner_env(),
                   load_timeout_s=30.0, ready_wait_s=10.0, chunk_timeout_s=10.0,
                   restart_backoff_s=(0.1, 0.2, 0.3), shutdown_grace_s=2.0)
     values.update(overrides)

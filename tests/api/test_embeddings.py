@@ -30,7 +30,7 @@ def node(tmp_path_factory):
             raise ModelNotFound(f"model {name!r} not found")
         return sources[name]
 
-    options = fake_supervisor_options(engine_factory="fake_embedding:make_engine")
+    options = fake_supervisor_options(fake_engine="embedding")
 
     config = NodeConfig(server=ServerConfig(port=0), models=("fake-model",), data_dir=tmp,
                         cluster=ClusterSettings(standalone=True))

@@ -15,10 +15,9 @@ from test_models import BLOCK, PROMPT, load, shuffled_blocks
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.kv.quant import dequantize, quantize, row_bytes, row_width
 from shoal.engine.kv.tensors import allocate_kv_cache
-from shoal.engine.kv_budget import plan_kv_cache
+from shoal.engine.kv_budget import kv_bytes_per_block, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import kv_bytes_per_token
-from shoal.runner.memory import kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import pytest
 import torch
 from rank_processes import run_ranks
 
+from shoal.engine.errors import GroupError
 from shoal.engine.parallel.config import ParallelConfig
-from shoal.engine.parallel.group import GroupError, RankGroup
+from shoal.engine.parallel.group import RankGroup
 
 # payloads on either side of the size up to which a frame goes out in one send, and one
 # larger than a loopback socket's buffers

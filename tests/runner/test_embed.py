@@ -17,7 +17,7 @@ from shoal.runner.supervisor import RunnerSupervisor
 def run_scenario(config, scenario):
     async def main():
         supervisor = RunnerSupervisor(config, fake_supervisor_options(
-            engine_factory="fake_embedding:make_engine"))
+            fake_engine="embedding"))
         try:
             await supervisor.start()
             return await scenario(supervisor)

@@ -141,7 +141,7 @@ def test_supervisor_keeps_the_runner_s_latest_report(tmp_path):
 
     async def main():
         supervisor = RunnerSupervisor(fake_engine_config(tmp_path), fake_supervisor_options(
-            engine_factory="fakes:make_fake_kv_engine"))
+            fake_engine="kv"))
         try:
             await supervisor.start()
             loaded = supervisor.memory

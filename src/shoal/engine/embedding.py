@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.core import EngineTask, NoGeneration, NotFollower, ProgressCallback
 from shoal.engine.errors import ContextLengthExceeded, UnsupportedModel
 from shoal.engine.kv_budget import check_weights_fit
 from shoal.engine.models.registry import encoder_loader, family_of, hf_architecture_name
@@ -25,16 +26,16 @@ from shoal.engine.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[str, float], None]
 
-
-class EmbeddingEngine:
+class EmbeddingEngine(NoGeneration, NotFollower):
     """One encoder model serving embedding requests, one batch at a time."""
 
-    task = "embed"
+    task: EngineTask = "embed"
+    tracer = None  # a batch is answered at once: no request spans
 
     def __init__(self, config: EngineConfig, progress: ProgressCallback | None = None) -> None:
         report = progress or (lambda _stage, _fraction: None)
+        self.config = config
         source = config.source
         if source.format != "safetensors":
             raise UnsupportedModel(f"model {source.model_id!r}: embedding models load from a "
@@ -69,6 +70,12 @@ class EmbeddingEngine:
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
+
+    def kv_bytes_per_block(self) -> None:
+        return None  # an encoder keeps no KV cache
+
+    def close(self) -> None:
+        pass  # nothing outlives the process
 
     # ---- inputs ---------------------------------------------------------------------------
 

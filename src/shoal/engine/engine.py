@@ -7,20 +7,22 @@ clean text deltas. The engine imports no asyncio, HTTP or cluster code.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.core import EngineTask, NoEmbedding, NotFollower, ProgressCallback
 from shoal.engine.errors import check_context
 from shoal.engine.grammar import Constraint, GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
+from shoal.engine.kv.block_pool import BlockPool
 from shoal.engine.kv.disk_prefixes import open_disk_prefixes
 from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer
-from shoal.engine.kv_budget import check_weights_fit, plan_kv_cache
+from shoal.engine.kv_budget import check_weights_fit, kv_bytes_per_block, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
 from shoal.engine.outputs import FinishReason, RequestOutput, TokenLogprob, TopLogprob
@@ -42,8 +44,6 @@ from shoal.tracing.steps import RequestTrace, StepTracer
 
 log = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[str, float], None]
-
 
 @dataclass
 class _OutputState:
@@ -56,8 +56,10 @@ class _OutputState:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-class Engine:
+class Engine(NoEmbedding, NotFollower):
     """Loads one model and serves many concurrent requests with continuous batching."""
+
+    task: EngineTask = "generate"
 
     def __init__(self, config: EngineConfig, progress: ProgressCallback | None = None) -> None:
         self.config = config
@@ -199,6 +201,22 @@ class Engine:
         fail verification. Between steps."""
         return self.transfer.import_instance(blocks)
 
+    def prefix_pool(self) -> BlockPool | None:
+        return self.scheduler.pool if self.config.enable_prefix_caching else None
+
+    def kv_layout_key(self) -> str:
+        """How the model is split (the layers of each pipeline rank follow from its cache
+        tensors, one per layer) and the shapes and dtypes of every rank's cache tensors."""
+        parallel = self.config.parallel
+        part = "whole"
+        if parallel is not None:
+            layers = [len(self.transfer.layout)] + [len(share) for share in
+                                                    self.executor.share_layouts]
+            part = (f"{parallel.sharding}x{parallel.world_size}:"
+                    f"{parallel.layer_start}+{'/'.join(map(str, layers))}")
+        layout = repr(self.transfer.instance_layout)
+        return f"{part}|{hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()}"
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -246,6 +264,9 @@ class Engine:
         """The model's weights, and its draft model's."""
         draft = self.draft.loaded.weight_bytes if self.draft is not None else 0
         return self.loaded.weight_bytes + draft
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.loaded, self.config.block_size)
 
     def close(self) -> None:
         """Release the engine's group (the other ranks of a parallel instance stop) and

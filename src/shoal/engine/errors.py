@@ -25,3 +25,8 @@ class ModelDoesNotFit(RuntimeError):
 
 class UnsupportedModel(ValueError):
     """The checkpoint's architecture or a tensor type is not one shoal can run."""
+
+
+class GroupError(RuntimeError):
+    """Another rank of a split model is gone, or a wait on it ran out; the instance cannot
+    go on."""

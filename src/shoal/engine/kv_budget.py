@@ -41,6 +41,17 @@ def check_weights_fit(source: ModelSource, available_bytes: int | None = None) -
             f"{available / 2**30:.2f} GiB is available")
 
 
+def kv_bytes_per_block(loaded, block_size: int) -> int:
+    """Bytes one KV block takes over the layers `loaded` holds (a pipeline rank caches only
+    its own layers; a tensor rank's config counts its own KV heads)."""
+    # torch: placement imports this module in the node process, which loads no model
+    from shoal.engine.models.loader import kv_bytes_per_token
+
+    start, end = loaded.layer_range
+    return kv_bytes_per_token(loaded.config, loaded.cache_dtype,
+                              num_layers=(end - start) or None) * block_size
+
+
 def plan_kv_cache(config: EngineConfig, model_config, loaded,
                   available_bytes: int | None = None) -> KVPlan:
     """Blocks for the KV cache and the context they allow.

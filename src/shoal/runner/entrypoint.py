@@ -2,17 +2,18 @@
 
     python -m shoal.runner.entrypoint --socket PATH --parent-pid PID
 
-It connects, waits for Load, builds the engine (reporting progress), reports what it holds
-(MemoryUsage, again every few seconds while it runs), then loops: take messages (blocking
-only while idle), step the engine, stream chunks back. A crash anywhere
-is either a Failed message or an exit the supervisor sees; it never leaves a request hanging.
+It connects, waits for Load, builds the engine with the factory main() was given (shoal's
+engines here; tests start runners of fake engines the same way) while reporting progress,
+reports what it holds (MemoryUsage, again every few seconds while it runs), then loops:
+take messages (blocking only while idle), step the engine, stream chunks back. A crash
+anywhere is either a Failed message or an exit the supervisor sees; it never leaves a
+request hanging.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
 import socket
@@ -20,58 +21,30 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from shoal import logs
 from shoal.diagnostics.flight import FlightLogHandler
+from shoal.engine.core import EngineCore, EngineFactory
+from shoal.engine.errors import GroupError
 from shoal.runner.channel import EOF, Channel, SupervisorGone
-from shoal.runner.loop import EngineBroken, RunnerLoop, engine_task
+from shoal.runner.loop import EngineBroken, RunnerLoop
 from shoal.runner.memory import MemoryReporter, loading_heap
+from shoal.runner.messages import Failed, Load, ModelInfo, Status, parse_to_runner
 from shoal.runner.proposals import attach_remote_proposer
 from shoal.runner.records import RunnerRecords
-from shoal.runner.messages import (
-    Failed,
-    Load,
-    ModelInfo,
-    Status,
-    parse_to_runner,
-)
+from shoal.tracing.otlp import OtlpExporter
 
 log = logging.getLogger("shoal.runner")
 
 _PROGRESS_INTERVAL_S = 0.2
 
 
-def resolve_factory(spec: str | None, task: str = "generate",
-                    follower: bool = False) -> Callable[..., Any]:
-    """The engine constructor: the real Engine (EmbeddingEngine for an embedding model,
-    FollowerEngine for a rank other than 0), or "module:callable" injected by tests."""
-    if spec is None:
-        # heavy (torch); imported only in the runner
-        if follower:
-            from shoal.engine.parallel.follower import FollowerEngine
-
-            return FollowerEngine
-        if task == "embed":
-            from shoal.engine.embedding import EmbeddingEngine
-
-            return EmbeddingEngine
-        from shoal.engine.engine import Engine
-
-        return Engine
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"engine factory must be 'module:callable', not {spec!r}")
-    return getattr(importlib.import_module(module_name), attribute)
-
-
-def build_engine(load: Load, channel: Channel, records: RunnerRecords | None = None) -> Any:
-    config = load.engine
-    if load.engine_factory is None and config.threads is not None:
-        import torch
-
-        torch.set_num_threads(config.threads)
+def load_engine(load: Load, channel: Channel, engine_factory: EngineFactory,
+                records: RunnerRecords | None = None) -> EngineCore:
+    """Build the engine Load asks for, reporting its progress (at most every
+    _PROGRESS_INTERVAL_S, and its end)."""
     last_sent = [0.0]
 
     def progress(stage: str, fraction: float) -> None:
@@ -84,18 +57,18 @@ def build_engine(load: Load, channel: Channel, records: RunnerRecords | None = N
                                 progress=min(max(float(fraction), 0.0), 1.0)))
 
     progress("starting", 0.0)
-    follower = config.parallel is not None and config.parallel.rank > 0
-    return resolve_factory(load.engine_factory, config.source.task, follower)(config, progress)
+    return engine_factory(load.engine, progress)
 
 
-
-def model_info(engine: Any) -> ModelInfo:
+def model_info(engine: EngineCore) -> ModelInfo:
+    """What the supervisor learns of a loaded model (a follower rank reads no text: no
+    chat template)."""
     tokenizer = engine.tokenizer
-    embeds = engine_task(engine) == "embed"
+    embeds = engine.task == "embed"
     return ModelInfo(model_id=engine.model_id, max_model_len=engine.max_model_len,
                      vocab_size=engine.vocab_size,
-                     has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
-                     task="embed" if embeds else "generate",
+                     has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+                     task=engine.task,
                      embedding_dimensions=engine.dimensions if embeds else None)
 
 
@@ -111,7 +84,8 @@ def start_watchdog(parent_pid: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="runner-watchdog", daemon=True).start()
 
 
-def serve(sock: socket.socket, records: RunnerRecords | None = None) -> int:
+def serve(sock: socket.socket, engine_factory: EngineFactory,
+          records: RunnerRecords | None = None) -> int:
     records = records or RunnerRecords()
     channel = Channel(sock, answer=records.answer)
     try:
@@ -123,7 +97,7 @@ def serve(sock: socket.socket, records: RunnerRecords | None = None) -> int:
             raise ValueError(f"the first message must be load, not {load.type}")
         try:
             with loading_heap():
-                engine = build_engine(load, channel, records)
+                engine = load_engine(load, channel, engine_factory, records)
         except Exception as error:  # noqa: BLE001 - reported, then exit
             records.flight.load_failed()
             log.error("loading %s failed:\n%s", load.engine.source.model_id, traceback.format_exc())
@@ -144,12 +118,12 @@ def serve(sock: socket.socket, records: RunnerRecords | None = None) -> int:
         return 0
 
 
-def serve_engine(engine: Any, channel: Channel, early: list[Any]) -> int:
+def serve_engine(engine: EngineCore, channel: Channel, early: list[Any]) -> int:
     """Serve the loaded engine: rank 0's loop, or a follower rank's; early: messages that
     came with Load."""
     memory = MemoryReporter(engine, channel.send)
     memory.report()  # before ready: the supervisor knows the figures once it is ready
-    if getattr(engine, "is_follower", False):
+    if engine.is_follower:
         return serve_rank(engine, channel, early, memory)
     channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
     loop = RunnerLoop(engine, channel, memory)
@@ -159,20 +133,17 @@ def serve_engine(engine: Any, channel: Channel, early: list[Any]) -> int:
                 return 0
         loop.run()
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()  # the other ranks of a parallel instance stop too
+        engine.close()  # the other ranks of a parallel instance stop too
     return 0
 
 
 @contextlib.contextmanager
-def exporting_spans(engine: Any, load: Load) -> Iterator[None]:
+def exporting_spans(engine: EngineCore, load: Load) -> Iterator[None]:
     """While serving: the engine's spans also go to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is
     set (flushed when the runner stops)."""
-    tracer = getattr(engine, "tracer", None)
+    tracer = engine.tracer
     exporter = None
     if tracer is not None:
-        from shoal.tracing.otlp import OtlpExporter
 
         parallel = load.engine.parallel
         exporter = OtlpExporter.from_env({
@@ -188,14 +159,11 @@ def exporting_spans(engine: Any, load: Load) -> Iterator[None]:
             exporter.shutdown()
 
 
-def serve_rank(engine: Any, channel: Channel, early: list[Any], memory: MemoryReporter) -> int:
+def serve_rank(engine: EngineCore, channel: Channel, early: list[Any],
+               memory: MemoryReporter) -> int:
     """A rank other than 0: report ready, then follow rank 0's steps until Shutdown (or the
     socket closing), a shutdown plan, or the group failing (reported, then exit)."""
-    from shoal.engine.parallel.group import GroupError
-
-    channel.send(Status(state="ready", stage="ready", progress=1.0, model=ModelInfo(
-        model_id=engine.model_id, max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size, has_chat_template=False)))
+    channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
     stop = [any(_ends_serving(raw) for raw in early)]
 
     def stop_requested() -> bool:  # asked between rank 0's plans (at least every keep-alive)
@@ -216,7 +184,9 @@ def _ends_serving(raw: Any) -> bool:
     return raw is EOF or (isinstance(raw, dict) and raw.get("type") == "shutdown")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, engine_factory: EngineFactory) -> int:
+    """Run a runner process: connect to the supervisor's socket (argv: --socket PATH
+    [--parent-pid PID]) and serve one engine that engine_factory builds."""
     parser = argparse.ArgumentParser(prog="shoal-runner")
     parser.add_argument("--socket", required=True, help="the supervisor's unix socket")
     parser.add_argument("--parent-pid", type=int, default=None)
@@ -228,10 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     try:
-        return serve(sock, records)
+        return serve(sock, engine_factory, records)
     finally:
         sock.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Here, not at the top: the engines load torch, which a runner of fakes never needs.
+    from shoal.engine.factory import build_engine
+
+    sys.exit(main(sys.argv[1:], build_engine))

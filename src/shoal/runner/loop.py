@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shoal.engine.errors import ContextLengthExceeded
+from shoal.engine.core import EngineCore, PromptTokenizer
+from shoal.engine.errors import ContextLengthExceeded, GroupError
 from shoal.engine.grammar_spec import InvalidGrammar
 from shoal.engine.outputs import RequestOutput, TokenLogprob
 from shoal.engine.sampling import InvalidParameter
@@ -54,10 +55,6 @@ from shoal.runner.tool_use import (
 log = logging.getLogger("shoal.runner")
 
 
-def engine_task(engine: Any) -> str:
-    return getattr(engine, "task", "generate")
-
-
 def request_trace(trace: TraceRef | None) -> RequestTrace | None:
     return None if trace is None else RequestTrace(trace.trace_id, trace.span_id)
 
@@ -73,13 +70,16 @@ def _logprob_items(logprobs: tuple[TokenLogprob, ...]) -> tuple[LogprobItem, ...
 class RunnerLoop:
     """Serves Submit/Cancel against one engine until Shutdown or the socket closes."""
 
-    def __init__(self, engine: Any, channel: Channel,
+    def __init__(self, engine: EngineCore, channel: Channel,
                  memory: MemoryReporter | None = None) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("a follower rank serves its rank 0's plans, not requests")
         self.engine = engine
+        self.tokenizer: PromptTokenizer = engine.tokenizer
         self.channel = channel
         self.memory = memory  # reports what the runner holds, between steps
         self.in_flight: set[str] = set()
-        self.embeds = engine_task(engine) == "embed"
+        self.embeds = engine.task == "embed"
         self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
         self._tool_support: TemplateToolSupport | None = None
         self._outbox: list[Any] | None = None  # chunks of the step being reported
@@ -89,7 +89,7 @@ class RunnerLoop:
 
     def run(self) -> None:
         # Rank 0 of a parallel instance wakes while idle to keep its ranks' waits alive.
-        parallel = getattr(getattr(self.engine, "config", None), "parallel", None)
+        parallel = self.engine.config.parallel
         tick_s = parallel.keepalive_s / 2 if parallel is not None else None
         while True:
             block = not self.has_work()
@@ -132,7 +132,7 @@ class RunnerLoop:
 
     def has_work(self) -> bool:
         # An embedding engine answers each request at once; it never has work left over.
-        return not self.embeds and self.engine.has_unfinished_requests()
+        return self.engine.has_unfinished_requests()
 
     def handle(self, raw: Any) -> bool:
         """Apply one incoming message; False means stop serving."""
@@ -150,8 +150,7 @@ class RunnerLoop:
         elif isinstance(message, Cancel):
             if self.share is not None and self.share.cancel(message.request_id):
                 return True  # held for its prefix: never reached the engine nor was accepted
-            if not self.embeds:  # embeddings finish within handle(): nothing to abort
-                self.engine.abort_request(message.request_id)
+            self.engine.abort_request(message.request_id)  # embeddings: already answered
         elif self.share is not None and isinstance(message, PrefixPart):
             self.share.on_part(message)
         elif self.share is not None and isinstance(message, PrefixFetched):
@@ -177,7 +176,7 @@ class RunnerLoop:
     # ---- submit ---------------------------------------------------------------------------
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
@@ -248,7 +247,7 @@ class RunnerLoop:
     @property
     def tool_support(self) -> TemplateToolSupport:
         if self._tool_support is None:
-            template = self.engine.tokenizer.chat_template
+            template = self.tokenizer.chat_template
             self._tool_support = TemplateToolSupport.of(template.source, template.uses_tools)
         return self._tool_support
 
@@ -292,7 +291,7 @@ class RunnerLoop:
             outputs = self.engine.step()
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
             log.error("engine step failed:\n%s", traceback.format_exc())
-            if type(error).__name__ == "GroupError":  # a rank of the instance is gone
+            if isinstance(error, GroupError):  # a rank of the instance is gone
                 self._fail_in_flight(f"the model's instance lost a rank: {error}",
                                      code="unavailable")
             else:

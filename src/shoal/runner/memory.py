@@ -1,9 +1,9 @@
 """What a runner holds in memory, read from its engine, and when to tell the supervisor.
 
-Weights come from the engine (`weight_bytes()` of an embedding engine, `loaded.weight_bytes`
-otherwise); the KV cache in use is the scheduler's referenced blocks (`stats()`) times the
-bytes one block takes over this rank's layers; RSS is the runner process's own. An engine
-that cannot tell a figure leaves it None. Measuring never raises into the loop.
+Weights come from the engine (`weight_bytes()`); the KV cache in use is the scheduler's
+referenced blocks (`stats()`) times the bytes one block takes over this rank's layers
+(`kv_bytes_per_block()`); RSS is the runner process's own. An engine that cannot tell a
+figure leaves it None. Measuring never raises into the loop.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from shoal.engine.core import EngineCore
 from shoal.runner.messages import MemoryUsage
 
 log = logging.getLogger("shoal.runner")
@@ -24,23 +25,6 @@ log = logging.getLogger("shoal.runner")
 CHECK_INTERVAL_S = 2.0  # how often the loop measures
 HEARTBEAT_S = 10.0  # a report goes out at least this often, changed or not
 RSS_STEP_BYTES = 4 * 2**20  # smaller RSS moves are noise, not a change worth a report
-
-
-def weights_bytes(engine: Any) -> int | None:
-    if callable(getattr(engine, "weight_bytes", None)):
-        return int(engine.weight_bytes())
-    loaded = getattr(engine, "loaded", None)
-    return None if loaded is None else int(loaded.weight_bytes)
-
-
-def kv_bytes_per_block(loaded: Any, block_size: int) -> int:
-    """Bytes one KV block takes over the layers this rank holds (a tensor rank's config
-    counts its own KV heads), as engine/kv_budget.py sizes the cache."""
-    from shoal.engine.models.loader import kv_bytes_per_token  # torch: the engine has it
-
-    start, end = loaded.layer_range
-    return kv_bytes_per_token(loaded.config, loaded.cache_dtype,
-                              num_layers=(end - start) or None) * block_size
 
 
 def kv_blocks(stats: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -69,7 +53,7 @@ class MemoryReporter:
     """Measures the engine every CHECK_INTERVAL_S (when the loop asks) and sends a
     MemoryUsage when worth_sending says so. Runs on the loop's thread, between steps."""
 
-    def __init__(self, engine: Any, send: Callable[[MemoryUsage], None],
+    def __init__(self, engine: EngineCore, send: Callable[[MemoryUsage], None],
                  clock: Callable[[], float] = time.monotonic,
                  rss: Callable[[], int] | None = None) -> None:
         self._engine = engine
@@ -104,7 +88,7 @@ class MemoryReporter:
 
     def measure(self) -> MemoryUsage:
         in_use, cached, capacity = self._read(self._kv_bytes, (None, None, None))
-        return MemoryUsage(weights_bytes=self._read(lambda: weights_bytes(self._engine), None),
+        return MemoryUsage(weights_bytes=self._read(self._engine.weight_bytes, None),
                            kv_bytes_in_use=in_use, kv_bytes_cached=cached,
                            kv_bytes_capacity=capacity, rss_bytes=self._read(self._rss, None))
 
@@ -119,8 +103,7 @@ class MemoryReporter:
 
     def _kv_bytes(self) -> tuple[int | None, int | None, int | None]:
         per_block = self._bytes_per_block()
-        stats = getattr(self._engine, "stats", None)
-        blocks = kv_blocks(stats()) if per_block is not None and callable(stats) else None
+        blocks = kv_blocks(self._engine.stats()) if per_block is not None else None
         if blocks is None or per_block is None:
             return None, None, None
         used, cached, total = blocks
@@ -129,10 +112,7 @@ class MemoryReporter:
     def _bytes_per_block(self) -> int | None:
         if not self._per_block_known:  # constant for the engine's life
             self._per_block_known = True
-            loaded = getattr(self._engine, "loaded", None)
-            config = getattr(self._engine, "config", None)
-            if loaded is not None and config is not None:
-                self._per_block = kv_bytes_per_block(loaded, config.block_size)
+            self._per_block = self._engine.kv_bytes_per_block()
         return self._per_block
 
     def _emit(self, usage: MemoryUsage, now: float) -> None:

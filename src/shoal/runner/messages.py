@@ -34,8 +34,6 @@ class Load(RunnerMessage):
 
     type: Literal["load"] = "load"
     engine: EngineConfig
-    # "module:callable" building the engine from (EngineConfig, progress); tests inject fakes.
-    engine_factory: str | None = None
 
 
 class Submit(RunnerMessage):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+# How a runner process starts; the supervisor appends --socket PATH --parent-pid PID.
+RUNNER_COMMAND = (sys.executable, "-m", "shoal.runner.entrypoint")
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,8 @@ class SupervisorOptions:
     crash_window_s: float = 60.0
     shutdown_grace_s: float = 5.0
     terminate_grace_s: float = 3.0
-    engine_factory: str | None = None
+    # The runner's command line (tests start a runner of fake engines instead).
+    runner_command: tuple[str, ...] = RUNNER_COMMAND
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -32,3 +37,5 @@ class SupervisorOptions:
             raise ValueError("max_in_flight, max_buffered_chunks and max_crashes must be >= 1")
         if not self.restart_backoff_s:
             raise ValueError("restart_backoff_s needs at least one delay")
+        if not self.runner_command:
+            raise ValueError("runner_command needs at least the program to run")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.engine.core import EngineCore
 from shoal.engine.kv.prefix_cache import extend_block_hashes
 from shoal.protocol import GenerationRequest
 from shoal.routing_keys import prefix_keys, session_key
@@ -69,31 +70,24 @@ def weights_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def compat_key(engine: Any) -> str:
-    """What two instances must share to exchange prefix blocks: weights, KV layout (shapes
-    and dtypes per cache tensor, every rank's), block size, and how the model is split: the
-    layers of each pipeline rank follow from their cache tensors, one per layer."""
+def compat_key(engine: EngineCore) -> str:
+    """What two instances must share to exchange prefix blocks: weights, block size, and how
+    the model is split and its KV laid out (engine.kv_layout_key)."""
     config = engine.config
-    parallel = config.parallel
-    part = "whole"
-    if parallel is not None:
-        layers = [len(engine.transfer.layout)] + [len(share) for share in
-                                                  engine.executor.share_layouts]
-        part = (f"{parallel.sharding}x{parallel.world_size}:"
-                f"{parallel.layer_start}+{'/'.join(map(str, layers))}")
-    layout = repr(engine.transfer.instance_layout)
     return (f"{config.source.model_id}|{weights_fingerprint(Path(config.source.path))}|"
-            f"bs{config.block_size}|{part}|"
-            f"{hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()}")
+            f"bs{config.block_size}|{engine.kv_layout_key()}")
 
 
 class RunnerPrefixShare:
-    def __init__(self, engine: Any, send: Callable[[Any], None],
+    def __init__(self, engine: EngineCore, send: Callable[[Any], None],
                  report_interval_s: float = 0.25, fetch_wait_s: float = 8.0,
                  min_blocks: int = 4) -> None:
+        pool = engine.prefix_pool()
+        if pool is None:
+            raise ValueError(f"{engine.model_id} has no prefix cache to share")
         self.engine = engine
         self._send = send
-        self._pool = engine.scheduler.pool
+        self._pool = pool
         self.block_size = engine.config.block_size
         self.report_interval_s = report_interval_s
         self.fetch_wait_s = fetch_wait_s
@@ -105,14 +99,11 @@ class RunnerPrefixShare:
         self.held: dict[str, HeldRequest] = {}
 
     @classmethod
-    def for_engine(cls, engine: Any, send: Callable[[Any], None]) -> RunnerPrefixShare | None:
-        """The share of a generating engine with a prefix cache; None otherwise (an
-        embedding model, a test's fake engine)."""
-        config = getattr(engine, "config", None)
-        if (not hasattr(engine, "export_prefix") or not hasattr(engine, "scheduler")
-                or config is None or not config.enable_prefix_caching):
-            return None
-        return cls(engine, send)
+    def for_engine(cls, engine: EngineCore,
+                   send: Callable[[Any], None]) -> RunnerPrefixShare | None:
+        """The share of an engine with a prefix cache; None otherwise (an embedding model,
+        prefix caching off, a test's fake engine)."""
+        return None if engine.prefix_pool() is None else cls(engine, send)
 
     # ---- reports ------------------------------------------------------------------------
 
@@ -172,6 +163,7 @@ class RunnerPrefixShare:
         return True
 
     def on_part(self, message: PrefixPart) -> None:
+        # torch: only a runner that serves a real engine receives blocks
         from shoal.engine.kv.transfer import TransferError
         from shoal.runner.kv_wire import blocks_from_wire
 
@@ -215,7 +207,7 @@ class RunnerPrefixShare:
 
     def export(self, message: PrefixExport) -> None:
         """Answer at once: the blocks held of message.token_ids, from start_block on."""
-        from shoal.runner.kv_wire import blocks_to_wire, split_blocks
+        from shoal.runner.kv_wire import blocks_to_wire, split_blocks  # torch, as above
 
         def part(seq: int, last: bool, **fields: Any) -> None:
             self._send(PrefixExportPart(export_id=message.export_id, seq=seq, last=last,

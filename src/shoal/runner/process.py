@@ -9,9 +9,8 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger("shoal.supervisor")
@@ -48,13 +47,14 @@ async def stop_process(proc: asyncio.subprocess.Process, grace_s: float,
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-async def spawn_runner(env: Mapping[str, str], connect_timeout_s: float,
-                       terminate_grace_s: float,
+async def spawn_runner(command: Sequence[str], env: Mapping[str, str],
+                       connect_timeout_s: float, terminate_grace_s: float,
                        started: Callable[[asyncio.subprocess.Process], None]) -> Streams | None:
-    """Start `python -m shoal.runner.entrypoint` and wait up to connect_timeout_s for it to
-    dial back over a private unix socket. started(proc) is told of the process at once (so a
-    shutdown meanwhile can stop it). Returns its streams, or None when it exited or stayed
-    silent (it is then stopped)."""
+    """Start the runner (command, e.g. `python -m shoal.runner.entrypoint`, with --socket
+    and --parent-pid) and wait up to connect_timeout_s for it to dial back over a private
+    unix socket. started(proc) is told of the process at once (so a shutdown meanwhile can
+    stop it). Returns its streams, or None when it exited or stayed silent (it is then
+    stopped)."""
     socket_dir = tempfile.mkdtemp(prefix="shoal-runner-")
     socket_path = os.path.join(socket_dir, "runner.sock")
     connected: asyncio.Future[Streams] = asyncio.get_running_loop().create_future()
@@ -68,8 +68,8 @@ async def spawn_runner(env: Mapping[str, str], connect_timeout_s: float,
     server = await asyncio.start_unix_server(on_connect, path=socket_path)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shoal.runner.entrypoint", "--socket", socket_path,
-            "--parent-pid", str(os.getpid()), stdin=asyncio.subprocess.DEVNULL, env=dict(env))
+            *command, "--socket", socket_path, "--parent-pid", str(os.getpid()),
+            stdin=asyncio.subprocess.DEVNULL, env=dict(env))
         started(proc)
         exited = asyncio.ensure_future(proc.wait())
         try:

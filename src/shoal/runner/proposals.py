@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from shoal.engine.core import EngineCore
 from shoal.engine.speculation.remote import LinkAnswer, RemoteProposer
 from shoal.runner.channel import Channel
 from shoal.runner.messages import ForgetProposals, Propose, Proposed
@@ -68,12 +69,13 @@ class ChannelProposalLink:
             waiting[0].set()
 
 
-def attach_remote_proposer(engine: Any, channel: Channel) -> None:
+def attach_remote_proposer(engine: EngineCore, channel: Channel) -> None:
     """Give the engine's speculator its way to a proposer node, when its model speculates
     `remote` (other engines are left as they are)."""
-    speculator = getattr(engine, "speculator", None)
-    config = getattr(speculator, "config", None)
-    if config is not None and config.method == "remote":
+    speculator = engine.speculator
+    if speculator is None:
+        return
+    if speculator.config is not None and speculator.config.method == "remote":
         speculator.proposer = RemoteProposer(
             ChannelProposalLink(channel), engine.vocab_size,
             step_s=speculator.proposer_costs.plain_seconds)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from shoal.diagnostics.flight import FlightRecorder
+from shoal.engine.core import EngineCore
 from shoal.runner.messages import Inspect, Inspection
 from shoal.tracing.spans import SpanBuffer
 
@@ -26,9 +27,9 @@ class RunnerRecords:
         self.spans: SpanBuffer | None = None  # the engine's, once it is built
         self.started_at = time.time()
 
-    def watch(self, engine: Any) -> None:
+    def watch(self, engine: EngineCore) -> None:
         """Read the built engine's spans, and record its steps in the flight recorder."""
-        tracer = getattr(engine, "tracer", None)
+        tracer = engine.tracer
         if tracer is not None:
             self.spans = tracer.spans
             tracer.on_step = self.flight.step

@@ -265,7 +265,8 @@ class RunnerSupervisor:
         def started(proc: asyncio.subprocess.Process) -> None:
             self._process = RunnerProcess(proc=proc)
 
-        streams = await spawn_runner(runner_environment(self.options.env),
+        streams = await spawn_runner(self.options.runner_command,
+                                     runner_environment(self.options.env),
                                      self.options.load_timeout_s,
                                      self.options.terminate_grace_s, started)
         process = self._process
@@ -277,7 +278,7 @@ class RunnerSupervisor:
             await self._on_exit(process, "it exited before connecting")
             return
         reader, process.writer = streams
-        self._send(Load(engine=self.config, engine_factory=self.options.engine_factory))
+        self._send(Load(engine=self.config))
         process.reader_task = asyncio.get_running_loop().create_task(
             self._read_loop(process, reader))
         self._own(self._load_deadline(process))

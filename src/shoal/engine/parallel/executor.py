@@ -25,6 +25,7 @@ from typing import Protocol
 import msgpack
 import torch
 
+from shoal.engine.errors import GroupError
 from shoal.engine.kv.disk_prefixes import RankTier
 from shoal.engine.kv.prefix_cache import CachedBlock
 from shoal.engine.kv.transfer import (
@@ -38,7 +39,7 @@ from shoal.engine.kv.transfer import (
     write_blocks,
 )
 from shoal.engine.parallel.config import ParallelConfig
-from shoal.engine.parallel.group import GroupError, RankGroup
+from shoal.engine.parallel.group import RankGroup
 from shoal.engine.parallel.plan import (
     NewRequest,
     PrefixLoad,

@@ -13,7 +13,9 @@ from collections.abc import Callable
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.core import EngineTask, NoEmbedding, NoGeneration, ProgressCallback
 from shoal.engine.kv.disk_prefixes import open_rank_tier
+from shoal.engine.kv_budget import kv_bytes_per_block
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.parallel.executor import Follower
 from shoal.engine.parallel.sampling_mirror import SamplingMirror
@@ -24,11 +26,12 @@ from shoal.tracing.steps import StepTracer
 log = logging.getLogger("shoal.parallel")
 
 
-class FollowerEngine:
+class FollowerEngine(NoGeneration, NoEmbedding):
+    task: EngineTask = "generate"
     is_follower = True
+    tokenizer = None  # rank 0 reads and writes the text
 
-    def __init__(self, config: EngineConfig,
-                 progress: Callable[[str, float], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, progress: ProgressCallback | None = None) -> None:
         parallel = config.parallel
         if parallel is None or parallel.rank == 0:
             raise ValueError("a FollowerEngine serves ranks 1 and up of a parallel instance")
@@ -58,6 +61,15 @@ class FollowerEngine:
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Serve rank 0's plans (GroupError when rank 0 or a peer is gone)."""
         self._follower.run(stop_requested)
+
+    def weight_bytes(self) -> int:
+        return self.loaded.weight_bytes
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.loaded, self.config.block_size)
+
+    def close(self) -> None:
+        pass  # the group ends with rank 0's shutdown plan, or with the process
 
     @property
     def steps(self) -> int:

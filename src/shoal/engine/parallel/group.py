@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shoal.engine.errors import GroupError
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.parallel.links import LinkError, PeerLinks
 from shoal.engine.parallel.rendezvous import GuardedStore, RendezvousError
@@ -33,10 +34,6 @@ from shoal.engine.parallel.rendezvous import GuardedStore, RendezvousError
 log = logging.getLogger("shoal.parallel")
 
 _TAG = 0
-
-
-class GroupError(RuntimeError):
-    """Another rank is gone, or a wait on it ran out; the instance cannot go on."""
 
 
 def local_address_towards(host: str) -> str:

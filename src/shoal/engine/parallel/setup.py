@@ -18,13 +18,14 @@ import msgpack
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.errors import GroupError
 from shoal.engine.kv.tensors import allocate_kv_cache
 from shoal.engine.kv.transfer import Layout, layout_from_wire, layout_of, layout_to_wire
 from shoal.engine.kv_budget import plan_kv_cache
 from shoal.engine.models.loader import LoadedModel, load_model
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.engine.parallel.executor import HiddenWire
-from shoal.engine.parallel.group import GroupError, RankGroup
+from shoal.engine.parallel.group import RankGroup
 from shoal.engine.parallel.shard import TensorShard
 
 Progress = Callable[[str, float], None]
