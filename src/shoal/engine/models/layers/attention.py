@@ -9,6 +9,7 @@ with the group's mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,17 +128,6 @@ def prompt_from_of(meta: AttentionMetadata, keep: torch.Tensor | None) -> int | 
     return meta.prompt_from if keep is None else meta.logits_prompt_from
 
 
-def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of RoPE, attention scores and masks on this device.
-
-    torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
-    queries, so on CPU attention computes in float32; the KV cache may still store bf16
-    (kv_cache_dtype), rounded as it is written and widened as it is read (an int8 cache
-    quantized and dequantized, kv/quant.py).
-    """
-    return torch.float32 if device.type == "cpu" else compute_dtype
-
-
 class SelfAttention(Layer):
     """Fused qkv projection, optional q/k RMSNorm, RoPE, paged attention, output projection.
 
@@ -148,9 +138,11 @@ class SelfAttention(Layer):
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding: bool,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 attention_dtype: torch.dtype | None = None, kernel=None) -> None:
+                 attention_dtype: torch.dtype | None = None,
+                 attend_rows: Callable | None = None) -> None:
         super().__init__()
-        self.kernel = kernel  # the compiled extension: row attention for groups that ask
+        # The backend's row attention (Backend.row_attention), for groups that ask for it.
+        self.attend_rows = attend_rows
         self.attention_dtype = attention_dtype  # None: attend in the compute dtype
         self.qkv, self.o = qkv, o
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -200,8 +192,8 @@ class SelfAttention(Layer):
             q = q[rows]
         if view.rows is not None:  # q: [B * Tq, H, D] -> [B * Tq, H * D] bf16
             keys = view.rows
-            return self.kernel.attend_rows(q, kv_cache, keys.key_slots, keys.base,
-                                           keys.position, keys.lo, self.scale, keys.prompt)
+            return self.attend_rows(q, kv_cache, keys.key_slots, keys.base, keys.position,
+                                    keys.lo, self.scale, keys.prompt)
         # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
         q = q.unsqueeze(2) if query_len == 1 else \
             q.view(batch, query_len, heads, dim).transpose(1, 2)
