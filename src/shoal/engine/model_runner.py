@@ -80,10 +80,10 @@ class ModelRunner:
                            if row_buffer_tokens else None)
         backend = self.model.plan.backend
         self.mask_dtype = backend.attention_dtype
-        # Where the backend has a row attention (the compiled kernels' attend_rows) each
-        # Python-path row attends on its own: its result does not depend on how its
-        # prompt was split.
-        self._row_attention = backend.row_attention is not None
+        # Where the backend attends row by row (the compiled kernels), each group is
+        # described by its rows' keys: a row's result does not depend on how its prompt
+        # was split.
+        self._row_attention = backend.attends_rows
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every cache tensor whose axis 1 is the slot axis, layer by layer: what moving a

@@ -3,8 +3,7 @@
 A model's layers are built once at load, and each asks its plan's backend for the parts
 that depend on how the arithmetic runs: a linear layer (packed or dense weights), a norm,
 the gated MLP's activation, a row attention, the output head and the fused decode step.
-The backend answers with layers or with the compiled callables themselves, resolved at
-load: a step's layers call them directly, with no dispatch of their own and no test of the
+The backend answers with layers or with the callables they run, resolved at load: a step's layers call them directly, with no dispatch of their own and no test of the
 device. A new device or kernel family is one new subclass (a mixture-of-experts product
 would be one more question asked here).
 """
@@ -20,6 +19,8 @@ import torch
 from torch import nn
 
 from shoal.engine.backends.packing import dense_values
+from shoal.engine.backends.paged_attention import TorchPagedAttention
+from shoal.engine.models.layers.attention import Attend
 from shoal.engine.models.layers.linear import DenseLinear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -41,6 +42,10 @@ class Backend(ABC):
     name: str
     # Whether weight matrices stay as the file stores them (else dense compute_dtype).
     packs_weights = False
+    # Whether each Python-path row attends on its own (the model runner then describes
+    # every group by its rows' keys, layers/attention.py RowKeys), else groups attend
+    # together over gathered, sliced or staged keys (AttentionView).
+    attends_rows = False
 
     def __init__(self, device: torch.device, compute_dtype: torch.dtype,
                  unpacker: ModuleType | None = None) -> None:
@@ -51,9 +56,6 @@ class Backend(ABC):
         self.attention_dtype = torch.float32 if device.type == "cpu" else compute_dtype
         # Float32 CPU matmuls of some row counts run as W @ x.T (layers/linear.py).
         self.streams_weight = device.type == "cpu" and compute_dtype == torch.float32
-        # Each Python-path row attends on its own through this callable (the kernels'
-        # attend_rows: see layers/attention.py, RowKeys), or None: groups attend together.
-        self.row_attention: Callable | None = None
         # (type code, packed, vocab, width, ids [T]) -> float32 [T, width]: rows of a
         # packed table (an embedding's), where this backend packs weights.
         self.packed_rows: Callable | None = None
@@ -92,6 +94,11 @@ class Backend(ABC):
             bias = torch.cat([b.dequantize() for b in biases]).to(  # [sum(out)]
                 device=self.device, dtype=self.compute_dtype)
         return dense.to(device=self.device, dtype=self.compute_dtype), bias
+
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+                  ) -> Attend:
+        """One layer's attention of a group over the paged cache (layers/attention.py)."""
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale).attend
 
     def norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
         return RMSNorm(weight, eps)

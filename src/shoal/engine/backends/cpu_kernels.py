@@ -18,6 +18,7 @@ from shoal.engine.backends import head_estimates
 from shoal.engine.backends.base import Backend
 from shoal.engine.backends.packing import QuantLinear, pack, packed_type
 from shoal.engine.kernels.decode import FusedDecoder, fusable
+from shoal.engine.models.layers.attention import Attend, AttentionGroup
 from shoal.engine.models.layers.head import ExactHead
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -31,11 +32,11 @@ class CpuKernels(Backend):
 
     name = "cpu-kernels"
     packs_weights = True
+    attends_rows = True  # a row's result does not depend on how its prompt was split
 
     def __init__(self, kernel: ModuleType) -> None:
         super().__init__(torch.device("cpu"), torch.bfloat16, unpacker=kernel)
         self.kernel = kernel
-        self.row_attention = kernel.attend_rows
         self.packed_rows = kernel.quant_dequantize_rows
 
     def packs(self, raw: RawTensor) -> bool:
@@ -55,6 +56,10 @@ class CpuKernels(Backend):
         op = self.kernel.QuantLinear(list(codes), list(packed), [w.shape[0] for w in weights],
                                      weights[0].shape[1], bias)
         return QuantLinear(op, float_out)
+
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+                  ) -> Attend:
+        return RowAttention(self.kernel.attend_rows, scale).attend
 
     def norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
         return RMSNorm(weight, eps, self.kernel.rms_norm_rows)
@@ -78,3 +83,23 @@ class CpuKernels(Backend):
 
     def describe(self) -> str:
         return self.kernel.quant_default_backend()
+
+
+class RowAttention:
+    """Each row of a group attends on its own (kernels attend_rows) to the keys its
+    RowKeys name: prompt rows and generated rows take different kernels (the generated
+    ones the fused decoder's arithmetic)."""
+
+    def __init__(self, attend_rows, scale: float) -> None:
+        self.attend_rows, self.scale = attend_rows, scale
+
+    def attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
+               group: AttentionGroup, sliding: bool) -> torch.Tensor:
+        """q: [T, H, D] -> the group's [B * Tq, H * D] bf16 (its new k/v are in the cache)."""
+        view = group.sliding if sliding and group.sliding is not None else group.full
+        rows = slice(group.token_start, group.token_end)
+        if rows.start > 0 or rows.stop < q.shape[0]:
+            q = q[rows]
+        keys = view.rows
+        return self.attend_rows(q, kv_cache, keys.key_slots, keys.base, keys.position,
+                                keys.lo, self.scale, keys.prompt)

@@ -58,10 +58,10 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
     return SelfAttention(
         qkv=build_linear(parts, biases, plan),
         o=_row_parallel(build_linear([o_raw], None, plan), plan),
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=config.head_dim, scale=config.scale,
-        sliding=config.layer_type(index) == "sliding", q_norm=q_norm, k_norm=k_norm,
-        attention_dtype=_attention_cast(plan), attend_rows=plan.backend.row_attention)
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=config.head_dim,
+        sliding=config.layer_type(index) == "sliding",
+        attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale),
+        q_norm=q_norm, k_norm=k_norm, attention_dtype=_attention_cast(plan))
 
 
 def _row_parallel(layer: nn.Module, plan: WeightPlan) -> nn.Module:
