@@ -2,10 +2,11 @@
 
 A model's layers are built once at load, and each asks its plan's backend for the parts
 that depend on how the arithmetic runs: a linear layer (packed or dense weights), a norm,
-the gated MLP's activation, a row attention, the output head and the fused decode step.
-The backend answers with layers or with the callables they run, resolved at load: a step's layers call them directly, with no dispatch of their own and no test of the
-device. A new device or kernel family is one new subclass (a mixture-of-experts product
-would be one more question asked here).
+the gated MLP's activation, a group's attention over the paged cache, the output head and
+the fused decode step. The backend answers with layers or with the callables they run,
+resolved at load: a step's layers call them directly, with no dispatch of their own and
+no test of the device. A new device or kernel family is one new subclass (a
+mixture-of-experts product would be one more question asked here).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Backend(ABC):
     packs_weights = False
     # Whether each Python-path row attends on its own (the model runner then describes
     # every group by its rows' keys, layers/attention.py RowKeys), else groups attend
-    # together over gathered, sliced or staged keys (AttentionView).
+    # together over gathered, sliced or row-buffered keys (AttentionView).
     attends_rows = False
 
     def __init__(self, device: torch.device, compute_dtype: torch.dtype,

@@ -1,9 +1,9 @@
 """Paged attention with torch's scaled_dot_product_attention (TorchBackend's).
 
 A group reads its keys and values one of four ways, as the model runner's AttentionView
-says: its stage rows (decodes, kv/stage.py), a slice of the cache (one request whose blocks
-are consecutive), a gather from the cache, or its own new k/v (a prefill chunk starting at
-position 0). A bf16 or int8 cache is widened to the attention dtype as it is read.
+says: its rows in the row buffer (decodes, kv/row_buffer.py), a slice of the cache (one
+request whose blocks are consecutive), a gather from the cache, or its own new k/v (a
+prefill chunk starting at position 0). A bf16 or int8 cache is widened to the attention dtype as it is read.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class TorchPagedAttention:
         # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
         q = q.unsqueeze(2) if query_len == 1 else \
             q.view(batch, query_len, heads, dim).transpose(1, 2)
-        # kv: [B, 2 H_kv, L, W]: stage rows, a slice of the cache, a gather from it, or the
-        # group's own new k/v (the cache is [2 H_kv, slots, W], new_kv [T, 2 H_kv, W])
+        # kv: [B, 2 H_kv, L, W]: row-buffer rows, a slice of the cache, a gather from it, or
+        # the group's own new k/v (the cache is [2 H_kv, slots, W], new_kv [T, 2 H_kv, W])
         if group.stage_write is not None:
             _write_stage(kv_cache, group.stage_write, new_kv[rows])
         if view.staged is not None:
