@@ -27,7 +27,7 @@ class Embedding(Layer):
         self.packed_rows = backend.packed_rows
         self.weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        self.split = None  # head.SplitTable, once a tied head has split the table
+        self.split = None  # a SplitTable (head_estimates.py), once a tied head splits it
         self.vocab_size, self.width = raw.shape
         if split_by_head:
             self.type_code = None
