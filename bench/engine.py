@@ -327,8 +327,7 @@ def main() -> None:
 
     engine_result, engine = bench_engine(args.model, args.threads)
     result: dict = {"model": args.model, "threads": args.threads,
-                    "packed_backend": getattr(engine.loaded.module.plan.kernel,
-                                              "quant_default_backend", lambda: "none")(),
+                    "packed_backend": engine.loaded.module.plan.backend.describe(),
                     "weight_bytes": engine.loaded.weight_bytes, "engine": engine_result}
     # ru_maxrss is KiB on Linux: the peak of this process, which held the engine.
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

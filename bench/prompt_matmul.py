@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.kernels.build import KERNEL
-from shoal.engine.models.layers.linear import QTYPES
+from shoal.engine.backends.packing import QTYPES
 
 # (type, N out, K in): Qwen2.5-Coder-1.5B's projections.
 SHAPES = [("Q4_K", 17920, 1536), ("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960),

@@ -26,3 +26,20 @@ def kernel():
         pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512: weights load "
                     "dequantized, not packed")
     return module
+
+
+@pytest.fixture(params=["torch", "cpu-kernels"])
+def backend(request):
+    """A model-level test's backend, as a function of the dtype the test asks for:
+    TorchBackend computes in that dtype on dense weights; CpuKernels always computes in
+    bfloat16 on packed weights (skips where the kernels have no fast packed paths)."""
+    import torch
+
+    from shoal.engine.backends import CpuKernels, TorchBackend
+    from shoal.engine.kernels import build
+
+    if request.param == "torch":
+        return lambda dtype: TorchBackend(torch.device("cpu"), getattr(torch, dtype),
+                                          unpacker=build.KERNEL.load())
+    module = request.getfixturevalue("kernel")
+    return lambda dtype: CpuKernels(module)

@@ -139,7 +139,8 @@ def test_python_attention_reads_int8_in_every_layout(tiny_checkpoints, wide_head
     results = {}
     for kv_dtype in ("float32", "int8"):
         loaded = load(checkpoint, "gguf", kv_cache_dtype=kv_dtype)  # float32 compute
-        assert loaded.module.plan.kernel is None and loaded.cache_dtype == getattr(torch, kv_dtype)
+        assert (not loaded.module.plan.backend.packs_weights
+                and loaded.cache_dtype == getattr(torch, kv_dtype))
         runner = ModelRunner(loaded, 40, BLOCK, row_buffer_tokens=64)
         blocks = [shuffled_blocks(20, seed=1), list(range(20, 40))]
         # Request a: prefill in two chunks over scattered blocks (a gather); request b: one

@@ -25,10 +25,12 @@ def shuffled_blocks(count: int = 16, seed: int = 0) -> list[int]:
 
 
 def load(checkpoint, fmt: str, dtype: str = "float32", layer_range=None,
-         kv_cache_dtype: str = "auto"):
+         kv_cache_dtype: str = "auto", backend=None):
+    """backend: the backend fixture (dtype -> Backend); None: the one load_model chooses."""
     path = checkpoint.gguf_path if fmt == "gguf" else checkpoint.safetensors_dir
     return load_model(ModelSource(checkpoint.family, fmt, path), dtype, layer_range=layer_range,
-                      kv_cache_dtype=kv_cache_dtype)
+                      kv_cache_dtype=kv_cache_dtype,
+                      backend=None if backend is None else backend(dtype))
 
 
 def reference_logits(model, token_ids) -> torch.Tensor:
@@ -51,8 +53,8 @@ def test_fp32_logits_match_transformers(tiny_checkpoints, family, fmt):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_equals_one_shot(tiny_checkpoints, family):
-    loaded = load(tiny_checkpoints[family], "gguf")
+def test_chunked_prefill_equals_one_shot(tiny_checkpoints, family, backend):
+    loaded = load(tiny_checkpoints[family], "gguf", backend=backend)
     blocks = shuffled_blocks()
     one_shot = step(ModelRunner(loaded, 16, BLOCK), chunk("a", PROMPT, 0, blocks))
     runner = ModelRunner(loaded, 16, BLOCK)
@@ -70,9 +72,10 @@ CHANGING = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 1, 2), (1, 2), (1, 2), (0, 1, 2), 
 @pytest.mark.parametrize("row_buffer_tokens, schedule", [(0, STEADY), (64, STEADY), (64, CHANGING)],
                          ids=["gather", "row-buffer", "row-buffer-batch-changes"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffer_tokens, schedule):
+def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffer_tokens, schedule,
+                                             backend):
     # The row buffer holds 64 // 3 = 21 tokens per row: the steady run outgrows it (and gathers).
-    loaded = load(tiny_checkpoints[family], "gguf")
+    loaded = load(tiny_checkpoints[family], "gguf", backend=backend)
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:11]]  # different lengths; gemma window is 5
     tables = [shuffled_blocks(16, seed)[:8] for seed in range(3)]
     tables = [[b + 16 * i for b in t] for i, t in enumerate(tables)]  # disjoint blocks
@@ -97,12 +100,13 @@ def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffe
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family):
+def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family, backend):
     checkpoint = tiny_checkpoints[family]
-    whole = load(checkpoint, "gguf")
+    whole = load(checkpoint, "gguf", backend=backend)
     split = whole.config.num_layers // 2
-    first = load(checkpoint, "gguf", layer_range=(0, split))
-    second = load(checkpoint, "gguf", layer_range=(split, whole.config.num_layers))
+    first = load(checkpoint, "gguf", layer_range=(0, split), backend=backend)
+    second = load(checkpoint, "gguf", layer_range=(split, whole.config.num_layers),
+                  backend=backend)
     assert first.module.head is None and second.module.embedding is None
     blocks = shuffled_blocks()
     expected = step(ModelRunner(whole, 16, BLOCK), chunk("a", PROMPT, 0, blocks))
@@ -115,15 +119,17 @@ def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfloat16_packed_path_stays_close_to_fp32(tiny_checkpoints, family):
-    from shoal.engine.models.layers.linear import DenseLinear, QuantLinear
+def test_bfloat16_stays_close_to_fp32(tiny_checkpoints, family, backend):
+    from shoal.engine.backends.packing import QuantLinear
+    from shoal.engine.models.layers.linear import DenseLinear
 
     checkpoint = tiny_checkpoints[family]
-    fast = load(checkpoint, "gguf", dtype="bfloat16")
-    if not fast.module.plan.keep_quantized:
-        pytest.skip("no packed-weight kernel on this CPU")
+    fast = load(checkpoint, "gguf", dtype="bfloat16", backend=backend)
     kinds = {type(m) for m in fast.module.modules()}
-    assert QuantLinear in kinds and DenseLinear not in kinds  # every GGUF type stays packed
+    if fast.module.plan.backend.packs_weights:
+        assert QuantLinear in kinds and DenseLinear not in kinds  # every GGUF type packed
+    else:
+        assert DenseLinear in kinds and QuantLinear not in kinds
     assert fast.cache_dtype == torch.bfloat16
     blocks = shuffled_blocks()
     ours = all_position_logits(ModelRunner(fast, 16, BLOCK), PROMPT, blocks)
@@ -135,9 +141,10 @@ def test_bfloat16_packed_path_stays_close_to_fp32(tiny_checkpoints, family):
 
 @pytest.mark.parametrize("kv_cache_dtype, expected", [("auto", torch.bfloat16),
                                                       ("float32", torch.float32)])
-def test_kv_cache_dtype_follows_the_setting(tiny_checkpoints, kv_cache_dtype, expected):
+def test_kv_cache_dtype_follows_the_setting(tiny_checkpoints, kv_cache_dtype, expected,
+                                            backend):
     loaded = load(tiny_checkpoints["llama"], "gguf", dtype="bfloat16",
-                  kv_cache_dtype=kv_cache_dtype)
+                  kv_cache_dtype=kv_cache_dtype, backend=backend)
     runner = ModelRunner(loaded, 4, BLOCK)
     assert all(cache.dtype == expected for cache in runner.kv_caches)
     assert load(tiny_checkpoints["llama"], "gguf").cache_dtype == torch.float32  # fp32 compute
@@ -147,7 +154,7 @@ def test_packed_model_holds_about_its_file_size(tiny_checkpoints):
     # Packed weights keep the file's bits (plus a little layout): no dense copies.
     checkpoint = tiny_checkpoints["llama"]
     fast = load(checkpoint, "gguf", dtype="bfloat16")
-    if not fast.module.plan.keep_quantized:
+    if not fast.module.plan.backend.packs_weights:
         pytest.skip("no packed-weight kernel on this CPU")
     file_bytes = checkpoint.gguf_path.stat().st_size
     assert fast.weight_bytes <= 1.2 * file_bytes
@@ -159,7 +166,7 @@ def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
     # In bf16 too: linear layers compute each row alone and each prompt row attends on its
     # own, so however the prompt is split (or cached), its last row's logits are the same bits.
     fast = load(tiny_checkpoints[family], "gguf", dtype="bfloat16")
-    if not fast.module.plan.keep_quantized:
+    if not fast.module.plan.backend.packs_weights:
         pytest.skip("no packed-weight kernel on this CPU")
     blocks = shuffled_blocks(96)
     prompt = (PROMPT * 20)[:250]  # long enough for torch's attention to split its work
@@ -177,7 +184,7 @@ def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_checkpoints, fa
     are sampled only; those rows keep the bits that computing every row gives them, and the
     cache holds every row's keys and values (the next token attends to them alike)."""
     fast = load(tiny_checkpoints[family], "gguf", dtype="bfloat16")
-    if not fast.module.plan.keep_quantized:
+    if not fast.module.plan.backend.packs_weights:
         pytest.skip("no packed-weight kernel on this CPU")
     blocks = shuffled_blocks()
     pruned_runner, full_runner = ModelRunner(fast, 16, BLOCK), ModelRunner(fast, 16, BLOCK)
@@ -201,20 +208,20 @@ def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_checkpoints, fa
 def test_a_tied_table_the_head_splits_is_never_packed(tiny_checkpoints, monkeypatch):
     """Gemma 3's tied Q8_0 table goes straight from the file's bytes to the head's split
     table: the embedding packs nothing first (it would drop it at once)."""
-    from shoal.engine.models.layers import embedding as embedding_module
-    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.backends import head_estimates as head_module
+    from shoal.engine.backends.cpu_kernels import CpuKernels
 
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
     packed_shapes = []
-    real_pack = embedding_module.pack
+    real_pack = CpuKernels.pack  # what an embedding packs its table with
 
-    def counting_pack(raw, kernel):
+    def counting_pack(backend, raw):
         packed_shapes.append(raw.shape)
-        return real_pack(raw, kernel)
+        return real_pack(backend, raw)
 
-    monkeypatch.setattr(embedding_module, "pack", counting_pack)
+    monkeypatch.setattr(CpuKernels, "pack", counting_pack)
     fast = load(tiny_checkpoints["gemma3"], "gguf", dtype="bfloat16")
-    if not fast.module.plan.keep_quantized:
+    if not fast.module.plan.backend.packs_weights:
         pytest.skip("no packed-weight kernel on this CPU")
     model = fast.module
     if not isinstance(model.head, head_module.SplitHead):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.engine.models.layers.linear import QTYPES
+from shoal.engine.backends.packing import QTYPES
 
 TYPES = list(QTYPES)
 # Byte offsets of each type's fp16 fields in one file block (ggml's block layouts).
@@ -98,7 +98,7 @@ def test_packed_weights_dequantize_to_gguf_values(kernel, name):
 def test_dense_weights_take_gguf_values(kernel, name):
     """Weights that stay dense (float32 compute) are unpacked by the kernels where they are
     built, and equal what Python's dequantization gives."""
-    from shoal.engine.models.layers.linear import dense_values
+    from shoal.engine.backends.packing import dense_values
     from shoal.engine.weights.quant import RawTensor
 
     rows, cols = 40, 512
@@ -292,7 +292,9 @@ def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch):
     """A copy's scales and minima are fp16: a Q8_0 head with a weight past 65504 splits its
     table instead (Q8_0's own fp16 scales), rather than failing to load or estimating
     infinities."""
-    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.backends import CpuKernels
+    from shoal.engine.backends import head_estimates as head_module
+    from shoal.engine.models.layers.head import build_head
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
@@ -304,8 +306,8 @@ def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch):
     blocks[4000, :2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # row 4000: d
     blocks[4000, 2] = 127  # its first weight 127 * 60000
     raw = RawTensor((vocab, hidden), "Q8_0", blocks)
-    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
-    head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
+    plan = WeightPlan(CpuKernels(kernel))
+    head = build_head(raw, plan, None, spare_bytes=10**9)
     assert isinstance(head, head_module.SplitHead)  # no copy
     assert head.nbytes() == kernel.quant_packed_bytes(QTYPES["Q8_0"], vocab, hidden)
     x = torch.zeros(2, hidden, dtype=torch.bfloat16)
@@ -317,25 +319,29 @@ def test_a_head_beyond_fp16_s_range_keeps_no_copy(kernel, monkeypatch):
 
 def test_a_q8_0_head_splits_its_table_with_or_without_room_for_a_copy(kernel, monkeypatch):
     """The split table estimates as fast as a copy and takes no memory of its own."""
-    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.backends import CpuKernels
+    from shoal.engine.backends import head_estimates as head_module
+    from shoal.engine.models.layers.head import build_head
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
     if not kernel.quant_split_estimate_available():
         pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
     vocab, hidden = 4096, 256
-    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    plan = WeightPlan(CpuKernels(kernel))
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
     for spare in (0, 10**9):
         raw = RawTensor((vocab, hidden), "Q8_0", random_blocks("Q8_0", vocab, hidden, seed=12))
-        head = head_module.build_head(raw, plan, None, spare_bytes=spare)
+        head = build_head(raw, plan, None, spare_bytes=spare)
         assert isinstance(head, head_module.SplitHead) and head.nbytes() == \
             kernel.quant_packed_bytes(QTYPES["Q8_0"], vocab, hidden)
 
 
 @pytest.mark.parametrize("name,hidden", [("Q6_K", 256), ("Q6_K", 1024)])
 def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, name, hidden):
-    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.backends import CpuKernels
+    from shoal.engine.backends import head_estimates as head_module
+    from shoal.engine.models.layers.head import build_head
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
 
@@ -343,13 +349,13 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
         pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
     vocab = 4096
     raw = RawTensor((vocab, hidden), name, random_blocks(name, vocab, hidden, seed=12))
-    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    plan = WeightPlan(CpuKernels(kernel))
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 0)
     # No room for a copy: the exact head alone.
-    cramped = head_module.build_head(raw, plan, None, spare_bytes=1000)
+    cramped = build_head(raw, plan, None, spare_bytes=1000)
     assert isinstance(cramped, head_module.ExactHead)
     # Room for a copy of the head, bytes of its own: per 16 x 64 weights, 448 or 576.
-    head = head_module.build_head(raw, plan, None, spare_bytes=10**9)
+    head = build_head(raw, plan, None, spare_bytes=10**9)
     assert isinstance(head, head_module.EstimatedHead)
     bits = 3 if hidden >= head_module.COPY_3_BITS_MIN_HIDDEN else 4
     assert head.estimate.bits == bits
@@ -367,7 +373,7 @@ def test_an_estimated_head_rescores_its_candidates_exactly(kernel, monkeypatch, 
     assert torch.equal(head(x, 1)[1:], exact[1:])
     assert torch.equal(head(x[2:], 0), exact[2:])
     monkeypatch.setattr(head_module, "ESTIMATE_MIN_WEIGHTS", 10**12)
-    plain = head_module.build_head(raw, plan, None, spare_bytes=0)
+    plain = build_head(raw, plan, None, spare_bytes=0)
     assert torch.equal(plain(x, 0), plain(x)) and torch.equal(plain(x, 0), exact)
 
 
@@ -440,7 +446,9 @@ def test_a_split_q8_0_table_s_int8_estimate(kernel):
 def test_a_tied_q8_0_head_without_room_splits_the_shared_table(kernel, monkeypatch):
     """A tied Q8_0 head with no room for a copy splits the embedding's table (no bytes of its own): the embedding's rows stay gguf's values, and each row's
     top candidates of the high nibbles' estimate get exact logits, prompt rows too."""
-    from shoal.engine.models.layers import head as head_module
+    from shoal.engine.backends import CpuKernels
+    from shoal.engine.backends import head_estimates as head_module
+    from shoal.engine.models.layers.head import build_head
     from shoal.engine.models.layers.embedding import Embedding
     from shoal.engine.models.layers.linear import WeightPlan
     from shoal.engine.weights.quant import RawTensor
@@ -451,10 +459,10 @@ def test_a_tied_q8_0_head_without_room_splits_the_shared_table(kernel, monkeypat
     vocab, hidden = 4096, 256
     blocks = random_blocks("Q8_0", vocab, hidden, seed=23)
     weights = gguf_values("Q8_0", blocks, vocab, hidden)
-    plan = WeightPlan(torch.bfloat16, torch.device("cpu"), kernel=kernel)
+    plan = WeightPlan(CpuKernels(kernel))
     embedding = Embedding(RawTensor((vocab, hidden), "Q8_0", blocks), plan)
     table_bytes = embedding.nbytes()
-    head = head_module.build_head(RawTensor((vocab, hidden), "Q8_0", blocks), plan, embedding,
+    head = build_head(RawTensor((vocab, hidden), "Q8_0", blocks), plan, embedding,
                                   spare_bytes=1000)
     assert isinstance(head, head_module.SplitHead) and head.tied
     assert embedding.split is head.table and embedding.packed is None

@@ -20,7 +20,6 @@ from shoal.engine.models.layers.attention import (
     DecodeRows,
     RowKeys,
     StageWrite,
-    attention_dtype_for,
 )
 from shoal.engine.models.loader import LoadedModel
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -79,10 +78,12 @@ class ModelRunner:
                                            loaded.cache_dtype, self.device, row_buffer_tokens)
         self.row_buffer = (RowBuffer(num_blocks * block_size, row_buffer_tokens)
                            if row_buffer_tokens else None)
-        self.mask_dtype = attention_dtype_for(self.device, loaded.compute_dtype)
-        # With the compiled kernels each Python-path row attends on its own (kernels
-        # attend_rows): its result does not depend on how its prompt was split.
-        self._row_attention = self.model.plan.kernel is not None and self.device.type == "cpu"
+        backend = self.model.plan.backend
+        self.mask_dtype = backend.attention_dtype
+        # Where the backend attends row by row (the compiled kernels), each group is
+        # described by its rows' keys: a row's result does not depend on how its prompt
+        # was split.
+        self._row_attention = backend.attends_rows
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every cache tensor whose axis 1 is the slot axis, layer by layer: what moving a

@@ -1,8 +1,9 @@
 """The fused decode path: a model's blocks run by the compiled kernel (decode.cpp).
 
-Applies to steps of single-token decodes of llama-family and Gemma 3 models on CPU with
-packed weights (bf16 activations), a float32, bf16 or int8 KV cache, and no tensor-parallel
-shards. Everything else (prefill, float32 compute, CUDA) stays on the Python path.
+Applies to steps of single-token decodes of llama-family and Gemma 3 models on the compiled
+CPU kernels' backend (packed weights, bf16 activations), a float32, bf16 or int8 KV cache,
+and no tensor-parallel shards. Everything else (prefill, other backends) stays on the
+Python path.
 SHOAL_FUSED_DECODE=0 turns it off.
 """
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.engine.models.layers.attention import DecodeRows
-from shoal.engine.models.layers.linear import QuantLinear
+from shoal.engine.backends.packing import QuantLinear
 
 if TYPE_CHECKING:
     from shoal.engine.models.llama import LlamaModel
@@ -29,9 +30,9 @@ def enabled() -> bool:
 
 
 def fusable(model: LlamaModel) -> bool:
+    """Whether a model whose layers the compiled kernels built can decode fused."""
     config, plan = model.config, model.plan
-    if not (enabled() and model.fused_decode_family and plan.kernel is not None
-            and plan.shard is None):
+    if not (enabled() and model.fused_decode_family and plan.shard is None):
         return False
     if config.hidden_activation not in ("silu", "gelu_tanh") or config.head_dim > 512:
         return False
@@ -61,7 +62,7 @@ class FusedDecoder:
 
     max_rows = FUSED_MAX_ROWS
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, kernel) -> None:
         config = model.config
         norms, linears, sliding = [], [], []
         for offset, block in enumerate(model.blocks):
@@ -69,7 +70,7 @@ class FusedDecoder:
             linears += [layer.op for layer in _linears(block)]
             sliding.append(config.layer_type(model.start + offset) == "sliding")
         window = config.sliding_window if any(sliding) else 0
-        self._decoder = model.plan.kernel.Decoder(
+        self._decoder = kernel.Decoder(
             norms, linears, sliding, config.num_heads, config.num_kv_heads, config.head_dim,
             config.scale, config.rms_eps, window or 0,
             config.hidden_activation == "gelu_tanh")

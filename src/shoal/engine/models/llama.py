@@ -7,27 +7,28 @@ the first stage embeds token ids, the last stage owns the final norm and output 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from shoal.engine.kernels.decode import FusedDecoder, fusable
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import (
     AttentionMetadata,
     SelfAttention,
-    attention_dtype_for,
     prompt_from_of,
 )
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.embedding import Embedding
-from shoal.engine.models.layers.head import build_head, splits_table
+from shoal.engine.models.layers.head import build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
-from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import RotaryTable
 from shoal.engine.parallel.tensor import RowParallel, shard_attention, shard_mlp
 from shoal.engine.weights.quant import RawTensor
+
+if TYPE_CHECKING:
+    from shoal.engine.kernels.decode import FusedDecoder
 
 Weights = dict[str, RawTensor]
 KVCache = torch.Tensor  # [2 * H_kv, slots, D]: key heads then value heads (kv/tensors.py)
@@ -36,7 +37,7 @@ KVCache = torch.Tensor  # [2 * H_kv, slots, D]: key heads then value heads (kv/t
 def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan,
               dtype: torch.dtype | None = None) -> RMSNorm:
     weight = raw.dequantize().to(device=plan.device, dtype=dtype or plan.compute_dtype)
-    return RMSNorm(weight, config.rms_eps, plan.kernel)
+    return plan.backend.norm(weight, config.rms_eps)
 
 
 def make_attention(config: ModelConfig, index: int, weights: Weights,
@@ -51,16 +52,16 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
     q_norm = k_norm = None
     if config.qk_norm:  # applied to q / k in the attention dtype
-        dtype = attention_dtype_for(plan.device, plan.compute_dtype)
+        dtype = plan.backend.attention_dtype
         q_norm = make_norm(weights[prefix + "q_norm.weight"], config, plan, dtype)
         k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan, dtype)
     return SelfAttention(
         qkv=build_linear(parts, biases, plan),
         o=_row_parallel(build_linear([o_raw], None, plan), plan),
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=config.head_dim, scale=config.scale,
-        sliding=config.layer_type(index) == "sliding", q_norm=q_norm, k_norm=k_norm,
-        attention_dtype=_attention_cast(plan), kernel=plan.kernel)
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=config.head_dim,
+        sliding=config.layer_type(index) == "sliding",
+        attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale),
+        q_norm=q_norm, k_norm=k_norm, attention_dtype=_attention_cast(plan))
 
 
 def _row_parallel(layer: nn.Module, plan: WeightPlan) -> nn.Module:
@@ -72,18 +73,18 @@ def _row_parallel(layer: nn.Module, plan: WeightPlan) -> nn.Module:
 
 
 def _attention_cast(plan: WeightPlan) -> torch.dtype | None:
-    dtype = attention_dtype_for(plan.device, plan.compute_dtype)
+    dtype = plan.backend.attention_dtype
     return None if dtype == plan.compute_dtype else dtype
 
 
-def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan) -> GatedMLP:
+def make_mlp(config: ModelConfig, index: int, weights: Weights, plan: WeightPlan) -> nn.Module:
     prefix = f"layers.{index}."
     gate, up, down = (weights[prefix + p + ".weight"] for p in ("gate", "up", "down"))
     if plan.shard is not None:  # this rank's MLP columns only; down sums over the ranks
         gate, up, down = shard_mlp(config, plan.shard, gate, up, down)
     gate_up = build_linear([gate, up], None, plan)
     down_layer = _row_parallel(build_linear([down], None, plan), plan)
-    return GatedMLP(gate_up, down_layer, config.hidden_activation, plan.kernel)
+    return plan.backend.gated_mlp(gate_up, down_layer, config.hidden_activation)
 
 
 class LlamaBlock(Layer):
@@ -129,7 +130,7 @@ class LlamaModel(Layer):
         # Q8_0 table that the head will split is never packed (it would be dropped).
         tied = "lm_head.weight" not in weights
         split_by_head = (self.has_embedding and self.has_head and tied
-                         and splits_table(weights["embed.weight"], plan))
+                         and plan.backend.splits_table(weights["embed.weight"]))
         self.embedding = (Embedding(weights["embed.weight"], plan, self.embedding_scale(),
                                     split_by_head=split_by_head)
                           if self.has_embedding else None)
@@ -149,18 +150,18 @@ class LlamaModel(Layer):
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position,
                                   config.rope_scaling_factor)
         # q and k are rotated in the attention dtype (float32 on CPU).
-        self.attention_dtype = attention_dtype_for(plan.device, plan.compute_dtype)
-        # Whether decode steps may run on the compiled kernel (off: always the Python path).
-        self.fused_decode_allowed = fusable(self)
+        self.attention_dtype = plan.backend.attention_dtype
+        # Whether decode steps may run as one compiled call (off: always the Python path).
+        self.fused_decode_allowed = plan.backend.fuses_decode(self)
         self._fused: FusedDecoder | None = None
 
     def fused_decoder(self) -> FusedDecoder | None:
-        """The compiled decode kernel over this model's blocks, or None where it does not
-        apply. Asked once per step."""
+        """The backend's fused decode step over this model's blocks (kernels/decode.py's
+        FusedDecoder), or None where it does not apply. Asked once per step."""
         if not self.fused_decode_allowed:
             return None
         if self._fused is None:
-            self._fused = FusedDecoder(self)
+            self._fused = self.plan.backend.fused_decoder(self)
         return self._fused
 
     def embedding_scale(self) -> float | None:

@@ -6,11 +6,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
 
+from shoal.engine.backends import Backend, choose_backend
 from shoal.engine.config import ModelSource
 from shoal.engine.kernels.build import KERNEL
 from shoal.engine.kv.quant import check_head_dim, row_bytes
@@ -86,7 +86,7 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
                progress: Callable[[float], None] | None = None,
                shard: TensorShard | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               kv_cache_dtype: str = "auto") -> LoadedModel:
+               kv_cache_dtype: str = "auto", backend: Backend | None = None) -> LoadedModel:
     """Load layers [start, end) of a checkpoint (the whole model by default); with a tensor
     shard, only that rank's slice of each layer, summed over the ranks with reduce.
 
@@ -98,12 +98,10 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     checkpoint = open_checkpoint(source)
     config = checkpoint.config
     start, end = check_layer_range(layer_range, config.num_layers)
-    compute_dtype = resolve_compute_dtype(dtype, device)
-    torch_device = torch.device(device)
-    plan = WeightPlan(compute_dtype=compute_dtype, device=torch_device,
-                      kernel=packing_kernel(torch_device, compute_dtype),
-                      unpacker=KERNEL.load(),
-                      shard=shard if shard is not None and shard.size > 1 else None,
+    if backend is None:
+        backend = choose_backend(torch.device(device), resolve_compute_dtype(dtype, device))
+    compute_dtype = backend.compute_dtype
+    plan = WeightPlan(backend, shard=shard if shard is not None and shard.size > 1 else None,
                       reduce=reduce)
     with torch.inference_mode():
         module = model_class(family_of(config.architecture))(config, (start, end),
@@ -130,20 +128,6 @@ def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype,
         raise ValueError("kv_cache_dtype must be one of auto, bfloat16, float32, int8, not "
                          f"{kv_cache_dtype!r}")
     return resolve_compute_dtype(kv_cache_dtype, "cpu")
-
-
-def packing_kernel(device: torch.device, compute_dtype: torch.dtype) -> ModuleType | None:
-    """The compiled kernel when weights can stay packed here (CPU, bf16 compute, a CPU with
-    AVX512-BF16 or AVX2); None means dequantized weights (said once in the log when it is a
-    loss)."""
-    if device.type != "cpu" or compute_dtype != torch.bfloat16:
-        return None
-    kernel = KERNEL.load()
-    if kernel is None or not kernel.quant_fast_kernels():
-        log.warning("no packed-weight kernel on this machine: weights load dequantized "
-                    "(about 3-4x the memory of a 4-bit file)")
-        return None
-    return kernel
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | str,

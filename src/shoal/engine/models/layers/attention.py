@@ -3,19 +3,20 @@
 The model runner describes one step with AttentionMetadata: the KV slot of every new token,
 and groups of tokens that attend together (a batch of decodes padded to the longest context,
 or one request's prefill chunk). Each layer writes its new k/v into the cache slots, then
-gathers each group's keys and values (one tensor) and runs scaled_dot_product_attention
-with the group's mask.
+each group attends as its backend does (Backend.attention): torch gathers, slices or stages
+the group's keys and values and runs scaled_dot_product_attention with the group's mask
+(backends/paged_attention.py); the compiled kernels attend each row on its own (RowKeys).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shoal.engine.kv.quant import stored, widened
+from shoal.engine.kv.quant import stored
 from shoal.engine.models.layers.base import Layer
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import apply_rotary, apply_rotary_
@@ -127,15 +128,11 @@ def prompt_from_of(meta: AttentionMetadata, keep: torch.Tensor | None) -> int | 
     return meta.prompt_from if keep is None else meta.logits_prompt_from
 
 
-def attention_dtype_for(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of RoPE, attention scores and masks on this device.
-
-    torch's CPU attention kernels are ~8x slower in bfloat16 than in float32 for small
-    queries, so on CPU attention computes in float32; the KV cache may still store bf16
-    (kv_cache_dtype), rounded as it is written and widened as it is read (an int8 cache
-    quantized and dequantized, kv/quant.py).
-    """
-    return torch.float32 if device.type == "cpu" else compute_dtype
+# attend(q [T, H, D], new_kv [T, 2 H_kv, W], kv_cache [2 H_kv, slots, W], group, sliding)
+# -> [group's rows, H * D]: one group's attention output, reading its keys as the group's
+# view says (its sliding view on a sliding layer, where it has one).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionGroup, bool],
+                  torch.Tensor]
 
 
 class SelfAttention(Layer):
@@ -146,16 +143,15 @@ class SelfAttention(Layer):
     """
 
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
-                 head_dim: int, scale: float, sliding: bool,
+                 head_dim: int, sliding: bool, attend: Attend,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 attention_dtype: torch.dtype | None = None, kernel=None) -> None:
+                 attention_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.kernel = kernel  # the compiled extension: row attention for groups that ask
+        self.attend = attend  # the backend's, for this layer's heads (Backend.attention)
         self.attention_dtype = attention_dtype  # None: attend in the compute dtype
         self.qkv, self.o = qkv, o
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
         self.sliding = sliding
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -183,59 +179,9 @@ class SelfAttention(Layer):
         # not depend on how its prompt was split or cached. new_kv: [T, 2 H_kv, W]
         new_kv = stored(new_kv, kv_cache.dtype)
         kv_cache.index_copy_(1, meta.slot_mapping, new_kv.transpose(0, 1))
-        outputs = [self._attend(q, new_kv, kv_cache, group) for group in meta.groups]
+        outputs = [self.attend(q, new_kv, kv_cache, group, self.sliding)
+                   for group in meta.groups]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         if keep is not None:
             out = out[keep]
         return self.o(out.to(x.dtype), prompt_from_of(meta, keep))
-
-    def _attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
-                group: AttentionGroup) -> torch.Tensor:
-        view = group.sliding if self.sliding and group.sliding is not None else group.full
-        batch, query_len = group.batch, group.query_len
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        width = kv_cache.shape[-1]  # a cache row: D elements, or int8 values and scales
-        rows = slice(group.token_start, group.token_end)
-        if rows.start > 0 or rows.stop < q.shape[0]:
-            q = q[rows]
-        if view.rows is not None:  # q: [B * Tq, H, D] -> [B * Tq, H * D] bf16
-            keys = view.rows
-            return self.kernel.attend_rows(q, kv_cache, keys.key_slots, keys.base,
-                                           keys.position, keys.lo, self.scale, keys.prompt)
-        # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
-        q = q.unsqueeze(2) if query_len == 1 else \
-            q.view(batch, query_len, heads, dim).transpose(1, 2)
-        # kv: [B, 2 H_kv, L, W]: stage rows, a slice of the cache, a gather from it, or the
-        # group's own new k/v (the cache is [2 H_kv, slots, W], new_kv [T, 2 H_kv, W])
-        if group.stage_write is not None:
-            _write_stage(kv_cache, group.stage_write, new_kv[rows])
-        if view.staged is not None:
-            first, row_len, lo, end = view.staged
-            rows_kv = kv_cache[:, first:first + batch * row_len]
-            kv = rows_kv.view(2 * kv_heads, batch, row_len, width)[:, :, lo:end].transpose(0, 1)
-        elif view.span is not None:
-            kv = kv_cache[:, view.span[0]:view.span[1]].unsqueeze(0)
-        elif view.gather is not None:
-            kv = kv_cache.index_select(1, view.gather).view(2 * kv_heads, batch, -1, width)
-            kv = kv.transpose(0, 1)
-        else:
-            kv = new_kv[rows].view(batch, -1, 2 * kv_heads, width).transpose(1, 2)
-        # A bf16 cache read for float32 attention, or the few int8 rows this group reads
-        # dequantized: kv [B, 2 H_kv, L, D]
-        kv = widened(kv, q.dtype, dim)
-        out = F.scaled_dot_product_attention(
-            q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
-            is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
-        # out: [B, H, Tq, D] -> [B * Tq, H * D] (for Tq = 1, H and D merge as they are)
-        if query_len == 1:
-            return out.reshape(batch, heads * dim)
-        return out.transpose(1, 2).reshape(batch * query_len, heads * dim)
-
-
-def _write_stage(kv_cache: torch.Tensor, write: StageWrite, new_kv: torch.Tensor) -> None:
-    """new_kv: [B, 2 H_kv, W], the group's new keys and values (already in paged slots)."""
-    if write.append is not None:
-        kv_cache.index_copy_(1, write.append, new_kv.transpose(0, 1))
-        return
-    rows = kv_cache.index_select(1, write.rebuild)  # [2 H_kv, B * row_len, D]
-    kv_cache[:, write.first:write.first + rows.shape[1]].copy_(rows)

@@ -6,34 +6,35 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.models.layers.base import Layer
-from shoal.engine.models.layers.linear import WeightPlan, dense_values, pack, packed_type
+from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.weights.quant import RawTensor
 
 
 class Embedding(Layer):
-    """Row lookup. The table stays packed when the plan keeps weights packed (rows are
+    """Row lookup. The table stays packed when the plan's backend keeps it packed (rows are
     dequantized exactly on lookup, and a tied output head multiplies with the same bytes);
     otherwise it is dense. A tied head may split a packed Q8_0 table for its estimate
-    (head.py, SplitTable): rows are then looked up there."""
+    (backends/head_estimates.py, SplitTable): rows are then looked up there."""
 
     def __init__(self, raw: RawTensor, plan: WeightPlan, scale: float | None = None,
                  split_by_head: bool = False) -> None:
-        """split_by_head: the table is a tied head's that splits it (head.splits_table):
-        nothing is held until the head hands its split over (use_split)."""
+        """split_by_head: the table is a tied head's that splits it (the backend's
+        splits_table): nothing is held until the head hands its split over (use_split)."""
         super().__init__()
+        backend = plan.backend
         self.dtype = plan.compute_dtype
-        self.kernel = plan.kernel
+        # (type code, packed, vocab, width, ids [T]) -> float32 [T, width]: exact values
+        self.packed_rows = backend.packed_rows
         self.weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        self.split = None  # head.SplitTable, once a tied head has split the table
+        self.split = None  # a SplitTable (head_estimates.py), once a tied head splits it
         self.vocab_size, self.width = raw.shape
         if split_by_head:
             self.type_code = None
-        elif plan.kernel is not None and packed_type(raw) is not None:
-            self.type_code, self.packed = pack(raw, plan.kernel)
+        elif backend.packs(raw):
+            self.type_code, self.packed = backend.pack(raw)
         else:
-            self.weight = dense_values(raw, plan.unpacker).to(device=plan.device,
-                                                              dtype=plan.compute_dtype)
+            self.weight = backend.dense(raw)
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the compute dtype.
         self.scale = None if scale is None else torch.tensor(scale, dtype=plan.compute_dtype,
                                                              device=plan.device)
@@ -48,8 +49,8 @@ class Embedding(Layer):
         elif self.split is not None:
             out = self.split.rows(ids.to(torch.int64)).to(self.dtype)  # [T, K]
         else:
-            rows = self.kernel.quant_dequantize_rows(self.type_code, self.packed,
-                                                     self.vocab_size, self.width, ids)
+            rows = self.packed_rows(self.type_code, self.packed, self.vocab_size,
+                                    self.width, ids)
             out = rows.to(self.dtype)  # [T, K], exact float32 values rounded once
         return out if self.scale is None else out * self.scale
 

@@ -1,0 +1,70 @@
+"""Paged attention with torch's scaled_dot_product_attention (TorchBackend's).
+
+A group reads its keys and values one of four ways, as the model runner's AttentionView
+says: its rows in the row buffer (decodes, kv/row_buffer.py), a slice of the cache (one
+request whose blocks are consecutive), a gather from the cache, or its own new k/v (a
+prefill chunk starting at position 0). A bf16 or int8 cache is widened to the attention dtype as it is read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shoal.engine.kv.quant import widened
+from shoal.engine.models.layers.attention import AttentionGroup, StageWrite
+
+
+class TorchPagedAttention:
+    """One layer's heads; attend is the layer's Attend (layers/attention.py)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
+               group: AttentionGroup, sliding: bool) -> torch.Tensor:
+        view = group.sliding if sliding and group.sliding is not None else group.full
+        batch, query_len = group.batch, group.query_len
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        width = kv_cache.shape[-1]  # a cache row: D elements, or int8 values and scales
+        rows = slice(group.token_start, group.token_end)
+        if rows.start > 0 or rows.stop < q.shape[0]:
+            q = q[rows]
+        # q: [B, H, Tq, D]; for decodes (Tq = 1) a view of [B, H, D] without a transpose
+        q = q.unsqueeze(2) if query_len == 1 else \
+            q.view(batch, query_len, heads, dim).transpose(1, 2)
+        # kv: [B, 2 H_kv, L, W]: row-buffer rows, a slice of the cache, a gather from it, or
+        # the group's own new k/v (the cache is [2 H_kv, slots, W], new_kv [T, 2 H_kv, W])
+        if group.stage_write is not None:
+            _write_stage(kv_cache, group.stage_write, new_kv[rows])
+        if view.staged is not None:
+            first, row_len, lo, end = view.staged
+            rows_kv = kv_cache[:, first:first + batch * row_len]
+            kv = rows_kv.view(2 * kv_heads, batch, row_len, width)[:, :, lo:end].transpose(0, 1)
+        elif view.span is not None:
+            kv = kv_cache[:, view.span[0]:view.span[1]].unsqueeze(0)
+        elif view.gather is not None:
+            kv = kv_cache.index_select(1, view.gather).view(2 * kv_heads, batch, -1, width)
+            kv = kv.transpose(0, 1)
+        else:
+            kv = new_kv[rows].view(batch, -1, 2 * kv_heads, width).transpose(1, 2)
+        # A bf16 cache read for float32 attention, or the few int8 rows this group reads
+        # dequantized: kv [B, 2 H_kv, L, D]
+        kv = widened(kv, q.dtype, dim)
+        out = F.scaled_dot_product_attention(
+            q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
+            is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
+        # out: [B, H, Tq, D] -> [B * Tq, H * D] (for Tq = 1, H and D merge as they are)
+        if query_len == 1:
+            return out.reshape(batch, heads * dim)
+        return out.transpose(1, 2).reshape(batch * query_len, heads * dim)
+
+
+def _write_stage(kv_cache: torch.Tensor, write: StageWrite, new_kv: torch.Tensor) -> None:
+    """new_kv: [B, 2 H_kv, W], the group's new keys and values (already in paged slots)."""
+    if write.append is not None:
+        kv_cache.index_copy_(1, write.append, new_kv.transpose(0, 1))
+        return
+    rows = kv_cache.index_select(1, write.rebuild)  # [2 H_kv, B * row_len, D]
+    kv_cache[:, write.first:write.first + rows.shape[1]].copy_(rows)
