@@ -19,7 +19,9 @@ from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.registry import family_of, model_class
 from shoal.engine.parallel.shard import TensorShard
 from shoal.engine.parallel.tensor import rank_config
+from shoal.engine.weights.gguf import GGUFCheckpoint
 from shoal.engine.weights.names import check_layer_range
+from shoal.engine.weights.safetensors import SafetensorsCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,7 @@ class LoadedModel:
 def open_checkpoint(source: ModelSource):
     """GGUFCheckpoint or SafetensorsCheckpoint; both have .config and .stream(layer_range)."""
     if source.format == "gguf":
-        from shoal.engine.weights.gguf import GGUFCheckpoint
         return GGUFCheckpoint(Path(source.path))
-    from shoal.engine.weights.safetensors import SafetensorsCheckpoint
     return SafetensorsCheckpoint(Path(source.path))
 
 
