@@ -96,7 +96,7 @@ def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffe
             lengths[i] += 1
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family):
     checkpoint = tiny_checkpoints[family]
     whole = load(checkpoint, "gguf")
