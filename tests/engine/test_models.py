@@ -154,7 +154,7 @@ def test_packed_model_holds_about_its_file_size(tiny_checkpoints):
     assert load(checkpoint, "gguf").weight_bytes > 2 * fast.weight_bytes  # fp32: dequantized
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
     # In bf16 too: linear layers compute each row alone and each prompt row attends on its
     # own, so however the prompt is split (or cached), its last row's logits are the same bits.
@@ -171,7 +171,7 @@ def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
         assert torch.equal(split, whole), cut
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_checkpoints, family):
     """A prefill's last layer runs its output projection and MLP on the rows whose logits
     are sampled only; those rows keep the bits that computing every row gives them, and the

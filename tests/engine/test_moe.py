@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tiny_models
 import torch
-from forward_helpers import chunk, greedy_batch, step
+from forward_helpers import all_position_logits, chunk, greedy_batch, step
 from tokenizer_fixtures import tiny_byte_level_metadata
 
 from shoal.engine.config import EngineConfig, ModelSource
@@ -17,7 +17,7 @@ from shoal.engine.models.layers.experts import MixtureOfExperts
 from shoal.engine.models.loader import load_model
 from shoal.engine.sampling import SamplingParams
 
-MOE_FAMILIES = ("qwen3moe",)
+MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral")
 PROMPTS = [
     [3, 17, 99, 42, 5, 77, 8, 120, 64, 33, 2, 91, 15],
     [7, 7, 7, 100, 1],
@@ -69,13 +69,28 @@ def test_float32_greedy_tokens_equal_transformers(tiny_checkpoints, family, fmt)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_packed_greedy_tokens_follow_float32(tiny_checkpoints, family):
-    """The default precision (packed GGUF experts, bf16 activations, float32 routing) against
-    the float32 reference on the same file: the first 16 tokens of every prompt agree."""
+def test_packed_next_tokens_follow_float32(tiny_checkpoints, family):
+    """The default precision (packed GGUF experts, bf16 activations, float32 routing) read
+    along the float32 greedy continuations of the same file: its next token is float32's
+    wherever float32's top two logits are 0.05 apart or more (logits' spread here: ~0.7),
+    and at 95% of all positions. Measured: qwen3moe 155/155, qwen2moe 154/155, mixtral
+    153/155 (the dense llama's 152/155), every miss a near-tie (margin < 0.04); free-running
+    greedy runs agree on 40/40 tokens of each prompt for qwen3moe and qwen2moe, 40, 40 and
+    13 for mixtral (llama: 5, 40 and 4)."""
     checkpoint = tiny_checkpoints[family]
-    fast, exact = ours_greedy(packed(checkpoint)), ours_greedy(load(checkpoint, "gguf"))
-    for ours, reference in zip(fast, exact):
-        assert ours[:16] == reference[:16]
+    exact, fast = load(checkpoint, "gguf"), packed(checkpoint)
+    agree = total = 0
+    for prompt, tokens in zip(PROMPTS, ours_greedy(exact)):
+        ids, blocks = prompt + tokens, list(range(BLOCKS_PER_REQUEST))
+        reference = all_position_logits(ModelRunner(exact, BLOCKS_PER_REQUEST, BLOCK), ids,
+                                        blocks)
+        ours = all_position_logits(ModelRunner(fast, BLOCKS_PER_REQUEST, BLOCK), ids, blocks)
+        top_two = reference.topk(2, dim=-1).values
+        decided = top_two[:, 0] - top_two[:, 1] >= 0.05
+        same = ours.argmax(-1) == reference.argmax(-1)
+        assert same[decided].all()
+        agree, total = agree + int(same.sum()), total + len(ids)
+    assert agree >= 0.95 * total
 
 
 def _expert_calls(model) -> list[tuple[int, int, int]]:

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral", "gemma3")
 VOCAB = 128
+# llama.cpp writes Mixtral as "llama" (with experts), its q/k rows permuted as llama's.
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
-              "gemma3": "gemma3"}
+              "qwen2moe": "qwen2moe", "mixtral": "llama", "gemma3": "gemma3"}
+_PERMUTED_QK = ("llama", "mixtral")
 # The mixture-of-experts shape: 8 experts of 32, 2 chosen per token.
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -32,7 +34,7 @@ def hf_config(family: str, **overrides):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=family != "llama")
+                  rms_norm_eps=1e-6, tie_word_embeddings=family not in ("llama", "mixtral"))
     common.update(overrides)
     if family == "llama":
         return tf.LlamaConfig(num_hidden_layers=2, rope_theta=10000.0, **common)
@@ -43,6 +45,14 @@ def hf_config(family: str, **overrides):
     if family == "qwen3moe":
         return tf.Qwen3MoeConfig(num_hidden_layers=2, head_dim=32, rope_theta=10000.0,
                                  norm_topk_prob=True, **(EXPERTS | common))
+    if family == "qwen2moe":  # top-k weights not renormalised, as Qwen1.5-MoE's
+        return tf.Qwen2MoeConfig(num_hidden_layers=2, rope_theta=10000.0,
+                                 shared_expert_intermediate_size=64, **(EXPERTS | common))
+    if family == "mixtral":  # every expert is intermediate_size wide
+        common.update(intermediate_size=EXPERTS["moe_intermediate_size"])
+        return tf.MixtralConfig(num_hidden_layers=2, rope_theta=10000.0, sliding_window=None,
+                                num_local_experts=EXPERTS["num_experts"],
+                                num_experts_per_tok=EXPERTS["num_experts_per_tok"], **common)
     # Six layers so both kinds appear (five sliding, one global); a window of 5 tokens.
     common.update(num_key_value_heads=1)
     return tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=32, sliding_window=5,
@@ -58,6 +68,7 @@ def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     config._experts_implementation = "eager"  # the plain per-expert loop
     classes = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
                "qwen3": tf.Qwen3ForCausalLM, "qwen3moe": tf.Qwen3MoeForCausalLM,
+               "qwen2moe": tf.Qwen2MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "gemma3": tf.Gemma3ForCausalLM}
     model = classes[family](config).eval()
     with torch.no_grad():
@@ -102,6 +113,10 @@ _LAYER_MAP = {
     # concatenated ([experts, 2 * size, hidden]); GGUF as three 3-D tensors.
     "mlp.gate.weight": ("ffn_gate_inp.weight", "F32"),
     "mlp.experts.down_proj": ("ffn_down_exps.weight", "Q8_0"),
+    "mlp.shared_expert.gate_proj.weight": ("ffn_gate_shexp.weight", "Q4_1"),
+    "mlp.shared_expert.up_proj.weight": ("ffn_up_shexp.weight", "Q8_0"),
+    "mlp.shared_expert.down_proj.weight": ("ffn_down_shexp.weight", "Q4_0"),
+    "mlp.shared_expert_gate.weight": ("ffn_gate_inp_shexp.weight", "F32"),
     "pre_feedforward_layernorm.weight": ("ffn_norm.weight", "F32"),
     "post_feedforward_layernorm.weight": ("post_ffw_norm.weight", "F32"),
 }
@@ -144,12 +159,12 @@ def write_gguf(model, family: str, path: Path,
         values = tensor.float().numpy().copy()
         if family == "gemma3" and "norm" in name:
             values = values + 1.0  # GGUF Gemma norms hold 1 + w
-        if family == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if family in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             values = _permute(values, heads)
         data, back = _encode(values, quant)
         writer.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, quant))
-        if family == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if family in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
             back = _unpermute(back, heads)
         if family == "gemma3" and "norm" in name:
             back = back - 1.0
@@ -243,3 +258,6 @@ def _write_metadata(writer, config, family: str) -> None:
         writer.add_uint32(f"{arch}.expert_used_count", config.num_experts_per_tok)
         size = getattr(config, "moe_intermediate_size", config.intermediate_size)
         writer.add_uint32(f"{arch}.expert_feed_forward_length", size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_uint32(f"{arch}.expert_shared_feed_forward_length",
+                          config.shared_expert_intermediate_size)
