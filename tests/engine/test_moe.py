@@ -162,6 +162,22 @@ def test_rows_sharing_experts_in_a_batch_equal_rows_run_alone(tiny_checkpoints, 
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_prompt_and_generated_rows_keep_their_own_arithmetic_in_one_group(tiny_checkpoints,
+                                                                          family):
+    # Packed linears compute generated and prompt rows each their own way (different bits
+    # here); an expert's group mixes both kinds and must still tell them apart.
+    experts = packed(tiny_checkpoints[family]).module.blocks[0].mlp
+    torch.manual_seed(0)
+    x = torch.randn(120, experts.router.weight.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        for generated in (1, 40):  # ~30 rows per expert: every group holds both kinds
+            together = experts(x, generated)
+            apart = torch.cat([experts(x[:generated], None), experts(x[generated:], 0)])
+            assert torch.equal(together, apart)
+        assert not torch.equal(experts(x, None), experts(x, 0))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_packed_experts_hold_about_the_files_bytes(tiny_checkpoints, family):
     # Measured: 0.99x the file packed (qwen3moe 0.993, qwen2moe 0.988, mixtral 0.994),
     # ~5x in float32.
