@@ -17,6 +17,7 @@ from shoal.engine.models.layers.experts import MixtureOfExperts
 from shoal.engine.models.loader import load_model
 from shoal.engine.parallel.shard import TensorShard
 from shoal.engine.sampling import SamplingParams
+from shoal.engine.speculation.config import SpeculativeConfig
 
 MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral")
 PROMPTS = [
@@ -211,29 +212,53 @@ def chat_checkpoint(tmp_path_factory):
                              vocab_size=len(metadata["tokenizer.ggml.tokens"]))
 
 
-def test_the_engine_batches_and_caches_prefixes_of_a_moe_model(chat_checkpoint, tmp_path):
-    engine = Engine(EngineConfig(
-        source=ModelSource("tiny-moe", "gguf", chat_checkpoint.gguf_path), dtype="float32",
+def moe_engine(checkpoint, cache_dir, speculative: SpeculativeConfig | None = None) -> Engine:
+    return Engine(EngineConfig(
+        source=ModelSource("tiny-moe", "gguf", checkpoint.gguf_path), dtype="float32",
         threads=2, kv_cache_bytes=4 * 2**20, block_size=8, max_num_batched_tokens=64,
-        cache_dir=tmp_path))
+        speculative=speculative, cache_dir=cache_dir))
+
+
+def run_requests(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]
+                 ) -> dict[str, dict]:
+    for request_id, (ids, params) in requests.items():
+        engine.add_request(request_id, ids, params)
+    results = {rid: {"ids": [], "cached": 0, "drafts": 0} for rid in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            entry = results[out.request_id]
+            entry["ids"].extend(out.token_ids)
+            entry["cached"] = max(entry["cached"], out.cached_tokens)
+            entry["drafts"] = max(entry["drafts"], out.draft_tokens)
+    return results
+
+
+def test_the_engine_batches_and_caches_prefixes_of_a_moe_model(chat_checkpoint, tmp_path):
+    engine = moe_engine(chat_checkpoint, tmp_path)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = {str(i): [(7 * i + j * 13) % 250 + 3 for j in range(10 + 3 * i)] for i in range(4)}
-
-    def run(requests: dict[str, list[int]]) -> dict[str, dict]:
-        for request_id, ids in requests.items():
-            engine.add_request(request_id, ids, greedy)
-        results = {rid: {"ids": [], "cached": 0} for rid in requests}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                results[out.request_id]["ids"].extend(out.token_ids)
-                results[out.request_id]["cached"] = max(results[out.request_id]["cached"],
-                                                        out.cached_tokens)
-        return results
-
-    first = run(prompts)
+    first = run_requests(engine, {rid: (ids, greedy) for rid, ids in prompts.items()})
     reference = chat_checkpoint.gguf_reference
     for request_id, ids in prompts.items():
         assert first[request_id]["ids"] == transformers_greedy(reference, ids, 12)
-    again = run({"again": prompts["3"]})  # its prompt's full blocks are cached now
-    assert again["again"]["cached"] >= 16
-    assert again["again"]["ids"] == first["3"]["ids"]
+    # Its prompt's full blocks are cached now.
+    again = run_requests(engine, {"again": (prompts["3"], greedy)})["again"]
+    assert again["cached"] >= 16
+    assert again["ids"] == first["3"]["ids"]
+
+
+def test_guessing_leaves_a_batch_of_eight_moe_requests_as_they_were(chat_checkpoint, tmp_path):
+    """n-gram speculation over a batch of 8 (greedy and seeded sampling): the same tokens
+    as without it."""
+    loop = [40, 41, 42, 43, 44, 45] * 4  # repeats: the n-gram proposer has guesses to make
+    requests = {}
+    for i in range(8):
+        params = (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) if i % 2
+                  else SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True))
+        requests[str(i)] = (loop[i:] + [3 + i], params)
+    plain = run_requests(moe_engine(chat_checkpoint, tmp_path / "plain"), requests)
+    guessed = run_requests(moe_engine(chat_checkpoint, tmp_path / "guessed",
+                                      SpeculativeConfig("ngram")), requests)
+    assert {rid: r["ids"] for rid, r in guessed.items()} == \
+        {rid: r["ids"] for rid, r in plain.items()}
+    assert sum(r["drafts"] for r in guessed.values()) > 0
