@@ -126,7 +126,9 @@ def test_a_step_reads_each_chosen_expert_once_and_no_other(tiny_checkpoints, dty
         assert sum(count for _, count in mine) == rows * top_k
     calls.clear()
     step(runner, chunk("a", [int(logits[0].argmax())], len(prompt), range(16)))
-    assert sorted(layer for layer, _, _ in calls) == [i for i in range(layers) for _ in range(top_k)]
+    # One generated row: its k experts in each layer, one row each, and no other expert.
+    assert sorted(layer for layer, _, _ in calls) == [i for i in range(layers)
+                                                      for _ in range(top_k)]
     assert all(rows == 1 for _, _, rows in calls)
     assert len(calls) == layers * top_k < layers * loaded.config.num_experts
 

@@ -45,10 +45,12 @@ _LAYER_PARTS = {
     MODEL_TENSOR.ATTN_POST_NORM: "post_attn_norm", MODEL_TENSOR.FFN_NORM: "mlp_norm",
     MODEL_TENSOR.FFN_PRE_NORM: "mlp_norm", MODEL_TENSOR.FFN_POST_NORM: "post_mlp_norm",
     MODEL_TENSOR.FFN_GATE: "gate", MODEL_TENSOR.FFN_UP: "up", MODEL_TENSOR.FFN_DOWN: "down",
+    # Mixture-of-experts layers.
     MODEL_TENSOR.FFN_GATE_INP: "router", MODEL_TENSOR.FFN_GATE_EXP: "experts.gate",
     MODEL_TENSOR.FFN_UP_EXP: "experts.up", MODEL_TENSOR.FFN_DOWN_EXP: "experts.down",
-    MODEL_TENSOR.FFN_GATE_SHEXP: "shared_expert.gate", MODEL_TENSOR.FFN_UP_SHEXP:
-    "shared_expert.up", MODEL_TENSOR.FFN_DOWN_SHEXP: "shared_expert.down",
+    MODEL_TENSOR.FFN_GATE_SHEXP: "shared_expert.gate",
+    MODEL_TENSOR.FFN_UP_SHEXP: "shared_expert.up",
+    MODEL_TENSOR.FFN_DOWN_SHEXP: "shared_expert.down",
     MODEL_TENSOR.FFN_GATE_INP_SHEXP: "shared_expert_gate",
 }
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")

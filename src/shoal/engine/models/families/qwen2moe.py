@@ -3,18 +3,10 @@ experts, and a shared expert every token runs, scaled by sigmoid(shared_expert_g
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 from shoal.engine.models.families.experts import gguf_expert_config, hf_expert_config
 from shoal.engine.models.families.family import HF_CONFIG_KEYS, ModelFamily
-
-
-def gguf_config_extras(read: Callable[[str, Any], Any], common: dict[str, Any]) -> dict[str, Any]:
-    # llama.cpp never renormalises Qwen2-MoE's top-k weights (its config.json says so too).
-    return gguf_expert_config(read, common, norm_topk_prob=False)
-
 
 QWEN2MOE = ModelFamily(
     name="qwen2moe",
@@ -26,7 +18,8 @@ QWEN2MOE = ModelFamily(
     # transformers' Qwen2MoeConfig calls the q/k/v biases qkv_bias (default: present).
     hf_config_keys={**HF_CONFIG_KEYS, "qkv_bias": "qkv_bias"},
     config_defaults={"qkv_bias": True},
-    gguf_config_extras=gguf_config_extras,
+    # llama.cpp never renormalises Qwen2-MoE's top-k weights (its config.json says so too).
+    gguf_config_extras=partial(gguf_expert_config, norm_topk_prob=False),
     hf_config_extras=partial(hf_expert_config, expert_size_key="moe_intermediate_size",
                              shared_size_key="shared_expert_intermediate_size"),
 )

@@ -3,18 +3,10 @@ norm) with each MLP replaced by top-k softmax routing over many small experts.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
 
 from shoal.engine.models.families.experts import gguf_expert_config, hf_expert_config
 from shoal.engine.models.families.family import ModelFamily
-
-
-def gguf_config_extras(read: Callable[[str, Any], Any], common: dict[str, Any]) -> dict[str, Any]:
-    # llama.cpp always renormalises Qwen3-MoE's top-k weights (as its config.json says).
-    return gguf_expert_config(read, common, norm_topk_prob=True)
-
 
 QWEN3MOE = ModelFamily(
     name="qwen3moe",
@@ -24,6 +16,7 @@ QWEN3MOE = ModelFamily(
     gguf_architectures=("qwen3moe",),
     tensor_tables="qwen3moe",
     config_defaults={"qk_norm": True},
-    gguf_config_extras=gguf_config_extras,
+    # llama.cpp always renormalises Qwen3-MoE's top-k weights (as its config.json says).
+    gguf_config_extras=partial(gguf_expert_config, norm_topk_prob=True),
     hf_config_extras=partial(hf_expert_config, expert_size_key="moe_intermediate_size"),
 )
