@@ -13,7 +13,7 @@ from shoal.engine.models.registry import (
     model_class,
     task_of_hf_config,
 )
-from shoal.engine.weights.names import TensorNames
+from shoal.engine.weights.names import TensorNames, expert_name
 
 
 def test_every_architecture_name_finds_its_family():
@@ -42,10 +42,45 @@ def test_gguf_and_hugging_face_names_meet_at_the_same_canonical_name(family):
         "model.embed_tokens.weight": "token_embd.weight",
         "model.layers.1.self_attn.q_proj.weight": "blk.1.attn_q.weight",
         "model.layers.1.self_attn.q_proj.bias": "blk.1.attn_q.bias",
-        "model.layers.1.mlp.down_proj.weight": "blk.1.ffn_down.weight",
     }
+    if family.name not in EXPERT_ONLY_FAMILIES:
+        hf_to_gguf["model.layers.1.mlp.down_proj.weight"] = "blk.1.ffn_down.weight"
     for hf_name, gguf_name in hf_to_gguf.items():
         assert names.from_hf(hf_name) == names.from_gguf(gguf_name) != (None, None)
+
+
+# Families whose every layer routes to experts: their tables have no dense MLP.
+EXPERT_ONLY_FAMILIES = ("qwen3moe", "qwen2moe")
+
+
+@pytest.mark.parametrize("family", EXPERT_ONLY_FAMILIES)
+def test_expert_names_meet_at_one_canonical_name_per_expert(family):
+    # A GGUF file holds a layer's experts as one 3-D tensor, which its reader splits
+    # (expert_name); a Hugging Face checkpoint holds each expert's matrices apart.
+    names = TensorNames(family_of(family), num_layers=2)
+    assert names.from_gguf("blk.1.ffn_down_exps.weight") == ("layers.1.experts.down.weight", 1)
+    assert expert_name("layers.1.experts.down.weight", 5) == "layers.1.experts.5.down.weight"
+    assert names.from_hf("model.layers.1.mlp.experts.5.down_proj.weight") == (
+        "layers.1.experts.5.down.weight", 1)
+    assert names.from_hf("model.layers.1.mlp.gate.weight") == names.from_gguf(
+        "blk.1.ffn_gate_inp.weight") == ("layers.1.router.weight", 1)
+
+
+def test_mixtral_names_its_experts_w1_w2_w3():
+    names = TensorNames(family_of("mixtral"), num_layers=2)
+    for hf_part, part in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+        assert names.from_hf(f"model.layers.1.block_sparse_moe.experts.5.{hf_part}.weight") \
+            == (f"layers.1.experts.5.{part}.weight", 1)
+    assert names.from_hf("model.layers.1.block_sparse_moe.gate.weight") == (
+        "layers.1.router.weight", 1)
+
+
+def test_qwen2moe_names_its_shared_expert_and_gate():
+    names = TensorNames(family_of("qwen2moe"), num_layers=2)
+    assert names.from_hf("model.layers.1.mlp.shared_expert.up_proj.weight") == names.from_gguf(
+        "blk.1.ffn_up_shexp.weight") == ("layers.1.shared_expert.up.weight", 1)
+    assert names.from_hf("model.layers.1.mlp.shared_expert_gate.weight") == names.from_gguf(
+        "blk.1.ffn_gate_inp_shexp.weight") == ("layers.1.shared_expert_gate.weight", 1)
 
 
 def test_gemma_post_attention_norm_is_not_the_mlp_norm():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from forward_helpers import all_position_logits, chunk, step
-from tiny_models import FAMILIES, VOCAB
+from tiny_models import DENSE_FAMILIES, FAMILIES, VOCAB
 
 from shoal.engine.config import ModelSource
 from shoal.engine.model_runner import ModelRunner
@@ -99,7 +99,7 @@ def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffe
             lengths[i] += 1
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family, backend):
     checkpoint = tiny_checkpoints[family]
     whole = load(checkpoint, "gguf", backend=backend)
@@ -118,7 +118,9 @@ def test_two_stages_chained_equal_the_whole_model(tiny_checkpoints, family, back
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# A mixture of experts may route a near-tie to other experts in bf16, which moves that
+# row's logits far: test_moe.py checks those families' agreement by the logits' margin.
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_bfloat16_stays_close_to_fp32(tiny_checkpoints, family, backend):
     from shoal.engine.backends.packing import QuantLinear
     from shoal.engine.models.layers.linear import DenseLinear
@@ -161,7 +163,7 @@ def test_packed_model_holds_about_its_file_size(tiny_checkpoints):
     assert load(checkpoint, "gguf").weight_bytes > 2 * fast.weight_bytes  # fp32: dequantized
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
     # In bf16 too: linear layers compute each row alone and each prompt row attends on its
     # own, so however the prompt is split (or cached), its last row's logits are the same bits.
@@ -178,7 +180,7 @@ def test_a_prompts_logits_do_not_depend_on_its_chunks(tiny_checkpoints, family):
         assert torch.equal(split, whole), cut
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_checkpoints, family):
     """A prefill's last layer runs its output projection and MLP on the rows whose logits
     are sampled only; those rows keep the bits that computing every row gives them, and the

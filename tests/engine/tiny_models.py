@@ -9,9 +9,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral", "gemma3")
+MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral")
+DENSE_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
 VOCAB = 128
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+# llama.cpp writes Mixtral as "llama" (with experts), its q/k rows permuted as llama's.
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
+              "qwen2moe": "qwen2moe", "mixtral": "llama", "gemma3": "gemma3"}
+_PERMUTED_QK = ("llama", "mixtral")
+# The mixture-of-experts shape: 8 experts of 32, 2 chosen per token.
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 @dataclass
@@ -29,7 +36,7 @@ def hf_config(family: str, **overrides):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=family != "llama")
+                  rms_norm_eps=1e-6, tie_word_embeddings=family not in ("llama", "mixtral"))
     common.update(overrides)
     if family == "llama":
         return tf.LlamaConfig(num_hidden_layers=2, rope_theta=10000.0, **common)
@@ -37,6 +44,17 @@ def hf_config(family: str, **overrides):
         return tf.Qwen2Config(num_hidden_layers=2, rope_theta=10000.0, **common)
     if family == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=2, head_dim=32, rope_theta=10000.0, **common)
+    if family == "qwen3moe":
+        return tf.Qwen3MoeConfig(num_hidden_layers=2, head_dim=32, rope_theta=10000.0,
+                                 norm_topk_prob=True, **(EXPERTS | common))
+    if family == "qwen2moe":  # top-k weights not renormalised, as Qwen1.5-MoE's
+        return tf.Qwen2MoeConfig(num_hidden_layers=2, rope_theta=10000.0,
+                                 shared_expert_intermediate_size=64, **(EXPERTS | common))
+    if family == "mixtral":  # every expert is intermediate_size wide
+        common.update(intermediate_size=EXPERTS["moe_intermediate_size"])
+        return tf.MixtralConfig(num_hidden_layers=2, rope_theta=10000.0, sliding_window=None,
+                                num_local_experts=EXPERTS["num_experts"],
+                                num_experts_per_tok=EXPERTS["num_experts_per_tok"], **common)
     # Six layers so both kinds appear (five sliding, one global); a window of 5 tokens.
     common.update(num_key_value_heads=1)
     return tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=32, sliding_window=5,
@@ -49,8 +67,11 @@ def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = hf_config(family, **overrides)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the plain per-expert loop
     classes = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-               "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}
+               "qwen3": tf.Qwen3ForCausalLM, "qwen3moe": tf.Qwen3MoeForCausalLM,
+               "qwen2moe": tf.Qwen2MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
+               "gemma3": tf.Gemma3ForCausalLM}
     model = classes[family](config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -60,12 +81,14 @@ def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
-def build(family: str, directory: Path, **overrides) -> TinyCheckpoint:
+def build(family: str, directory: Path, metadata: dict | None = None,
+          **overrides) -> TinyCheckpoint:
+    """metadata: more GGUF keys (a tokenizer's, say) written into the file."""
     model = hf_model(family, **overrides)
     st_dir = directory / f"{family}-hf"
     model.save_pretrained(st_dir, safe_serialization=True)
     gguf_path = directory / f"{family}.gguf"
-    dequantized = write_gguf(model, family, gguf_path)
+    dequantized = write_gguf(model, family, gguf_path, metadata)
     reference = hf_model(family, **overrides)
     reference.load_state_dict(dequantized, strict=False)
     if reference.config.tie_word_embeddings:
@@ -88,6 +111,14 @@ _LAYER_MAP = {
     "mlp.gate_proj.weight": ("ffn_gate.weight", "Q4_1"),
     "mlp.up_proj.weight": ("ffn_up.weight", "Q4_1"),
     "mlp.down_proj.weight": ("ffn_down.weight", "F16"),
+    # Mixture of experts: transformers holds a layer's experts as 3-D tensors, gate and up
+    # concatenated ([experts, 2 * size, hidden]); GGUF as three 3-D tensors.
+    "mlp.gate.weight": ("ffn_gate_inp.weight", "F32"),
+    "mlp.experts.down_proj": ("ffn_down_exps.weight", "Q8_0"),
+    "mlp.shared_expert.gate_proj.weight": ("ffn_gate_shexp.weight", "Q4_1"),
+    "mlp.shared_expert.up_proj.weight": ("ffn_up_shexp.weight", "Q8_0"),
+    "mlp.shared_expert.down_proj.weight": ("ffn_down_shexp.weight", "Q4_0"),
+    "mlp.shared_expert_gate.weight": ("ffn_gate_inp_shexp.weight", "F32"),
     "pre_feedforward_layernorm.weight": ("ffn_norm.weight", "F32"),
     "post_feedforward_layernorm.weight": ("post_ffw_norm.weight", "F32"),
 }
@@ -108,7 +139,8 @@ def _gguf_name(hf_name: str, family: str) -> tuple[str, str]:
     return f"blk.{index}.{part}", quant
 
 
-def write_gguf(model, family: str, path: Path) -> dict[str, torch.Tensor]:
+def write_gguf(model, family: str, path: Path,
+               metadata: dict | None = None) -> dict[str, torch.Tensor]:
     """Write `model` as GGUF the way llama.cpp's converter would; returns the HF state dict
     of the values the file actually holds (after quantization)."""
     import gguf
@@ -116,20 +148,25 @@ def write_gguf(model, family: str, path: Path) -> dict[str, torch.Tensor]:
     config = model.config
     writer = gguf.GGUFWriter(str(path), _GGUF_ARCH[family])
     _write_metadata(writer, config, family)
+    for key, value in (metadata or {}).items():
+        _write_value(writer, key, value)
     stored: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if hf_name.endswith("mlp.experts.gate_up_proj"):
+            stored[hf_name] = _write_gate_up_experts(writer, hf_name, tensor)
             continue
         name, quant = _gguf_name(hf_name, family)
         values = tensor.float().numpy().copy()
         if family == "gemma3" and "norm" in name:
             values = values + 1.0  # GGUF Gemma norms hold 1 + w
-        if family == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if family in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             values = _permute(values, heads)
         data, back = _encode(values, quant)
         writer.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, quant))
-        if family == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if family in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
             back = _unpermute(back, heads)
         if family == "gemma3" and "norm" in name:
             back = back - 1.0
@@ -139,6 +176,39 @@ def write_gguf(model, family: str, path: Path) -> dict[str, torch.Tensor]:
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+# Gate and up experts in different packed types, as llama.cpp's mixes give them.
+_EXPERT_GATE_UP = (("ffn_gate_exps.weight", "Q4_1"), ("ffn_up_exps.weight", "Q4_0"))
+
+
+def _write_gate_up_experts(writer, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Writes [experts, 2 * size, hidden] as GGUF's gate and up expert tensors; returns the
+    values they hold, concatenated back."""
+    import gguf
+
+    index = hf_name.split(".")[2]
+    halves = tensor.float().numpy().copy().reshape(tensor.shape[0], 2, -1, tensor.shape[2])
+    back = []
+    for half, (part, quant) in enumerate(_EXPERT_GATE_UP):
+        data, values = _encode(np.ascontiguousarray(halves[:, half]), quant)
+        writer.add_tensor(f"blk.{index}.{part}", data,
+                          raw_dtype=getattr(gguf.GGMLQuantizationType, quant))
+        back.append(values.astype(np.float32))
+    return torch.from_numpy(np.concatenate(back, axis=1)).reshape(tensor.shape)
+
+
+def _write_value(writer, key: str, value) -> None:
+    if key == "general.architecture":
+        return  # the writer's own
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_array(key, list(value))
 
 
 def _encode(values: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:
@@ -184,3 +254,12 @@ def _write_metadata(writer, config, family: str) -> None:
     writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
     if family == "gemma3":
         writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", config.num_experts_per_tok)
+        size = getattr(config, "moe_intermediate_size", config.intermediate_size)
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_uint32(f"{arch}.expert_shared_feed_forward_length",
+                          config.shared_expert_intermediate_size)

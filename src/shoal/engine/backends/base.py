@@ -22,6 +22,7 @@ from torch import nn
 from shoal.engine.backends.packing import dense_values
 from shoal.engine.backends.paged_attention import TorchPagedAttention
 from shoal.engine.models.layers.attention import Attend
+from shoal.engine.models.layers.experts import MixtureOfExperts, Router, SharedExpert
 from shoal.engine.models.layers.linear import DenseLinear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -106,6 +107,13 @@ class Backend(ABC):
 
     def gated_mlp(self, gate_up: nn.Module, down: nn.Module, activation: str) -> GatedMLP:
         return GatedMLP(gate_up, down, activation)
+
+    def experts(self, router: Router, experts: list[GatedMLP],
+                shared: SharedExpert | None) -> MixtureOfExperts:
+        """A mixture-of-experts feed-forward: the router picks each row's experts in float32
+        and rows are grouped by expert, so a step reads each chosen expert's weights once
+        (each expert a gated_mlp of this backend's linears)."""
+        return MixtureOfExperts(router, experts, shared)
 
     @abstractmethod
     def head(self, raw: RawTensor, embedding: Embedding | None, spare_bytes: int

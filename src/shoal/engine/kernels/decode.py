@@ -36,6 +36,8 @@ def fusable(model: LlamaModel) -> bool:
         return False
     if config.hidden_activation not in ("silu", "gelu_tanh") or config.head_dim > 512:
         return False
+    if config.num_experts:  # the kernel's blocks have one dense MLP each
+        return False
     return all(type(layer) is QuantLinear for block in model.blocks for layer in _linears(block))
 
 

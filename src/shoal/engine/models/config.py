@@ -40,6 +40,15 @@ class ModelConfig:
     attention_scale: float | None = None
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"
     final_logit_softcap: float | None = None
+    # Mixture of experts (layers/experts.py); num_experts 0: every layer has a dense MLP.
+    # Each token's router picks num_experts_per_token experts of expert_intermediate_size;
+    # norm_topk_prob renormalises their probabilities to sum to 1. A shared expert (qwen2moe)
+    # runs on every token, gated.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -54,6 +63,11 @@ class ModelConfig:
             raise ValueError("layer_types must name one kind per layer")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_token <= self.num_experts:
+                raise ValueError("num_experts_per_token must be within 1..num_experts")
+            if self.expert_intermediate_size < 1:
+                raise ValueError("a mixture-of-experts model needs expert_intermediate_size")
 
     def layer_type(self, layer_index: int) -> LayerType:
         return self.layer_types[layer_index] if self.layer_types else "full"

@@ -1,4 +1,5 @@
-"""One decoder skeleton for llama / mistral / qwen2 (qkv bias) / qwen3 (q/k norm).
+"""One decoder skeleton for llama / mistral / qwen2 (qkv bias) / qwen3 (q/k norm), and
+their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe: the MLP routed to experts).
 
 A model instance holds a half-open layer range [start, end) with original layer indices;
 the first stage embeds token ids, the last stage owns the final norm and output head.
@@ -24,6 +25,7 @@ from shoal.engine.models.layers.head import build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import RotaryTable
+from shoal.engine.models.moe import make_experts
 from shoal.engine.parallel.tensor import RowParallel, shard_attention, shard_mlp
 from shoal.engine.weights.quant import RawTensor
 
@@ -96,7 +98,8 @@ class LlamaBlock(Layer):
         self.attn_norm = make_norm(weights[prefix + "attn_norm.weight"], config, plan)
         self.attn = make_attention(config, index, weights, plan)
         self.mlp_norm = make_norm(weights[prefix + "mlp_norm.weight"], config, plan)
-        self.mlp = make_mlp(config, index, weights, plan)
+        self.mlp = (make_experts(config, index, weights, plan) if config.num_experts
+                    else make_mlp(config, index, weights, plan))
 
     def forward(self, h: torch.Tensor, rope, kv_cache: KVCache, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,6 +4,8 @@ The family's declaration (models/families/) names the metadata keys and, through
 package's tables, the tensor names; they are translated to shoal's canonical names (see
 weights/names.py). For families whose q/k rows llama.cpp's converter permutes (each head's
 rotary halves interleaved) the stream undoes that, so every model sees Hugging Face row order.
+A layer's experts, one 3-D tensor in the file, are streamed one matrix per expert (views of
+the file's bytes: each expert's matrix is contiguous in it), as safetensors files hold them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.registry import family_of
 from shoal.engine.weights.gguf_file import GGUFFile, TensorInfo
-from shoal.engine.weights.names import LayerRange, TensorNames, in_stage
+from shoal.engine.weights.names import LayerRange, TensorNames, expert_name, in_stage
 from shoal.engine.weights.quant import RawTensor
 
 _EMBEDDING = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
@@ -102,12 +104,24 @@ class GGUFCheckpoint:
             if self.family.gguf_permuted_qk and part in ("q", "k"):
                 heads = config.num_heads if ".q." in canonical else config.num_kv_heads
                 raw = raw.rows(_unpermute_order(heads, config.head_dim, raw.shape[0]))
+            if len(raw.shape) == 3:  # [experts, out, in]
+                for expert, matrix in enumerate(_expert_matrices(raw)):
+                    yield expert_name(canonical, expert), matrix
+                continue
             yield canonical, raw
 
     def _raw(self, info: TensorInfo) -> RawTensor:
         # GGUF lists dimensions innermost first; torch wants them outermost first.
         shape = tuple(reversed(info.dims))
         return RawTensor(shape=shape, quant=info.type_name, data=self.file.data(info))
+
+
+def _expert_matrices(raw: RawTensor) -> list[RawTensor]:
+    """[experts, out, in] -> one [out, in] tensor per expert; raw.data is [experts * out,
+    bytes per row], so each expert's rows are a slice (no copy)."""
+    experts, rows, columns = raw.shape
+    return [RawTensor((rows, columns), raw.quant, raw.data[e * rows:(e + 1) * rows])
+            for e in range(experts)]
 
 
 def _unpermute_order(heads: int, head_dim: int, rows: int) -> torch.Tensor:

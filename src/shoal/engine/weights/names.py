@@ -2,7 +2,10 @@
 
 Global: embed.weight, norm.weight, lm_head.weight. Per layer i: layers.{i}.<part>.weight
 (and .bias) with part one of attn_norm, q, k, v, o, q_norm, k_norm, post_attn_norm,
-mlp_norm, post_mlp_norm, gate, up, down.
+mlp_norm, post_mlp_norm, gate, up, down. Mixture-of-experts layers have router and, per
+expert e, experts.{e}.gate / .up / .down (a GGUF file stores a layer's experts as one 3-D
+tensor, experts.gate, which its reader splits by expert); qwen2moe's shared expert is
+shared_expert.gate / .up / .down with its gate shared_expert_gate.
 
 A family's GGUF and Hugging Face names come from the gguf package's tables for the family's
 architecture (MODEL_TENSORS, TENSOR_NAMES, TensorNameMap); this module only says which of
@@ -42,8 +45,17 @@ _LAYER_PARTS = {
     MODEL_TENSOR.ATTN_POST_NORM: "post_attn_norm", MODEL_TENSOR.FFN_NORM: "mlp_norm",
     MODEL_TENSOR.FFN_PRE_NORM: "mlp_norm", MODEL_TENSOR.FFN_POST_NORM: "post_mlp_norm",
     MODEL_TENSOR.FFN_GATE: "gate", MODEL_TENSOR.FFN_UP: "up", MODEL_TENSOR.FFN_DOWN: "down",
+    # Mixture-of-experts layers.
+    MODEL_TENSOR.FFN_GATE_INP: "router", MODEL_TENSOR.FFN_GATE_EXP: "experts.gate",
+    MODEL_TENSOR.FFN_UP_EXP: "experts.up", MODEL_TENSOR.FFN_DOWN_EXP: "experts.down",
+    MODEL_TENSOR.FFN_GATE_SHEXP: "shared_expert.gate",
+    MODEL_TENSOR.FFN_UP_SHEXP: "shared_expert.up",
+    MODEL_TENSOR.FFN_DOWN_SHEXP: "shared_expert.down",
+    MODEL_TENSOR.FFN_GATE_INP_SHEXP: "shared_expert_gate",
 }
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# A Hugging Face checkpoint stores each expert's matrices apart: "...experts.5.gate_proj".
+_HF_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 class TensorNames:
@@ -74,11 +86,27 @@ class TensorNames:
         return f"layers.{layer}.{self._layer[match.group(2)]}.{match.group(3)}", layer
 
     def from_hf(self, name: str) -> CanonicalName:
-        """"model.layers.3.self_attn.q_proj.weight" -> ("layers.3.q.weight", 3)."""
+        """"model.layers.3.self_attn.q_proj.weight" -> ("layers.3.q.weight", 3);
+        "model.layers.3.mlp.experts.5.up_proj.weight" -> ("layers.3.experts.5.up.weight", 3)."""
         if self._hf_map is None:
             self._hf_map = TensorNameMap(self.arch, self.num_layers)
+        expert = _HF_EXPERT.search(name)
+        if expert is not None:  # the gguf tables name the experts of a layer together
+            name = name[:expert.start()] + ".experts." + name[expert.end():]
         found = self._hf_map.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
-        return (None, None) if found is None else self.from_gguf(found[1])
+        if found is None:
+            return None, None
+        canonical, layer = self.from_gguf(found[1])
+        if expert is not None and canonical is not None:
+            canonical = expert_name(canonical, int(expert.group(1)))
+        return canonical, layer
+
+
+def expert_name(canonical: str, expert: int) -> str:
+    """"layers.3.experts.gate.weight" -> "layers.3.experts.{expert}.gate.weight"."""
+    if ".experts." not in canonical:
+        raise ValueError(f"{canonical} is not an expert tensor")
+    return canonical.replace(".experts.", f".experts.{expert}.", 1)
 
 
 def _model_arch(name: str) -> MODEL_ARCH:
