@@ -12,8 +12,8 @@ from forward_helpers import chunk
 from test_models import BLOCK, PROMPT, load, shuffled_blocks
 from tiny_models import VOCAB
 
+from shoal.engine.backends.fused_decode import FUSED_MAX_ROWS
 from shoal.engine.kernels import build
-from shoal.engine.kernels.decode import FUSED_MAX_ROWS
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.scheduler_output import SchedulerOutput
 

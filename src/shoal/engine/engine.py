@@ -10,14 +10,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from shoal.engine.backends.fused_decode import FUSED_MAX_ROWS
 from shoal.engine.config import EngineConfig
 from shoal.engine.core import EngineTask, NoEmbedding, NotFollower, ProgressCallback
 from shoal.engine.errors import check_context
-from shoal.engine.grammar import Constraint, GrammarCompiler
+from shoal.engine.grammar import GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
 from shoal.engine.kv.block_pool import BlockPool
 from shoal.engine.kv.disk_prefixes import open_disk_prefixes
@@ -25,11 +25,11 @@ from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer
 from shoal.engine.kv_budget import check_weights_fit, kv_bytes_per_block, plan_kv_cache
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.models.loader import load_model
+from shoal.engine.output_text import OutputText
 from shoal.engine.outputs import FinishReason, RequestOutput, TokenLogprob, TopLogprob
 from shoal.engine.parallel.executor import Executor, LeaderExecutor, LocalExecutor
 from shoal.engine.parallel.plan import NewRequest
 from shoal.engine.parallel.setup import set_up_rank
-from shoal.engine.kernels.decode import FUSED_MAX_ROWS
 from shoal.engine.request import Request
 from shoal.engine.sampler import Sampler, SamplingRow, position_generator
 from shoal.engine.sampling import InvalidParameter, SamplingParams
@@ -43,17 +43,6 @@ from shoal.engine.tokenizer.tokenizer import Tokenizer
 from shoal.tracing.steps import RequestTrace, StepTracer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _OutputState:
-    """Per-request text state that lives beside the scheduler's Request."""
-
-    detokenizer: IncrementalDetokenizer
-    stop_checker: StopChecker
-    constraint: Constraint | None = None  # the grammar the output must follow, if any
-    reported_tokens: int = 0
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Engine(NoEmbedding, NotFollower):
@@ -121,7 +110,7 @@ class Engine(NoEmbedding, NotFollower):
                                                    self.vocab_size)
             self.speculator = Speculator(config.speculative, self.model_id, self.draft)
         self._requests: dict[str, Request] = {}
-        self._states: dict[str, _OutputState] = {}
+        self._states: dict[str, OutputText] = {}
         self._aborted: list[str] = []
         # Requests the sampling rank of a pipeline must start or stop tracking.
         self._mirrors = config.parallel is not None and config.parallel.sharding == "pipeline"
@@ -176,7 +165,7 @@ class Engine(NoEmbedding, NotFollower):
         self.tracer.begin(request_id, trace, time.time_ns())
         if trace is not None and self.config.parallel is not None:
             self._traced[request_id] = trace
-        self._states[request_id] = _OutputState(
+        self._states[request_id] = OutputText(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop),
             constraint=constraint,
@@ -371,15 +360,8 @@ class Engine(NoEmbedding, NotFollower):
         state = self._states[request_id]
         new_ids = request.output_token_ids[state.reported_tokens:]
         state.reported_tokens = len(request.output_token_ids)
-        text = ""
-        stopped = False
-        for token_id in new_ids:
-            if token_id in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
-                continue  # the end token itself is never shown
-            piece, stopped = state.stop_checker.feed(state.detokenizer.add(token_id))
-            text += piece
-            if stopped:
-                break
+        text, stopped = state.text_of(new_ids, self.tokenizer.eos_token_ids,
+                                      request.params.ignore_eos)
         if not stopped and not finished and state.constraint is not None \
                 and state.constraint.is_complete:
             finished = True  # the grammar admits nothing more: the output is whole
@@ -388,8 +370,7 @@ class Engine(NoEmbedding, NotFollower):
             self.scheduler.finish(request_id, "stop")
         if stopped or finished:
             if not stopped:
-                text += state.stop_checker.feed(state.detokenizer.flush())[0]
-                text += state.stop_checker.flush()
+                text += state.tail()
             reason: FinishReason = "stop" if stopped else (request.finish_reason or "stop")
             return self._finish_output(request_id, reason, text, tuple(new_ids))
         logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []

@@ -29,7 +29,7 @@ from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.weights.quant import RawTensor
 
 if TYPE_CHECKING:
-    from shoal.engine.kernels.decode import FusedDecoder
+    from shoal.engine.backends.fused_decode import FusedDecoder
     from shoal.engine.models.layers.embedding import Embedding
     from shoal.engine.models.llama import LlamaModel
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from shoal.engine.backends import head_estimates
 from shoal.engine.backends.base import Backend
+from shoal.engine.backends.fused_decode import FusedDecoder, fusable
 from shoal.engine.backends.packing import QuantLinear, pack, packed_type
-from shoal.engine.kernels.decode import FusedDecoder, fusable
 from shoal.engine.models.layers.attention import Attend, AttentionGroup
 from shoal.engine.models.layers.head import ExactHead
 from shoal.engine.models.layers.mlp import GatedMLP

@@ -30,7 +30,7 @@ from shoal.engine.parallel.tensor import RowParallel, shard_attention, shard_mlp
 from shoal.engine.weights.quant import RawTensor
 
 if TYPE_CHECKING:
-    from shoal.engine.kernels.decode import FusedDecoder
+    from shoal.engine.backends.fused_decode import FusedDecoder
 
 Weights = dict[str, RawTensor]
 KVCache = torch.Tensor  # [2 * H_kv, slots, D]: key heads then value heads (kv/tensors.py)
@@ -159,7 +159,7 @@ class LlamaModel(Layer):
         self._fused: FusedDecoder | None = None
 
     def fused_decoder(self) -> FusedDecoder | None:
-        """The backend's fused decode step over this model's blocks (kernels/decode.py's
+        """The backend's fused decode step over this model's blocks (backends/fused_decode.py's
         FusedDecoder), or None where it does not apply. Asked once per step."""
         if not self.fused_decode_allowed:
             return None

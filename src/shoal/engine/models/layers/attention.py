@@ -90,7 +90,7 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """A step of B single-token decodes run by the compiled kernel (kernels/decode.py), and
+    """A step of B single-token decodes run by the compiled kernel (backends/fused_decode.py), and
     how it reads the paged KV cache.
 
     tables: [B, W] int64 block ids of each row (padded with 0 past its blocks);
