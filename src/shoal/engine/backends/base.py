@@ -2,11 +2,10 @@
 
 A model's layers are built once at load, and each asks its plan's backend for the parts
 that depend on how the arithmetic runs: a linear layer (packed or dense weights), a norm,
-the gated MLP's activation, a group's attention over the paged cache, the output head and
-the fused decode step. The backend answers with layers or with the callables they run,
+the gated MLP's activation, a mixture of experts, a group's attention over the paged
+cache, the output head and the fused decode step. The backend answers with layers or with the callables they run,
 resolved at load: a step's layers call them directly, with no dispatch of their own and
-no test of the device. A new device or kernel family is one new subclass (a
-mixture-of-experts product would be one more question asked here).
+no test of the device. A new device or kernel family is one new subclass.
 """
 
 from __future__ import annotations
