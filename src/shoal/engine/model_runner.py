@@ -19,7 +19,7 @@ from shoal.engine.models.layers.attention import (
     AttentionView,
     DecodeRows,
     RowKeys,
-    StageWrite,
+    RowBufferWrite,
 )
 from shoal.engine.models.loader import LoadedModel
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -154,7 +154,7 @@ class ModelRunner:
                        + [i for i in rest if chunks[i].prompt])
             parts.append(self._part(chunks, ordered, fused=False))
         if self.row_buffer is not None and not any(
-                g.stage_write for part in parts for g in part.meta.groups):
+                g.row_buffer_write for part in parts for g in part.meta.groups):
             self.row_buffer.reset()
         in_parts = [i for part in parts for i in part.chunks if chunks[i].needs_sample]
         in_chunks = [i for i, c in enumerate(chunks) if c.needs_sample]
@@ -298,12 +298,12 @@ class ModelRunner:
         first, row_len = layout.first, layout.row_len
         keys = _KeyWindow([0] * len(ctx), ctx)
         if layout.rebuild:
-            write = StageWrite(first, rebuild=self._gather(members, keys, row_len))
+            write = RowBufferWrite(first, rebuild=self._gather(members, keys, row_len))
         else:
             slots = [first + b * row_len + c - 1 for b, c in enumerate(ctx)]
-            write = StageWrite(first, append=torch.tensor(slots, device=self.device))
+            write = RowBufferWrite(first, append=torch.tensor(slots, device=self.device))
         mask = None if keys.uniform else self._mask(keys, 1, None)
-        full = AttentionView(gather=None, mask=mask, staged=(first, row_len, 0, max(ctx)))
+        full = AttentionView(gather=None, mask=mask, buffered=(first, row_len, 0, max(ctx)))
         sliding = None
         window = self.config.sliding_window
         if window is not None and max(ctx) > window:
@@ -311,9 +311,9 @@ class ModelRunner:
             lo = max(0, min(ctx) - window)
             window_keys = _KeyWindow([lo] * len(ctx), ctx)
             sliding = AttentionView(gather=None, mask=self._mask(window_keys, 1, window),
-                                    staged=(first, row_len, lo, max(ctx)))
+                                    buffered=(first, row_len, lo, max(ctx)))
         return AttentionGroup(token_start=row, batch=len(members), query_len=1, full=full,
-                              sliding=sliding, stage_write=write)
+                              sliding=sliding, row_buffer_write=write)
 
     def _view(self, members: tuple[ScheduledChunk, ...], keys: _KeyWindow, query_len: int,
               window: int | None) -> AttentionView:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.kv.quant import widened
-from shoal.engine.models.layers.attention import AttentionGroup, StageWrite
+from shoal.engine.models.layers.attention import AttentionGroup, RowBufferWrite
 
 
 class TorchPagedAttention:
@@ -36,10 +36,10 @@ class TorchPagedAttention:
             q.view(batch, query_len, heads, dim).transpose(1, 2)
         # kv: [B, 2 H_kv, L, W]: row-buffer rows, a slice of the cache, a gather from it, or
         # the group's own new k/v (the cache is [2 H_kv, slots, W], new_kv [T, 2 H_kv, W])
-        if group.stage_write is not None:
-            _write_stage(kv_cache, group.stage_write, new_kv[rows])
-        if view.staged is not None:
-            first, row_len, lo, end = view.staged
+        if group.row_buffer_write is not None:
+            _write_row_buffer(kv_cache, group.row_buffer_write, new_kv[rows])
+        if view.buffered is not None:
+            first, row_len, lo, end = view.buffered
             rows_kv = kv_cache[:, first:first + batch * row_len]
             kv = rows_kv.view(2 * kv_heads, batch, row_len, width)[:, :, lo:end].transpose(0, 1)
         elif view.span is not None:
@@ -61,7 +61,7 @@ class TorchPagedAttention:
         return out.transpose(1, 2).reshape(batch * query_len, heads * dim)
 
 
-def _write_stage(kv_cache: torch.Tensor, write: StageWrite, new_kv: torch.Tensor) -> None:
+def _write_row_buffer(kv_cache: torch.Tensor, write: RowBufferWrite, new_kv: torch.Tensor) -> None:
     """new_kv: [B, 2 H_kv, W], the group's new keys and values (already in paged slots)."""
     if write.append is not None:
         kv_cache.index_copy_(1, write.append, new_kv.transpose(0, 1))

@@ -3,8 +3,8 @@
 The model runner describes one step with AttentionMetadata: the KV slot of every new token,
 and groups of tokens that attend together (a batch of decodes padded to the longest context,
 or one request's prefill chunk). Each layer writes its new k/v into the cache slots, then
-each group attends as its backend does (Backend.attention): torch gathers, slices or stages
-the group's keys and values and runs scaled_dot_product_attention with the group's mask
+each group attends as its backend does (Backend.attention): torch gathers, slices or reads from
+the row buffer the group's keys and values and runs scaled_dot_product_attention with the group's mask
 (backends/paged_attention.py); the compiled kernels attend each row on its own (RowKeys).
 """
 
@@ -54,17 +54,17 @@ class AttentionView:
     span: tuple[int, int] | None = None
     # (first, row_len, lo, end): a decode group read from the row buffer (kv/row_buffer.py),
     # row b's keys at positions [lo, end) being slots first + b * row_len + [lo, end).
-    staged: tuple[int, int, int, int] | None = None
+    buffered: tuple[int, int, int, int] | None = None
     # Set when each row attends on its own through the compiled kernel (the others unused).
     rows: RowKeys | None = None
 
 
 @dataclass
-class StageWrite:
-    """What a decode group writes into its stage rows before attending (each layer).
+class RowBufferWrite:
+    """What a decode group writes into its row buffer rows before attending (each layer).
 
-    append: [B] the stage slot of each member's new token. Otherwise rebuild: [B * row_len]
-    cache slots copied, row-major, into stage slots first, first + 1, ...
+    append: [B] the row buffer slot of each member's new token. Otherwise rebuild: [B * row_len]
+    cache slots copied, row-major, into row buffer slots first, first + 1, ...
     """
 
     first: int
@@ -81,7 +81,7 @@ class AttentionGroup:
     query_len: int
     full: AttentionView
     sliding: AttentionView | None = None
-    stage_write: StageWrite | None = None
+    row_buffer_write: RowBufferWrite | None = None
 
     @property
     def token_end(self) -> int:
