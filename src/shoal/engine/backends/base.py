@@ -10,6 +10,7 @@ no test of the device. A new device or kernel family is one new subclass.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import ModuleType
@@ -31,6 +32,20 @@ if TYPE_CHECKING:
     from shoal.engine.backends.fused_decode import FusedDecoder
     from shoal.engine.models.layers.embedding import Embedding
     from shoal.engine.models.llama import LlamaModel
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("" where unknown). torch's float32 x @ W.T of 2-4 rows
+    reads W at a third of one row's speed on AMD CPUs, where W @ x.T keeps it; on Intel
+    CPUs it is the other way round (a Xeon with AMX: 2-3 rows of x @ W.T cost what one
+    row does, W @ x.T 2-3x that; 4, 16 and 32 rows about equal either way)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((line for line in info if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
 
 
 class Backend(ABC):
@@ -55,8 +70,10 @@ class Backend(ABC):
         # small queries, so on CPU RoPE, scores and masks compute in float32; the KV cache
         # may still store bf16 (rounded as written, widened as read; int8: kv/quant.py).
         self.attention_dtype = torch.float32 if device.type == "cpu" else compute_dtype
-        # Float32 CPU matmuls of some row counts run as W @ x.T (layers/linear.py).
-        self.streams_weight = device.type == "cpu" and compute_dtype == torch.float32
+        # Float32 CPU matmuls of some row counts run as W @ x.T (layers/linear.py), where
+        # the CPU's x @ W.T is the slow one (AMD's: see cpu_vendor).
+        self.streams_weight = (device.type == "cpu" and compute_dtype == torch.float32
+                               and cpu_vendor() == "AuthenticAMD")
         # (type code, packed, vocab, width, ids [T]) -> float32 [T, width]: rows of a
         # packed table (an embedding's), where this backend packs weights.
         self.packed_rows: Callable | None = None

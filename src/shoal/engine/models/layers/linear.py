@@ -46,8 +46,9 @@ class WeightPlan:
 # Float32 CPU matmuls of some row counts run as W @ x.T: from 2 rows on, F.linear's x @ W.T
 # reads W at about a third of the speed one row gets (MKL), where W @ x.T keeps it (4 rows
 # of the 896 -> 4864 projection: 1.2 ms against 3.0; of Qwen2.5's 151936-row head: 35 ms
-# against 117). Measured on the models' shapes, 2 threads, AVX2: W @ x.T is 1.3-3.2x faster
-# at up to 4 rows and 1.0-2.1x at 16, 32, 64 and 128, but up to 1.9x slower at 6-12 or 24.
+# against 117). Measured on the models' shapes, 2 threads, AMD AVX2: W @ x.T is 1.3-3.2x
+# faster at up to 4 rows and 1.0-2.1x at 16, 32, 64 and 128, but up to 1.9x slower at 6-12
+# or 24. On Intel CPUs x @ W.T is the fast one: the backend streams weights on AMD only.
 def _streams_weight(rows: int) -> bool:
     return rows <= 4 or (rows <= 128 and rows % 16 == 0)
 
