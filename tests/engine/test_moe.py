@@ -9,6 +9,7 @@ import torch
 from forward_helpers import all_position_logits, chunk, greedy_batch, step
 from tiny_models import MOE_FAMILIES
 from tokenizer_fixtures import tiny_byte_level_metadata
+from transformers_refs import transformers_greedy
 
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.engine import Engine
@@ -41,17 +42,6 @@ def packed(checkpoint):
         pytest.skip("no packed-weight kernel on this CPU")
     return loaded
 
-
-def transformers_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    out = []
-    with torch.no_grad():
-        result = model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(steps):
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values,
-                           use_cache=True)
-    return out
 
 
 def ours_greedy(loaded, prompts=PROMPTS, steps=NEW_TOKENS) -> list[list[int]]:

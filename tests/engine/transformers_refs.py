@@ -1,6 +1,7 @@
-"""transformers' side of the golden and tokenizer tests: its GGUF reads made affordable, and
-each GGUF's tokenizer loaded once a session (the golden and tokenizer tests both compare
-with it; Gemma 3's takes ~30 s to build from its 262k-token vocabulary)."""
+"""transformers' side of the golden, model and tokenizer tests: its greedy tokens, its GGUF
+reads made affordable, and each GGUF's tokenizer loaded once a session (the golden and
+tokenizer tests both compare with it; Gemma 3's takes ~30 s to build from its 262k-token
+vocabulary)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 
 def read_whole(path, mode="r", dtype=np.uint8) -> np.ndarray:
@@ -57,3 +59,17 @@ def _inside_one_read() -> bool:
     import gguf.gguf_reader
 
     return gguf.gguf_reader.np.memmap is read_whole
+
+
+def transformers_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
+    """The reference's greedy tokens: an argmax loop over its KV cache (generate() would
+    change min-token handling)."""
+    out = []
+    with torch.no_grad():
+        result = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(steps):
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values,
+                           use_cache=True)
+    return out
