@@ -15,8 +15,11 @@ from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
 
 
-def write_gguf(path, *, kv_heads: int | None = 2, key_length: int | None = None) -> None:
+def write_gguf(path, *, kv_heads: int | None = 2, key_length: int | None = None,
+               experts: int | None = None) -> None:
     writer = gguf.GGUFWriter(str(path), "qwen2")
+    if experts is not None:
+        writer.add_uint32("qwen2.expert_count", experts)
     writer.add_uint32("qwen2.block_count", 6)
     writer.add_uint32("qwen2.embedding_length", 96)
     writer.add_uint32("qwen2.feed_forward_length", 256)
@@ -39,6 +42,23 @@ def test_gguf_header_gives_the_facts(tmp_path):
     assert (facts.model, facts.n_layers, facts.n_heads, facts.n_kv_heads) == ("m", 6, 6, 2)
     assert facts.head_dim == 96 // 6 and facts.intermediate_size == 256
     assert facts.weight_bytes == path.stat().st_size
+
+
+def test_expert_counts_come_from_either_format(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, experts=8)
+    facts = model_facts_from_source(ModelSource(model_id="m", format="gguf", path=path))
+    assert facts.n_experts == 8
+    dense = tmp_path / "dense.gguf"
+    write_gguf(dense)
+    assert model_facts_from_source(ModelSource("d", "gguf", dense)).n_experts == 0
+    directory = tmp_path / "mixtral"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32,
+        "num_local_experts": 8}))
+    assert model_facts_from_source(ModelSource("x", "safetensors", directory)).n_experts == 8
 
 
 def test_gguf_defaults_kv_heads_to_heads_and_honours_key_length(tmp_path):

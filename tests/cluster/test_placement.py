@@ -166,6 +166,17 @@ def test_tensor_splits_kv_groups_unevenly_when_they_do_not_divide():
     assert isinstance(result, Placement) and result.width == 3
 
 
+def test_a_mixture_of_experts_model_is_never_split_by_tensor():
+    model = facts(n_heads=32, n_kv_heads=4, intermediate_size=None, n_experts=128)
+    refused = place_exact(request(model=model), nodes(a=64, b=64), "tensor", 2, POLICY)
+    assert isinstance(refused, PlacementError) and "mixture-of-experts" in refused.reason
+    result = place(request(model=model, sharding="tensor", min_nodes=2), nodes(a=64, b=64),
+                   POLICY)
+    assert isinstance(result, PlacementError) and "mixture-of-experts" in result.reason
+    auto = place(request(model=model, min_nodes=2), nodes(a=64, b=64), POLICY)
+    assert isinstance(auto, Placement) and auto.sharding == "pipeline"
+
+
 def test_tensor_refuses_kv_heads_that_neither_split_nor_replicate():
     model = facts(n_heads=9, n_kv_heads=3, intermediate_size=3072)
     result = place_exact(request(model=model), nodes(a=64, b=64, c=64, d=64), "tensor", 4,

@@ -21,8 +21,10 @@ from shoal.ids import ModelId
 class ModelFacts(BaseModel):
     """Size and attention shape of one model, as placement sees it.
 
-    weight_bytes is the size of the weight files; placement multiplies it by an engine
-    overhead factor. intermediate_size is None when the checkpoint does not say.
+    weight_bytes is the size of the weight files (every expert's included); placement
+    multiplies it by an engine overhead factor. intermediate_size is None when the
+    checkpoint does not say. n_experts: the experts of each mixture-of-experts layer (0 for
+    a dense model).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -34,6 +36,7 @@ class ModelFacts(BaseModel):
     n_kv_heads: int
     head_dim: int
     intermediate_size: int | None = None
+    n_experts: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> ModelFacts:
@@ -47,6 +50,8 @@ class ModelFacts(BaseModel):
                              f"({self.n_kv_heads})")
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1")
+        if self.n_experts < 0:
+            raise ValueError("n_experts must be >= 0")
         return self
 
     def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None,
@@ -93,7 +98,8 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
         n_kv_heads=int(field("num_kv_heads", heads)),
         head_dim=int(field("head_dim", hidden // heads)),
         # Mixture-of-experts files store a per-layer array here; treat that as unknown.
-        intermediate_size=intermediate if isinstance(intermediate, int) else None)
+        intermediate_size=intermediate if isinstance(intermediate, int) else None,
+        n_experts=int(metadata.get(f"{arch}.expert_count") or 0))
 
 
 def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
@@ -115,6 +121,8 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             n_layers=int(hf[keys["num_layers"]]), n_heads=heads,
             n_kv_heads=int(hf.get(keys["num_kv_heads"]) or heads),
             head_dim=int(hf.get(keys["head_dim"]) or int(hf[keys["hidden_size"]]) // heads),
-            intermediate_size=hf.get(keys["intermediate_size"]))
+            intermediate_size=hf.get(keys["intermediate_size"]),
+            # Qwen's MoE configs say num_experts, Mixtral's num_local_experts.
+            n_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0))
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error

@@ -306,6 +306,9 @@ def kv_heads_per_rank(n_kv_heads: int, tp_size: int) -> int:
 
 def tensor_split_problem(facts: ModelFacts, width: int) -> str | None:
     """Why the model cannot be split over `width` tensor ranks, or None if it can."""
+    if facts.n_experts:  # the engine refuses such a load (engine/models/moe.py)
+        return ("a mixture-of-experts model cannot be split by tensor parallelism yet: "
+                "split it by layers (pipeline)")
     group = facts.n_heads // facts.n_kv_heads
     if facts.n_kv_heads < width:
         sharing = width // facts.n_kv_heads
