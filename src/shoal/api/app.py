@@ -30,10 +30,6 @@ from shoal.api.trace_context import TraceContext
 from shoal.catalog.resolve import list_models
 
 
-def _catalog_entries() -> Sequence[Any]:
-    return list_models()
-
-
 def create_app(router: RouterView, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
                lifespan: Any = None, cluster: Any = None,
@@ -57,7 +53,7 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
     app.state.router = router
     app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s
-    app.state.list_available = list_available or _catalog_entries
+    app.state.list_available = list_available or list_models
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(dashboard.router)

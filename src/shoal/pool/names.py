@@ -21,13 +21,9 @@ class WrongModelTask(ValueError):
     """A text request named an embedding model, or an embedding request a text model."""
 
 
-def default_resolver(name: str) -> ModelSource:
-    return resolve_model(name)
-
-
 class ModelNames:
     def __init__(self, resolve: Resolver | None = None) -> None:
-        self._resolve = resolve or default_resolver
+        self._resolve = resolve or resolve_model
         self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
         self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
         self._sources: dict[str, ModelSource] = {}  # model id -> where its weights are
