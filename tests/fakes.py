@@ -9,12 +9,20 @@ Behaviour is steered by the model id (load) and by markers in the prompt (step):
               TOOLCALL (writes the text "Let me check." and a tagged get_weather call,
               TOOL_CALL_PIECES, then stops)
 Otherwise each step yields one token "w<i> " per request and a request stops after 8 tokens.
+
+A model id starting "fake-harmony" has a tokenizer that speaks harmony (gpt-oss's chat
+format, rendered by shoal since it carries no template) and replies with a scripted harmony
+reply, one piece per step with special tokens split across pieces (HARMONY_REPLIES):
+THINK (reasoning, then an answer), THINKCALL (reasoning, then a get_weather call), and,
+once the conversation holds a tool result, AFTERCALL (reasoning, then the answer). Special
+tokens are dropped from the text unless the request keeps them (skip_special_tokens).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -33,10 +41,21 @@ NATURAL_LENGTH = 8
 # What a TOOLCALL request writes, one piece per step (the tag is split across pieces).
 TOOL_CALL_PIECES = ("Let me check. <tool", '_call>\n{"name": "get_weather", ',
                     '"arguments": {"city": "Paris"}}\n</tool', "_call>")
+HARMONY_REPLIES = {
+    "THINK": ("<|channel|>analysis<|mess", "age|>The user greets me. ", "Reply kindly.<|end|>",
+              "<|start|>assistant<|chan", "nel|>final<|message|>Hello", " there!"),
+    "THINKCALL": ("<|channel|>analysis<|message|>Need the weather", " in Paris.<|end|><|sta",
+                  "rt|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                  '<|message|>{"city": ', '"Paris"}'),
+    "AFTERCALL": ("<|channel|>analysis<|message|>It is sunny there.<|end|>",
+                  "<|start|>assistant<|channel|>final<|message|>Sunny in Paris, ", "22 C."),
+}
+_SPECIAL_TOKEN = re.compile(r"<\|[a-z]+\|>")
 
 
 class FakeTokenizer:
     has_chat_template = True
+    speaks_harmony = False
     eos_token_ids = frozenset({1})
     chat_template = ChatTemplate(CHATML_TEMPLATE)  # no tool support: tools go in a system turn
 
@@ -51,11 +70,23 @@ class FakeTokenizer:
         return f"w{token_id} "
 
 
+class FakeHarmonyTokenizer(FakeTokenizer):
+    """A vocabulary with harmony's special tokens and no chat template of its own."""
+
+    has_chat_template = False
+    speaks_harmony = True
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # special tokens are words of their own, so markers next to them are still found
+        return super().encode(_SPECIAL_TOKEN.sub(lambda m: f" {m.group(0)} ", text))
+
+
 @dataclass
 class _FakeRequest:
     prompt_ids: list[int]
     params: object
     markers: set[str]
+    script: tuple[str, ...] | None = None  # the pieces it writes, one per step
     generated: list[int] = field(default_factory=list)
     text: str = ""
 
@@ -79,7 +110,8 @@ class FakeEngine(NoEmbedding, NotFollower):
         report("ready", 1.0)
         self.config = config
         self.model_id = model_id
-        self.tokenizer = FakeTokenizer()
+        harmony = model_id.startswith("fake-harmony")
+        self.tokenizer = FakeHarmonyTokenizer() if harmony else FakeTokenizer()
         self.max_model_len = MAX_MODEL_LEN
         self.vocab_size = VOCAB_SIZE
         self.words: dict[int, str] = {}
@@ -88,7 +120,7 @@ class FakeEngine(NoEmbedding, NotFollower):
         self.raised = False
         self.priorities: dict[str, int] = {}  # request id -> the priority it was added with
 
-    def render_chat(self, messages, tools=None) -> str:
+    def render_chat(self, messages, tools=None, variables=None) -> str:
         return " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
 
     def add_request(self, request_id, prompt_token_ids, params, grammar=None,
@@ -99,10 +131,24 @@ class FakeEngine(NoEmbedding, NotFollower):
             raise InvalidParameter("prompt", "the prompt is empty")
         params.check_vocab(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
-        markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW", "TOOLCALL")
+        markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW", "TOOLCALL",
+                                     "THINK", "THINKCALL", "to=assistant")
                    if self.tokenizer.encode(name)[0] in prompt_token_ids}
-        self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers)
+        self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers,
+                                                  self._script(markers))
         self.priorities[request_id] = priority
+
+    def _script(self, markers: set[str]) -> tuple[str, ...] | None:
+        if "TOOLCALL" in markers:
+            return TOOL_CALL_PIECES
+        if not self.tokenizer.speaks_harmony:
+            return None
+        if "to=assistant" in markers:  # a tool result is in the conversation
+            return HARMONY_REPLIES["AFTERCALL"]
+        for name in ("THINKCALL", "THINK"):
+            if name in markers:
+                return HARMONY_REPLIES[name]
+        return None
 
     def abort_request(self, request_id) -> None:
         if request_id in self._requests:
@@ -162,8 +208,10 @@ class FakeEngine(NoEmbedding, NotFollower):
         token = 100 + len(request.generated)
         request.generated.append(token)
         piece = f"w{len(request.generated)} "
-        if "TOOLCALL" in request.markers:
-            piece = TOOL_CALL_PIECES[len(request.generated) - 1]
+        if request.script is not None:
+            piece = request.script[len(request.generated) - 1]
+            if request.params.skip_special_tokens:
+                piece = _SPECIAL_TOKEN.sub("", piece)
         request.text += piece
         params = request.params
         logprobs = ()
@@ -181,7 +229,7 @@ class FakeEngine(NoEmbedding, NotFollower):
         count = len(request.generated)
         if params.max_tokens is not None and count >= params.max_tokens:
             return self._finish(request_id, "length", piece, (token,), logprobs)
-        if "TOOLCALL" in request.markers and count == len(TOOL_CALL_PIECES):
+        if request.script is not None and count == len(request.script):
             return self._finish(request_id, "stop", piece, (token,), logprobs)
         if count >= NATURAL_LENGTH and "FOREVER" not in request.markers:
             return self._finish(request_id, "stop", piece, (token,), logprobs)

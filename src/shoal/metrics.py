@@ -71,7 +71,7 @@ class RequestObserver:
         metrics = self._metrics
         if chunk.kind == "accepted" and chunk.model:
             self.model = chunk.model  # a ladder's choice: the model that serves
-        elif chunk.kind == "token":
+        elif chunk.kind in ("token", "reasoning"):
             now = self._clock()
             if self._last_token is None:
                 metrics.time_to_first_token.labels(self.model).observe(now - self._started)

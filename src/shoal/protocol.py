@@ -31,6 +31,9 @@ class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = None
+    # An assistant turn's reasoning as the client sent it back (reasoning_content,
+    # thinking); the chat format decides whether the model sees it again.
+    reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call this result answers
 
@@ -59,6 +62,20 @@ class ResponseFormat(WireModel):
     json_schema: dict[str, Any] | None = None  # set exactly when type is "json_schema"
 
 
+ReasoningEffort = Literal["low", "medium", "high"]
+
+
+class ReasoningRequest(WireModel):
+    """What the client asked of a reasoning model: whether to reason (and get the reasoning
+    back as ReasoningChunks) and how hard. A model that cannot stop reasoning (harmony)
+    still reasons when enabled is False, but its reasoning is not returned."""
+
+    enabled: bool = True
+    effort: ReasoningEffort | None = None  # None: the model's default
+    # The client's field that asked for it, named when a model without reasoning refuses.
+    param: str = "reasoning"
+
+
 class TraceRef(WireModel):
     """The trace a request belongs to and the span its work happens under (the accepting
     node's server span): spans recorded for it anywhere name these."""
@@ -83,6 +100,9 @@ class GenerationRequest(WireModel):
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = "auto"
     response_format: ResponseFormat | None = None
+    # None: a reasoning model reasons by its default and returns its reasoning; a model
+    # without reasoning generates as always.
+    reasoning: ReasoningRequest | None = None
     # How long the model stays loaded after this request, in seconds: None is the server's
     # default, 0 unloads it once idle, a negative value keeps it loaded indefinitely.
     keep_alive_s: float | None = None
@@ -102,6 +122,8 @@ class Usage(WireModel):
     # Speculative decoding (an extension): tokens guessed, and how many were kept.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Of completion_tokens, those the model spent reasoning (ReasoningChunks, or dropped).
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -143,6 +165,15 @@ class TokenChunk(WireModel):
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[LogprobItem, ...] = ()
+
+
+class ReasoningChunk(WireModel):
+    """Text the model wrote while reasoning, kept apart from the answer (TokenChunk)."""
+
+    kind: Literal["reasoning"] = "reasoning"
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...] = ()
 
 
 class ToolCallChunk(WireModel):
@@ -222,7 +253,8 @@ class EmbeddingResult(WireModel):
 
 
 Chunk = Annotated[
-    AcceptedChunk | TokenChunk | ToolCallChunk | FinishChunk | ErrorChunk | EmbeddingResult,
+    AcceptedChunk | TokenChunk | ReasoningChunk | ToolCallChunk | FinishChunk | ErrorChunk
+    | EmbeddingResult,
     Field(discriminator="kind")
 ]
 

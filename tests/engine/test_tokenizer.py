@@ -224,3 +224,25 @@ def test_hf_directory_with_template_and_eos_list(tmp_path):
 def test_directory_without_tokenizer_json_is_unsupported(tmp_path):
     with pytest.raises(UnsupportedModel):
         Tokenizer.load(ModelSource("dir", "safetensors", tmp_path))
+
+
+def test_a_vocabulary_with_harmony_tokens_speaks_harmony_and_ends_at_return_or_call():
+    metadata = tiny_byte_level_metadata()
+    harmony = ["<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+               "<|message|>", "<|call|>"]
+    metadata["tokenizer.ggml.tokens"] = metadata["tokenizer.ggml.tokens"] + harmony
+    metadata["tokenizer.ggml.token_type"] = metadata["tokenizer.ggml.token_type"] + [3] * 7
+    first = len(metadata["tokenizer.ggml.tokens"]) - 7
+    ids = {token: first + n for n, token in enumerate(harmony)}
+    metadata["tokenizer.ggml.eos_token_id"] = ids["<|return|>"]
+    metadata["tokenizer.ggml.eot_token_id"] = ids["<|end|>"]  # as some conversions mark it
+    tokenizer = _tiny(metadata)
+    assert tokenizer.speaks_harmony and not _tiny(tiny_byte_level_metadata()).speaks_harmony
+    # <|end|> closes the reasoning before the answer: it must not end the reply
+    assert {ids["<|return|>"], ids["<|call|>"]} <= tokenizer.eos_token_ids
+    assert ids["<|end|>"] not in tokenizer.eos_token_ids
+    reply = tokenizer.encode("<|channel|>final<|message|>hello<|return|>",
+                             add_special_tokens=False)
+    assert tokenizer.decode(reply, skip_special_tokens=False) == \
+        "<|channel|>final<|message|>hello<|return|>"
+    assert tokenizer.decode(reply) == "finalhello"

@@ -113,11 +113,13 @@ class Reply:
     logprobs: list[LogprobItem]
     tool_calls: list[ToolCall]
     finish: FinishChunk
+    reasoning: str = ""  # a reasoning model's reasoning, kept apart from the answer
 
 
 async def collect_reply(chunks: AsyncIterator[Any]) -> Reply:
     """Every chunk after AcceptedChunk gathered into one Reply; APIError on an error chunk."""
     text: list[str] = []
+    reasoning: list[str] = []
     logprobs: list[LogprobItem] = []
     tool_calls: list[ToolCall] = []
     async for chunk in chunks:
@@ -126,10 +128,12 @@ async def collect_reply(chunks: AsyncIterator[Any]) -> Reply:
         if chunk.kind == "token":
             text.append(chunk.text)
             logprobs.extend(chunk.logprobs)
+        elif chunk.kind == "reasoning":
+            reasoning.append(chunk.text)
         elif chunk.kind == "tool_call":
             tool_calls.append(chunk.call)
         elif chunk.kind == "finish":
-            return Reply("".join(text), logprobs, tool_calls, chunk)
+            return Reply("".join(text), logprobs, tool_calls, chunk, "".join(reasoning))
     raise APIError(500, "the runner ended the stream without finishing", code="internal",
                    error_type="internal_error")
 

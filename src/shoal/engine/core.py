@@ -34,6 +34,7 @@ class PromptTokenizer(Protocol):
     """What the runner reads of an engine's tokenizer: prompts to ids, the chat template."""
 
     has_chat_template: bool  # the checkpoint brings its own (else a family default)
+    speaks_harmony: bool  # its vocabulary has harmony's special tokens (gpt-oss)
 
     @property
     def chat_template(self) -> ChatTemplate: ...
@@ -64,7 +65,10 @@ class EngineCore(Protocol):
     speculator: Speculator | None  # its guesser; None: it never speculates
 
     # ---- generating text (task "generate", not a follower) ----------------------------
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str: ...
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    variables: dict[str, Any] | None = None) -> str:
+        """The chat template rendered; variables: extra template variables
+        (reasoning_effort, enable_thinking)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: GrammarSpec | None = None,
@@ -127,7 +131,8 @@ class NoGeneration:
 
     speculator: Speculator | None = None
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    variables: dict[str, Any] | None = None) -> str:
         raise ValueError("this engine generates no text")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],

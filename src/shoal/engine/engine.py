@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -127,9 +128,10 @@ class Engine(NoEmbedding, NotFollower):
 
     # ---- requests -------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    variables: dict[str, Any] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tools=tools)
+                                                  tools=tools, variables=variables)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: GrammarSpec | None = None,
@@ -166,7 +168,8 @@ class Engine(NoEmbedding, NotFollower):
         if trace is not None and self.config.parallel is not None:
             self._traced[request_id] = trace
         self._states[request_id] = OutputText(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                               params.skip_special_tokens),
             stop_checker=StopChecker(params.stop),
             constraint=constraint,
         )

@@ -47,6 +47,9 @@ class SamplingParams:
     # Speculative decoding for this request (x_speculative): "off", "ngram", "draft", or
     # None for the model's own setting. It changes speed only, never the distribution.
     speculative: str | None = None
+    # False: the output text keeps special tokens (a chat format parsed after the engine,
+    # harmony's <|channel|> headers); the end token itself is never shown.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,

@@ -45,7 +45,7 @@ class CancellableStream:
                     return
                 if chunk.kind == "accepted":
                     prompt_tokens = chunk.prompt_tokens
-                elif chunk.kind == "token":
+                elif chunk.kind in ("token", "reasoning"):
                     generated += len(chunk.token_ids)
                 yield chunk
                 if chunk.kind in TERMINAL_KINDS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 from typing import Any
@@ -10,9 +11,9 @@ from pydantic import ValidationError
 
 from shoal.engine.core import EngineCore, PromptTokenizer
 from shoal.engine.errors import ContextLengthExceeded, GroupError
-from shoal.engine.grammar_spec import InvalidGrammar
+from shoal.engine.grammar_spec import GrammarSpec, InvalidGrammar
 from shoal.engine.outputs import RequestOutput, TokenLogprob
-from shoal.engine.sampling import InvalidParameter
+from shoal.engine.sampling import InvalidParameter, SamplingParams
 from shoal.protocol import (
     AcceptedChunk,
     EmbeddingRequest,
@@ -21,6 +22,7 @@ from shoal.protocol import (
     FinishChunk,
     GenerationRequest,
     LogprobItem,
+    ReasoningChunk,
     TokenChunk,
     ToolCallChunk,
     TopLogprobItem,
@@ -41,7 +43,9 @@ from shoal.runner.messages import (
 )
 from shoal.runner.prefix_messages import PrefixExport, PrefixFetched, PrefixPart
 from shoal.runner.prefix_share import RunnerPrefixShare
-from shoal.runner.tool_stream import IndexedCall, ToolCallStream
+from shoal.runner.harmony_stream import HarmonyStream
+from shoal.runner.harmony_use import forced_reply, harmony_prompt
+from shoal.runner.tool_stream import IndexedCall, ReasoningPiece, ToolCallStream
 from shoal.tracing.steps import RequestTrace
 from shoal.runner.tool_use import (
     TemplateToolSupport,
@@ -80,7 +84,8 @@ class RunnerLoop:
         self.memory = memory  # reports what the runner holds, between steps
         self.in_flight: set[str] = set()
         self.embeds = engine.task == "embed"
-        self.tool_streams: dict[str, ToolCallStream] = {}  # requests that offer tools
+        # Requests whose text is parsed: tool calls taken out, a harmony reply split.
+        self.output_streams: dict[str, ToolCallStream | HarmonyStream] = {}
         self._tool_support: TemplateToolSupport | None = None
         self._outbox: list[Any] | None = None  # chunks of the step being reported
         self._stepped = False  # steps ran since the heap was last trimmed
@@ -184,6 +189,9 @@ class RunnerLoop:
                 raise InvalidParameter("prompt", f"token id {bad[0]} is outside the "
                                                   f"vocabulary (size {self.engine.vocab_size})")
             return ids
+        if request.messages is not None and self.speaks_harmony:
+            template = self.engine.render_chat if tokenizer.has_chat_template else None
+            return tokenizer.encode(harmony_prompt(request, template), add_special_tokens=True)
         if request.messages is not None:
             text = chat_prompt(request, self.tool_support, self.engine.render_chat)
             return tokenizer.encode(text, add_special_tokens=True)
@@ -206,13 +214,14 @@ class RunnerLoop:
         try:
             if ids is None:
                 check_tools(request)
+                self.check_reasoning(request)
                 ids = self.prompt_token_ids(request)
                 if (not request.count_only and self.share is not None
                         and self.share.hold(request, ids)):
                     return  # admitted when its fetch ends, within the share's bound
             if not request.count_only:
-                grammar = output_grammar(request, self.tool_support.call_format)
-                self.engine.add_request(request_id, ids, request.sampling, grammar=grammar,
+                grammar, sampling = self.output_rules(request)
+                self.engine.add_request(request_id, ids, sampling, grammar=grammar,
                                         priority=request.priority,
                                         trace=request_trace(request.trace))
                 if self.share is not None:
@@ -239,10 +248,46 @@ class RunnerLoop:
                                                         completion_tokens=0)))
                 return
             self.in_flight.add(request_id)
-            if offered_tools(request):
-                self.tool_streams[request_id] = ToolCallStream(
-                    [tool.name for tool in offered_tools(request)])
+            stream = self.output_stream(request)
+            if stream is not None:
+                self.output_streams[request_id] = stream
             self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
+
+    def harmony_chat(self, request: GenerationRequest) -> bool:
+        """A chat for a harmony model: rendered and read back in harmony's format."""
+        return request.messages is not None and self.speaks_harmony
+
+    @property
+    def speaks_harmony(self) -> bool:
+        return self.tokenizer.speaks_harmony
+
+    def check_reasoning(self, request: GenerationRequest) -> None:
+        """InvalidParameter when reasoning is asked of a model that cannot reason."""
+        reasoning = request.reasoning
+        if reasoning is None or not reasoning.enabled or self.harmony_chat(request):
+            return
+        what = "a raw prompt" if self.speaks_harmony else f"model {self.engine.model_id!r}"
+        raise InvalidParameter(reasoning.param, f"{what} does not support reasoning")
+
+    def output_rules(self, request: GenerationRequest
+                     ) -> tuple[GrammarSpec | None, SamplingParams]:
+        """(the grammar the output follows or None, the sampling parameters)."""
+        if not self.harmony_chat(request):
+            return output_grammar(request, self.tool_support.call_format), request.sampling
+        forced = forced_reply(request)
+        # The reply's headers are special tokens: the parser must see them as text.
+        sampling = dataclasses.replace(request.sampling, skip_special_tokens=False)
+        return (None if forced is None else forced.grammar), sampling
+
+    def output_stream(self, request: GenerationRequest) -> ToolCallStream | HarmonyStream | None:
+        """What reads this request's output, if anything does."""
+        names = [tool.name for tool in offered_tools(request)]
+        if self.harmony_chat(request):
+            forced = forced_reply(request)
+            enabled = request.reasoning is None or request.reasoning.enabled
+            return HarmonyStream(names, return_reasoning=enabled,
+                                 prefilled_header=None if forced is None else forced.header)
+        return ToolCallStream(names) if names else None
 
     @property
     def tool_support(self) -> TemplateToolSupport:
@@ -328,11 +373,11 @@ class RunnerLoop:
     def send_output(self, output: RequestOutput) -> None:
         request_id = output.request_id
         if request_id not in self.in_flight:
-            self.tool_streams.pop(request_id, None)
+            self.output_streams.pop(request_id, None)
             return  # cancelled by the supervisor, or already failed
-        tool_stream = self.tool_streams.get(request_id)
-        if tool_stream is not None:
-            self._send_with_tool_calls(request_id, tool_stream, output)
+        stream = self.output_streams.get(request_id)
+        if stream is not None:
+            self._send_pieces(request_id, stream, output)
         elif output.text or output.token_ids:
             self.send_chunk(TokenChunk(request_id=request_id, text=output.text,
                                        token_ids=output.token_ids,
@@ -340,23 +385,29 @@ class RunnerLoop:
         if output.finished:
             self.in_flight.discard(request_id)
             finish_reason = output.finish_reason or "stop"
-            if tool_stream is not None:
-                finish_reason = tool_stream.finish_reason(finish_reason)
-                del self.tool_streams[request_id]
+            reasoning_tokens = 0
+            if stream is not None:
+                finish_reason = stream.finish_reason(finish_reason)
+                reasoning_tokens = stream.reasoning_tokens
+                del self.output_streams[request_id]
             usage = Usage(prompt_tokens=output.prompt_tokens,
                           completion_tokens=output.completion_tokens,
                           cached_tokens=output.cached_tokens,
                           draft_tokens=output.draft_tokens,
-                          accepted_draft_tokens=output.accepted_draft_tokens)
+                          accepted_draft_tokens=output.accepted_draft_tokens,
+                          reasoning_tokens=reasoning_tokens)
             self.send_chunk(FinishChunk(request_id=request_id, finish_reason=finish_reason,
                                         usage=usage, stop_sequence=output.stop_string))
 
-    def _send_with_tool_calls(self, request_id: str, stream: ToolCallStream,
-                              output: RequestOutput) -> None:
+    def _send_pieces(self, request_id: str, stream: ToolCallStream | HarmonyStream,
+                     output: RequestOutput) -> None:
         for piece in stream.feed(output):
             if isinstance(piece, IndexedCall):
                 self.send_chunk(ToolCallChunk(request_id=request_id, index=piece.index,
                                               call=piece.call))
+            elif isinstance(piece, ReasoningPiece):
+                self.send_chunk(ReasoningChunk(request_id=request_id, text=piece.text,
+                                               token_ids=piece.token_ids))
             else:
                 self.send_chunk(TokenChunk(request_id=request_id, text=piece.text,
                                            token_ids=piece.token_ids,

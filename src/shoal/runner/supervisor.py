@@ -331,7 +331,7 @@ class RunnerSupervisor:
                 process.load_failed = message.message
 
     def _deliver(self, chunk: Any) -> None:
-        if chunk.kind == "token":
+        if chunk.kind in ("token", "reasoning"):
             self.generated_tokens += len(chunk.token_ids)
         self._requests.deliver(chunk)
 

@@ -1,4 +1,8 @@
-"""One request's engine outputs with its tool calls taken out of the text."""
+"""One request's engine outputs with its tool calls taken out of the text.
+
+The pieces a request's output is split into (TextPiece, ReasoningPiece, IndexedCall) are
+shared with harmony_stream.py, which splits a harmony reply the same way.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,14 @@ class TextPiece:
 
 
 @dataclass(frozen=True)
+class ReasoningPiece:
+    """Reasoning text, with the tokens that arrived since the last piece."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class IndexedCall:
     index: int  # counts from 0 within the request
     call: ToolCall
@@ -31,6 +43,8 @@ class ToolCallStream:
     Tokens held back with the text ride along with the next released piece; the tokens
     of a call are represented by the call itself.
     """
+
+    reasoning_tokens = 0  # this format has no reasoning
 
     def __init__(self, tool_names: Collection[str]) -> None:
         self.parser = ToolCallParser(tool_names)

@@ -72,7 +72,7 @@ def grammar_param(request: GenerationRequest) -> str:
 
 def output_grammar(request: GenerationRequest, fmt: ToolCallFormat) -> GrammarSpec | None:
     """The grammar the output must follow, or None for free text."""
-    answer = _answer_schema(request)
+    answer = answer_schema(request)
     tools = offered_tools(request)
     choice = request.tool_choice
     if tools and isinstance(choice, ForcedTool):
@@ -85,7 +85,7 @@ def output_grammar(request: GenerationRequest, fmt: ToolCallFormat) -> GrammarSp
     return GrammarSpec(json_schema=answer) if answer is not None else None
 
 
-def _answer_schema(request: GenerationRequest) -> dict[str, Any] | None:
+def answer_schema(request: GenerationRequest) -> dict[str, Any] | None:
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None

@@ -26,6 +26,7 @@ from shoal.api.openai.tool_fields import (
     tool_call_delta,
     tool_call_json,
 )
+from shoal.api.reasoning import effort_request
 from shoal.api.sampling import build_sampling_params, stop_strings
 from shoal.api.sse import DONE, sse_event
 from shoal.api.tools import limit_tool_calls
@@ -97,6 +98,8 @@ def chat_to_internal(body: ChatCompletionRequest, request_id: str) -> Generation
                              sampling=params, stream=body.stream, tools=tools,
                              tool_choice=internal_tool_choice(body, tools),
                              response_format=internal_response_format(body.response_format),
+                             reasoning=effort_request(body.reasoning_effort,
+                                                      "reasoning_effort"),
                              keep_alive_s=keep_alive_seconds(body.keep_alive))
 
 
@@ -104,7 +107,8 @@ def _chat_message(message: ChatMessageIn, index: int) -> ChatMessage:
     check_tool_call_id(message, index)
     return ChatMessage(role=message.role, content=_message_text(message, index),
                        name=message.name, tool_calls=internal_tool_calls(message, index),
-                       tool_call_id=message.tool_call_id)
+                       tool_call_id=message.tool_call_id,
+                       reasoning=message.reasoning_content or message.reasoning or None)
 
 
 def completion_to_internal(body: CompletionRequest, request_id: str) -> GenerationRequest:
@@ -135,7 +139,15 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            **reasoning_usage_json(usage, "completion_tokens_details"),
             **usage.speculative_json()}
+
+
+def reasoning_usage_json(usage: Usage, field_name: str) -> dict[str, Any]:
+    """The reasoning tokens under field_name; {} for a reply without reasoning."""
+    if not usage.reasoning_tokens:
+        return {}
+    return {field_name: {"reasoning_tokens": usage.reasoning_tokens}}
 
 
 def chat_logprobs(items: list[LogprobItem] | tuple[LogprobItem, ...]) -> dict[str, Any]:
@@ -197,6 +209,8 @@ class OpenAIResponder(SSEResponder):
             if reply.tool_calls:
                 choice["message"] = {"role": "assistant", "content": reply.text or None,
                                      "tool_calls": [tool_call_json(c) for c in reply.tool_calls]}
+            if reply.reasoning:
+                choice["message"]["reasoning_content"] = reply.reasoning
         else:
             choice["text"] = reply.text
         return {**self._envelope(self.object_name), "choices": [choice],
@@ -211,6 +225,8 @@ class OpenAIResponder(SSEResponder):
             if chunk.kind == "token":
                 yield self._sse_chunk(chunk.text, self._logprobs(chunk.logprobs, offset), None)
                 offset += len(chunk.text)
+            elif chunk.kind == "reasoning" and self.dialect == "chat":
+                yield self._sse_chunk({"reasoning_content": chunk.text}, None, None)
             elif chunk.kind == "tool_call":
                 yield self._sse_chunk(tool_call_delta(chunk.index, chunk.call), None, None)
             elif chunk.kind == "finish":

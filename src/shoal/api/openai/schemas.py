@@ -42,6 +42,9 @@ class ChatMessageIn(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # An assistant turn's reasoning sent back (vLLM's and DeepSeek's name; "reasoning" too)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(OpenAIModel):
@@ -110,6 +113,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormatIn | None = None
+    reasoning_effort: Any = None  # "low" | "medium" | "high", checked in the adapter
 
     @field_validator("tool_choice", mode="wrap")
     @classmethod

@@ -27,6 +27,9 @@ from shoal.engine.tokenizer.gguf_vocab import (
 from shoal.engine.weights.gguf_file import read_gguf_metadata
 
 _CACHE_FORMAT = 1  # bump when the built tokenizer.json would change for the same file
+# A vocabulary with all of these speaks OpenAI's harmony chat format (gpt-oss).
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                  "<|call|>", "<|constrain|>")
 
 
 def default_cache_dir() -> Path:
@@ -58,6 +61,13 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()  # {id: AddedToken}
         self._added_ids = {token.content: index for index, token in added.items()}
         self.special_token_ids = frozenset(i for i, token in added.items() if token.special)
+        self.speaks_harmony = all(token in self._added_ids for token in HARMONY_TOKENS)
+        if self.speaks_harmony:
+            # A harmony reply ends with <|return|> (answered) or <|call|> (a tool call);
+            # <|end|> only closes one message of several (the reasoning before the answer).
+            ids = self._added_ids
+            self.eos_token_ids = (self.eos_token_ids - {ids["<|end|>"]}) | {
+                ids["<|return|>"], ids["<|call|>"]}
 
     @classmethod
     def load(cls, source: ModelSource, cache_dir: Path | None = None) -> Tokenizer:
@@ -112,10 +122,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text for a conversation; encode it with encode(text)."""
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+                                         tools=tools, **(variables or {}))
 
     def _id_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
