@@ -25,6 +25,7 @@ from shoal.api.ollama.schemas import (
     GenerationFields,
     MessageIn,
 )
+from shoal.api.reasoning import effort_request
 from shoal.api.sampling import build_sampling_params
 from shoal.api.sse import ndjson_line
 from shoal.api.tools import arguments_object, arguments_text, new_call_id, tool_spec
@@ -33,6 +34,7 @@ from shoal.protocol import (
     FinishChunk,
     GenerationRequest,
     LogprobItem,
+    ReasoningRequest,
     ToolCall,
 )
 
@@ -58,8 +60,6 @@ def timestamp() -> str:
 # ---- to_internal ----------------------------------------------------------------------------
 
 def _check_common(body: GenerationFields) -> None:
-    if body.think not in (None, False):
-        raise invalid_parameter("think", f"{body.model!r} does not support thinking")
     if body.top_logprobs and not body.logprobs:
         raise invalid_parameter("top_logprobs", "top_logprobs needs logprobs=true")
 
@@ -72,7 +72,15 @@ def _request(body: GenerationFields, request_id: str, **prompt: Any) -> Generati
     return GenerationRequest(request_id=request_id, model=model_name(body.model),
                              sampling=build_sampling_params(values, names), stream=body.stream,
                              response_format=response_format(body.format),
+                             reasoning=_reasoning(body.think),
                              keep_alive_s=keep_alive_seconds(body.keep_alive), **prompt)
+
+
+def _reasoning(think: bool | str | None) -> ReasoningRequest | None:
+    """think: true / false, or an effort ("low", "medium", "high"); None: the model's way."""
+    if isinstance(think, bool):
+        return ReasoningRequest(enabled=think, param="think")
+    return effort_request(think, "think")
 
 
 def _message(message: MessageIn, index: int) -> ChatMessage:
@@ -86,7 +94,8 @@ def _message(message: MessageIn, index: int) -> ChatMessage:
                                           f"{where}.tool_calls.{n}.function.arguments"))
         for n, call in enumerate(message.tool_calls or ()))
     return ChatMessage(role=message.role, content=message.content, tool_calls=calls,
-                       name=message.tool_name if message.role == "tool" else None)
+                       name=message.tool_name if message.role == "tool" else None,
+                       reasoning=message.thinking or None)
 
 
 def chat_to_internal(body: ChatRequest, request_id: str) -> GenerationRequest:
@@ -167,15 +176,20 @@ class OllamaResponder:
         return ndjson_line(self._piece(""))
 
     def _piece(self, text: str, tool_calls: list[dict[str, Any]] | None = None,
-               logprobs: list[LogprobItem] | tuple[LogprobItem, ...] = ()) -> dict[str, Any]:
+               logprobs: list[LogprobItem] | tuple[LogprobItem, ...] = (),
+               thinking: str = "") -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "created_at": timestamp()}
         if self.endpoint == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if tool_calls:
                 message["tool_calls"] = tool_calls
             body["message"] = message
         else:
             body["response"] = text
+            if thinking:
+                body["thinking"] = thinking
         if self.want_logprobs and logprobs:
             body["logprobs"] = logprobs_json(logprobs)
         body["done"] = False
@@ -190,7 +204,7 @@ class OllamaResponder:
                 **finish.usage.speculative_json()}
 
     def _mark(self, chunk: Any) -> None:
-        if chunk.kind in ("token", "tool_call") and not self.timings.first_token:
+        if chunk.kind in ("token", "reasoning", "tool_call") and not self.timings.first_token:
             self.timings.first_token = time.monotonic_ns()
 
     async def _marked(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -202,7 +216,8 @@ class OllamaResponder:
     async def to_json(self, chunks: AsyncIterator[Any]) -> dict[str, Any]:
         reply = await collect_reply(self._marked(chunks))
         calls = [tool_call_json(i, call) for i, call in enumerate(reply.tool_calls)]
-        return self._done(self._piece(reply.text, calls, reply.logprobs), reply.finish)
+        return self._done(self._piece(reply.text, calls, reply.logprobs, reply.reasoning),
+                          reply.finish)
 
     async def to_stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
         """One line per token or tool call, then a done line with counts and timings."""
@@ -210,6 +225,8 @@ class OllamaResponder:
         async for chunk in self._marked(chunks):
             if chunk.kind == "token":
                 yield ndjson_line(self._piece(chunk.text, logprobs=chunk.logprobs))
+            elif chunk.kind == "reasoning":
+                yield ndjson_line(self._piece("", thinking=chunk.text))
             elif chunk.kind == "tool_call":
                 try:
                     call = tool_call_json(calls, chunk.call)

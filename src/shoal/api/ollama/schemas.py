@@ -30,7 +30,7 @@ class MessageIn(OllamaModel):
     images: list[str] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_name: str | None = None  # a tool turn: which function produced this result
-    thinking: str | None = None  # an earlier reply's reasoning; shoal's models produce none
+    thinking: str | None = None  # an earlier reply's reasoning, shown again where the format does
 
 
 class FunctionIn(OllamaModel):
@@ -52,7 +52,7 @@ class GenerationFields(OllamaModel, AdmissionFields):
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     keep_alive: float | str | None = None
-    think: bool | str | None = None
+    think: bool | str | None = None  # true / false, or "low" / "medium" / "high"
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
