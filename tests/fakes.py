@@ -37,6 +37,7 @@ from shoal.engine.tokenizer.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 128
+HARMONY_MAX_MODEL_LEN = 4096
 NATURAL_LENGTH = 8
 # What a TOOLCALL request writes, one piece per step (the tag is split across pieces).
 TOOL_CALL_PIECES = ("Let me check. <tool", '_call>\n{"name": "get_weather", ',
@@ -112,7 +113,8 @@ class FakeEngine(NoEmbedding, NotFollower):
         self.model_id = model_id
         harmony = model_id.startswith("fake-harmony")
         self.tokenizer = FakeHarmonyTokenizer() if harmony else FakeTokenizer()
-        self.max_model_len = MAX_MODEL_LEN
+        # Anthropic's thinking needs max_tokens above a 1,024-token budget.
+        self.max_model_len = HARMONY_MAX_MODEL_LEN if harmony else MAX_MODEL_LEN
         self.vocab_size = VOCAB_SIZE
         self.words: dict[int, str] = {}
         self._requests: dict[str, _FakeRequest] = {}

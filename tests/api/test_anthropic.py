@@ -103,8 +103,14 @@ def test_count_tokens(fake_node):
     ({**BODY, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "data": "aGk="}}]}]},
      "messages.0.content.0.type: image blocks"),
-    ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({**BODY, "output_config": {"effort": "high"}}, "effort"),
+    ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking.budget_tokens must be less than max_tokens"),
+    ({**BODY, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking: model 'fake-model' does not support reasoning"),
+    ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 10}}, "at least 1024"),
+    ({**BODY, "thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({**BODY, "output_config": {"effort": "high"}}, "effort: model 'fake-model' does not"),
+    ({**BODY, "output_config": {"effort": "max"}}, "output_config.effort"),
     ({**BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
     ({**BODY, "tool_choice": {"type": "tool", "name": "missing"}}, "missing"),
 ])

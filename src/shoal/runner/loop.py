@@ -264,7 +264,8 @@ class RunnerLoop:
     def check_reasoning(self, request: GenerationRequest) -> None:
         """InvalidParameter when reasoning is asked of a model that cannot reason."""
         reasoning = request.reasoning
-        if reasoning is None or not reasoning.enabled or self.harmony_chat(request):
+        asked = reasoning is not None and (reasoning.enabled or reasoning.effort is not None)
+        if not asked or self.harmony_chat(request):
             return
         what = "a raw prompt" if self.speaks_harmony else f"model {self.engine.model_id!r}"
         raise InvalidParameter(reasoning.param, f"{what} does not support reasoning")

@@ -2,9 +2,13 @@
 
 Content blocks: text everywhere; tool_use in assistant turns becomes the turn's tool calls;
 tool_result in user turns becomes tool messages (before the turn's text, as Anthropic
-requires them first). thinking blocks of earlier assistant turns are left out, as Anthropic's
-own API leaves them out of the context. Images and documents are refused: shoal serves text
-models.
+requires them first); thinking blocks of earlier assistant turns become the turn's reasoning,
+which the model's chat format shows again or leaves out (redacted_thinking is left out).
+Images and documents are refused: shoal serves text models.
+
+thinking {"type": "enabled", "budget_tokens": N} asks a reasoning model to reason and return
+it: the budget picks the effort (under 4,096 low, under 16,384 medium, else high) unless
+output_config.effort names one. Without it the reasoning is not returned.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from shoal.api.anthropic.schemas import (
     ToolChoiceIn,
 )
 from shoal.api.errors import invalid_parameter
+from shoal.api.reasoning import effort_request
 from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.sampling import build_sampling_params
 from shoal.api.tools import check_tool_named, tool_spec
@@ -28,6 +33,8 @@ from shoal.protocol import (
     ChatMessage,
     ForcedTool,
     GenerationRequest,
+    ReasoningEffort,
+    ReasoningRequest,
     ResponseFormat,
     ToolCall,
     ToolChoice,
@@ -36,7 +43,9 @@ from shoal.protocol import (
 
 # SamplingParams field -> Anthropic's name, for error messages.
 PARAM_NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences"}
-_SKIPPED_ASSISTANT_BLOCKS = ("thinking", "redacted_thinking")
+# budget_tokens below each bound -> that effort; at or above the last -> "high".
+_EFFORT_BY_BUDGET: tuple[tuple[int, ReasoningEffort], ...] = ((4096, "low"), (16384, "medium"))
+MIN_THINKING_BUDGET = 1024  # Anthropic's own minimum
 
 
 def new_message_id() -> str:
@@ -88,18 +97,21 @@ def _user_turn(message: MessageIn, where: str) -> list[ChatMessage]:
 def _assistant_turn(message: MessageIn, where: str) -> ChatMessage:
     if isinstance(message.content, str):
         return ChatMessage(role="assistant", content=message.content)
-    text, calls = [], []
+    text, calls, thinking = [], [], []
     for n, block in enumerate(message.content):
         if block.type == "text" and block.text is not None:
             text.append(block.text)
+        elif block.type == "thinking":
+            thinking.append(block.thinking or "")
         elif block.type == "tool_use":
             if not block.id or not block.name:
                 raise invalid_parameter(f"{where}.{n}", "tool_use needs id and name")
             calls.append(ToolCall(id=block.id, name=block.name,
                                   arguments=json.dumps(block.input or {}, ensure_ascii=False)))
-        elif block.type not in _SKIPPED_ASSISTANT_BLOCKS:
+        elif block.type != "redacted_thinking":
             raise _unsupported_block(block, f"{where}.{n}")
-    return ChatMessage(role="assistant", content="".join(text), tool_calls=tuple(calls))
+    return ChatMessage(role="assistant", content="".join(text), tool_calls=tuple(calls),
+                       reasoning="".join(thinking) or None)
 
 
 def chat_messages(body: PromptFields) -> tuple[ChatMessage, ...]:
@@ -156,23 +168,45 @@ def _response_format(body: PromptFields) -> ResponseFormat | None:
     config = body.output_config
     if config is None:
         return None
-    if config.effort is not None:
-        raise invalid_parameter("output_config.effort", f"{body.model!r} does not support "
-                                                        f"effort")
     if config.format is None:
         return None
     return ResponseFormat(type="json_schema", json_schema=config.format.json_schema)
 
 
+def _reasoning(body: PromptFields) -> ReasoningRequest:
+    """Whether to return reasoning (thinking enabled) and how hard to reason."""
+    effort_field = body.output_config.effort if body.output_config else None
+    asked = effort_request(effort_field, "output_config.effort")
+    thinking = body.thinking or {"type": "disabled"}
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return ReasoningRequest(enabled=False, effort=asked.effort if asked else None,
+                                param="output_config.effort")
+    if kind not in ("enabled", "adaptive"):
+        raise invalid_parameter("thinking.type", 'thinking.type must be "enabled", '
+                                                 '"adaptive" or "disabled"')
+    effort = asked.effort if asked else None
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled":
+        max_tokens = getattr(body, "max_tokens", None)
+        if not isinstance(budget, int) or isinstance(budget, bool) \
+                or budget < MIN_THINKING_BUDGET:
+            raise invalid_parameter("thinking.budget_tokens", f"thinking.budget_tokens must "
+                                    f"be an integer of at least {MIN_THINKING_BUDGET}")
+        if max_tokens is not None and budget >= max_tokens:
+            raise invalid_parameter("thinking.budget_tokens", "thinking.budget_tokens must "
+                                                              "be less than max_tokens")
+        effort = effort or next((e for bound, e in _EFFORT_BY_BUDGET if budget < bound),
+                                "high")
+    return ReasoningRequest(enabled=True, effort=effort, param="thinking")
+
+
 def to_internal(body: PromptFields, request_id: str) -> GenerationRequest:
     """The request for a Messages body, or for a count_tokens body (count_only)."""
-    if body.thinking and body.thinking.get("type") not in (None, "disabled"):
-        raise invalid_parameter("thinking", f"{body.model!r} does not support extended "
-                                            f"thinking")
     tools = _tools(body)
     common = {"request_id": request_id, "model": body.model, "messages": chat_messages(body),
               "tools": tools, "tool_choice": _tool_choice(body.tool_choice, tools),
-              "response_format": _response_format(body)}
+              "response_format": _response_format(body), "reasoning": _reasoning(body)}
     if isinstance(body, MessagesRequest):
         return GenerationRequest(sampling=_sampling(body), stream=body.stream,
                                  keep_alive_s=keep_alive_seconds(body.keep_alive), **common)

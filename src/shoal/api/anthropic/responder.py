@@ -2,8 +2,9 @@
 
 message_start, then per content block content_block_start / content_block_delta... /
 content_block_stop (a ping follows the first block's start), then message_delta (stop_reason,
-usage) and message_stop. Text streams as text_delta; a tool call as one tool_use block whose
-input arrives as input_json_delta.
+usage) and message_stop. Text streams as text_delta; a reasoning model's reasoning as a
+thinking block of thinking_delta (closed by an empty signature_delta: shoal signs nothing);
+a tool call as one tool_use block whose input arrives as input_json_delta.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def tool_use_block(call: ToolCall, with_input: bool = True) -> dict[str, Any]:
             "input": arguments_object(call) if with_input else {}}
 
 
+def thinking_block(thinking: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def _event(data: dict[str, Any]) -> str:
     return sse_event(data, event=data["type"])
 
@@ -64,7 +69,8 @@ class AnthropicResponder(SSEResponder):
 
     async def to_json(self, chunks: AsyncIterator[Any]) -> dict[str, Any]:
         reply = await collect_reply(limit_tool_calls(chunks, self.parallel_tool_use))
-        content = [{"type": "text", "text": reply.text}] if reply.text else []
+        content = [thinking_block(reply.reasoning)] if reply.reasoning else []
+        content += [{"type": "text", "text": reply.text}] if reply.text else []
         content += [tool_use_block(call) for call in reply.tool_calls]
         return self._message(content, reply.finish, bool(reply.tool_calls))
 
@@ -75,6 +81,9 @@ class AnthropicResponder(SSEResponder):
         async for chunk in limit_tool_calls(chunks, self.parallel_tool_use):
             if chunk.kind == "token" and chunk.text:
                 for event in blocks.text(chunk.text):
+                    yield event
+            elif chunk.kind == "reasoning" and chunk.text:
+                for event in blocks.thinking(chunk.text):
                     yield event
             elif chunk.kind == "tool_call":
                 try:
@@ -100,11 +109,12 @@ class AnthropicResponder(SSEResponder):
 
 
 class _BlockWriter:
-    """Numbers content blocks, keeps one text block open across deltas, pings once."""
+    """Numbers content blocks, keeps one text or thinking block open across deltas, pings
+    once."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.text_open = False
+        self.open: str | None = None  # the kind of the open block: "text", "thinking"
         self.pinged = False
 
     def _start(self, block: dict[str, Any]) -> list[str]:
@@ -120,10 +130,19 @@ class _BlockWriter:
         return _event({"type": "content_block_stop", "index": self.index})
 
     def text(self, text: str) -> list[str]:
-        events = [] if self.text_open else self._start({"type": "text", "text": ""})
-        self.text_open = True
+        return self._delta({"type": "text", "text": ""}, {"type": "text_delta", "text": text})
+
+    def thinking(self, thinking: str) -> list[str]:
+        return self._delta(thinking_block(""), {"type": "thinking_delta", "thinking": thinking})
+
+    def _delta(self, block: dict[str, Any], delta: dict[str, Any]) -> list[str]:
+        """delta in the open block of block's kind, opened (the other one closed) if need be."""
+        events = []
+        if self.open != block["type"]:
+            events = self.close() + self._start(block)
+            self.open = block["type"]
         events.append(_event({"type": "content_block_delta", "index": self.index,
-                              "delta": {"type": "text_delta", "text": text}}))
+                              "delta": delta}))
         return events
 
     def tool_use(self, call: ToolCall) -> list[str]:
@@ -136,11 +155,15 @@ class _BlockWriter:
         return events
 
     def close(self) -> list[str]:
-        """Close the open text block, if any."""
-        if not self.text_open:
-            return []
-        self.text_open = False
-        return [self._stop()]
+        """Close the open text or thinking block, if any."""
+        events = []
+        if self.open == "thinking":
+            events.append(_event({"type": "content_block_delta", "index": self.index,
+                                  "delta": {"type": "signature_delta", "signature": ""}}))
+        if self.open is not None:
+            events.append(self._stop())
+        self.open = None
+        return events
 
     def finish(self) -> list[str]:
         """Close the last block; ping now if no block was ever started."""

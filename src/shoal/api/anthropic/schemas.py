@@ -25,6 +25,7 @@ class ContentBlock(AnthropicModel):
     tool_use_id: str | None = None  # tool_result
     content: str | list[ContentBlock] | None = None  # tool_result
     is_error: bool | None = None  # tool_result
+    thinking: str | None = None  # thinking (its signature is not checked: shoal signs none)
 
 
 class MessageIn(AnthropicModel):
