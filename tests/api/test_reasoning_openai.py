@@ -122,3 +122,56 @@ def test_the_openai_client_reads_reasoning_content(fake_node):
                c.choices[0].delta.content) for c in stream if c.choices]
     assert "".join(r or "" for r, _ in pieces) == "The user greets me. Reply kindly."
     assert "".join(t or "" for _, t in pieces) == "Hello there!"
+
+
+# ---- the Responses API ------------------------------------------------------------------
+
+def respond(node, body):
+    return httpx.post(node.url + "/v1/responses", json={"model": "fake-harmony", **body},
+                      timeout=20)
+
+
+def test_responses_return_a_reasoning_item_before_the_message(fake_node):
+    response = respond(fake_node, {"input": "THINK hi", "reasoning": {"effort": "high"}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text",
+                                     "text": "The user greets me. Reply kindly."}]
+    assert message["content"][0]["text"] == "Hello there!"
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    assert body["reasoning"]["effort"] == "high"
+    quiet = respond(fake_node, {"input": "THINK hi", "reasoning": {"effort": "none"}}).json()
+    assert [item["type"] for item in quiet["output"]] == ["message"]
+    bad = respond(fake_node, {"input": "THINK hi", "reasoning": {"effort": "max"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"
+
+
+def test_responses_round_trip_reasoning_and_a_call(fake_node):
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    first = respond(fake_node, {"input": "THINKCALL weather?", "tools": [tool]}).json()
+    reasoning, call = first["output"]
+    assert reasoning["content"][0]["text"] == "Need the weather in Paris."
+    assert call["type"] == "function_call" and call["arguments"] == '{"city": "Paris"}'
+    history = [{"role": "user", "content": "THINKCALL weather?"}, reasoning, call,
+               {"type": "function_call_output", "call_id": call["call_id"],
+                "output": '{"sky": "sunny"}'}]
+    second = respond(fake_node, {"input": history, "tools": [tool]})
+    assert second.status_code == 200, second.text
+    output = second.json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert output[1]["content"][0]["text"] == "Sunny in Paris, 22 C."
+
+
+def test_the_openai_client_streams_responses_reasoning(fake_node):
+    client = openai.OpenAI(base_url=fake_node.url + "/v1", api_key="unused")
+    with client.responses.stream(model="fake-harmony", input="THINK hi",
+                                 reasoning={"effort": "low"}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert final.output[0].type == "reasoning"
+    assert final.output[0].content[0].text == "The user greets me. Reply kindly."
+    assert final.output_text == "Hello there!"

@@ -1,8 +1,10 @@
 """POST /v1/responses (OpenAI's Responses API): request bodies -> GenerationRequest.
 
 input is a string or a list of items: messages (input_text / output_text parts),
-function_call and function_call_output items (a finished tool round trip). reasoning items
-of earlier turns are left out (shoal's models do not reason). shoal stores nothing, so
+function_call and function_call_output items (a finished tool round trip), and reasoning
+items of earlier turns (their reasoning_text, else their summary), which become the next
+assistant turn's reasoning. reasoning.effort reaches reasoning models ("none": the reasoning
+is not returned); their reasoning comes back as a reasoning item. shoal stores nothing, so
 previous_response_id, item references and background runs are refused; send the whole
 conversation in input instead.
 """
@@ -19,6 +21,7 @@ from shoal.api.admission import admitted
 from shoal.api.errors import invalid_parameter
 from shoal.api.generation import respond
 from shoal.api.ollama.options import keep_alive_seconds
+from shoal.api.reasoning import effort_request
 from shoal.api.openai.responses_events import ResponsesResponder
 from shoal.api.openai.responses_schemas import InputItem, ResponsesRequest, TextFormat
 from shoal.api.sampling import build_sampling_params
@@ -27,6 +30,7 @@ from shoal.protocol import (
     ChatMessage,
     ForcedTool,
     GenerationRequest,
+    ReasoningRequest,
     ResponseFormat,
     ToolCall,
     ToolChoice,
@@ -36,7 +40,6 @@ from shoal.protocol import (
 router = APIRouter()
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_SKIPPED_ITEMS = ("reasoning",)
 
 
 def new_response_id() -> str:
@@ -69,6 +72,23 @@ def _append_call(messages: list[ChatMessage], item: InputItem, where: str) -> No
         messages.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
 
 
+def _reasoning_text(item: InputItem) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary."""
+    parts = item.content if isinstance(item.content, list) else []
+    text = "".join(p.text or "" for p in parts if p.type == "reasoning_text")
+    return text or "\n".join(p.text or "" for p in item.summary or ())
+
+
+def _append_assistant_text(messages: list[ChatMessage], text: str) -> None:
+    """An assistant message joins the reasoning-only turn just before it, or starts one."""
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant" and not last.content \
+            and not last.tool_calls:
+        messages[-1] = last.model_copy(update={"content": text})
+    else:
+        messages.append(ChatMessage(role="assistant", content=text))
+
+
 def chat_messages(body: ResponsesRequest) -> tuple[ChatMessage, ...]:
     messages = [ChatMessage(role="system", content=body.instructions)] \
         if body.instructions else []
@@ -82,8 +102,15 @@ def chat_messages(body: ResponsesRequest) -> tuple[ChatMessage, ...]:
                 raise invalid_parameter(f"{where}.role", "message items need a role")
             # "developer" instructions are what chat templates call the system turn
             role = "system" if item.role == "developer" else item.role
-            messages.append(ChatMessage(role=role,
-                                        content=_part_text(item.content, f"{where}.content")))
+            text = _part_text(item.content, f"{where}.content")
+            if role == "assistant":
+                _append_assistant_text(messages, text)
+            else:
+                messages.append(ChatMessage(role=role, content=text))
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item)
+            if reasoning:
+                messages.append(ChatMessage(role="assistant", content="", reasoning=reasoning))
         elif kind == "function_call":
             _append_call(messages, item, where)
         elif kind == "function_call_output":
@@ -92,7 +119,7 @@ def chat_messages(body: ResponsesRequest) -> tuple[ChatMessage, ...]:
                                                             "call_id")
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                         content=_part_text(item.output, f"{where}.output")))
-        elif kind not in _SKIPPED_ITEMS:
+        else:
             raise invalid_parameter(f"{where}.type", f"input items of type {kind!r} are not "
                                                      f"supported")
     if not messages:
@@ -138,14 +165,18 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
                                                         "send the whole conversation in input")
     if body.background:
         raise invalid_parameter("background", "background responses are not supported")
-    if body.reasoning and body.reasoning.get("effort") not in (None, "none"):
-        raise invalid_parameter("reasoning.effort", f"{body.model!r} does not support "
-                                                    f"reasoning")
     if body.truncation == "auto":
         raise invalid_parameter("truncation", 'only truncation "disabled" is supported')
     if body.top_logprobs:
         raise invalid_parameter("top_logprobs", "top_logprobs is not supported on "
                                                 "/v1/responses; use /v1/chat/completions")
+
+
+def _reasoning(body: ResponsesRequest) -> ReasoningRequest | None:
+    effort = (body.reasoning or {}).get("effort")
+    if effort == "none":
+        return ReasoningRequest(enabled=False, param="reasoning.effort")
+    return effort_request(effort, "reasoning.effort")
 
 
 def to_internal(body: ResponsesRequest, request_id: str) -> GenerationRequest:
@@ -159,7 +190,7 @@ def to_internal(body: ResponsesRequest, request_id: str) -> GenerationRequest:
         sampling=sampling, stream=body.stream, tools=tools,
         tool_choice=_tool_choice(body, tools),
         response_format=response_format(body.text.format if body.text else None),
-        keep_alive_s=keep_alive_seconds(body.keep_alive))
+        reasoning=_reasoning(body), keep_alive_s=keep_alive_seconds(body.keep_alive))
 
 
 def request_echo(body: ResponsesRequest) -> dict[str, Any]:
@@ -169,7 +200,8 @@ def request_echo(body: ResponsesRequest) -> dict[str, Any]:
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls
         is not False, "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None}, "store": False,
+        "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+        "store": False,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)
                  if text_format else {"type": "text"}},

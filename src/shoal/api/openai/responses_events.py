@@ -1,6 +1,8 @@
 """Internal chunks -> an OpenAI Responses object, or its SSE event stream:
 
-response.created, response.in_progress; for text, one message item
+response.created, response.in_progress; for a reasoning model's reasoning, one reasoning item
+(output_item.added, reasoning_text.delta..., reasoning_text.done, output_item.done); for
+text, one message item
 (output_item.added, content_part.added, output_text.delta..., output_text.done,
 content_part.done, output_item.done); for each tool call, one function_call item
 (output_item.added, function_call_arguments.delta / .done, output_item.done); then
@@ -32,7 +34,7 @@ def usage_json(finish: FinishChunk) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens, **usage.speculative_json()}
 
 
@@ -44,6 +46,11 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """A message output item; text None while it is only being opened."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [] if text is None else [text_part(text)]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
 
 
 def function_call_item(item_id: str, call: ToolCall, status: str = "completed"
@@ -88,7 +95,8 @@ class ResponsesResponder(SSEResponder):
     async def to_json(self, chunks: AsyncIterator[Any]) -> dict[str, Any]:
         reply = await collect_reply(limit_tool_calls(chunks, self._parallel))
         status, incomplete = _status(reply.finish)
-        output = []
+        output = [reasoning_item(_item_id("rs"), reply.reasoning, "completed")] \
+            if reply.reasoning else []
         if reply.text or not reply.tool_calls:
             output.append(message_item(_item_id("msg"), reply.text, status))
         output += [function_call_item(_item_id("fc"), call) for call in reply.tool_calls]
@@ -102,6 +110,9 @@ class ResponsesResponder(SSEResponder):
         async for chunk in limit_tool_calls(chunks, self._parallel):
             if chunk.kind == "token" and chunk.text:
                 for event in events.text(chunk.text):
+                    yield event
+            elif chunk.kind == "reasoning" and chunk.text:
+                for event in events.reasoning(chunk.text):
                     yield event
             elif chunk.kind == "tool_call":
                 for event in events.function_call(chunk.call):
@@ -123,13 +134,16 @@ class ResponsesResponder(SSEResponder):
 
 
 class _EventWriter:
-    """Numbers events and tracks the output items: at most one open message at a time."""
+    """Numbers events and tracks the output items: at most one open message or reasoning
+    item at a time."""
 
     def __init__(self) -> None:
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []
         self._message_id: str | None = None  # the open message item
         self._text: list[str] = []
+        self._reasoning_id: str | None = None  # the open reasoning item
+        self._reasoning: list[str] = []
 
     def emit(self, kind: str, **fields: Any) -> str:
         event = sse_event({"type": kind, "sequence_number": self.sequence_number, **fields},
@@ -145,8 +159,33 @@ class _EventWriter:
                 self.emit("response.content_part.added", **where, content_index=0,
                           part=text_part(""))]
 
+    def reasoning(self, delta: str) -> list[str]:
+        events = []
+        if self._reasoning_id is None:
+            events = self.close_message()
+            self._reasoning_id, self._reasoning = _item_id("rs"), []
+            events.append(self.emit("response.output_item.added", output_index=len(self.output),
+                                    item=reasoning_item(self._reasoning_id, "", "in_progress")))
+        self._reasoning.append(delta)
+        events.append(self.emit("response.reasoning_text.delta", item_id=self._reasoning_id,
+                                output_index=len(self.output), content_index=0, delta=delta))
+        return events
+
+    def close_reasoning(self) -> list[str]:
+        if self._reasoning_id is None:
+            return []
+        text, item_id, index = "".join(self._reasoning), self._reasoning_id, len(self.output)
+        item = reasoning_item(item_id, text, "completed")
+        self.output.append(item)
+        self._reasoning_id = None
+        return [self.emit("response.reasoning_text.done", item_id=item_id, output_index=index,
+                          content_index=0, text=text),
+                self.emit("response.output_item.done", output_index=index, item=item)]
+
     def text(self, delta: str) -> list[str]:
-        events = self._open_message() if self._message_id is None else []
+        events = self.close_reasoning()
+        if self._message_id is None:
+            events += self._open_message()
         self._text.append(delta)
         events.append(self.emit("response.output_text.delta", item_id=self._message_id,
                                 output_index=len(self.output), content_index=0, delta=delta,
@@ -166,7 +205,7 @@ class _EventWriter:
                 self.emit("response.output_item.done", output_index=index, item=item)]
 
     def function_call(self, call: ToolCall) -> list[str]:
-        events = self.close_message()
+        events = self.close_reasoning() + self.close_message()
         item_id, index = _item_id("fc"), len(self.output)
         where = {"item_id": item_id, "output_index": index}
         item = function_call_item(item_id, call)
@@ -180,7 +219,8 @@ class _EventWriter:
             self.emit("response.output_item.done", output_index=index, item=item)]
 
     def finish(self, status: str) -> list[str]:
-        """Close the open message; a reply with no output at all still gets an empty one."""
-        if self._message_id is None and not self.output:
-            return self._open_message() + self.close_message(status)
-        return self.close_message(status)
+        """Close the open item; a reply with no output at all still gets an empty message."""
+        events = self.close_reasoning()
+        if self._message_id is None and not any(i["type"] != "reasoning" for i in self.output):
+            return events + self._open_message() + self.close_message(status)
+        return events + self.close_message(status)

@@ -27,6 +27,7 @@ class InputItem(OpenAIModel):
     name: str | None = None
     arguments: str | None = None
     output: str | list[ContentPartIn] | None = None
+    summary: list[ContentPartIn] | None = None  # reasoning items (content: reasoning_text)
 
 
 class TextFormat(OpenAIModel):
