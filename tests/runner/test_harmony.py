@@ -289,3 +289,18 @@ def test_the_files_own_template_gets_reasoning_effort_and_thinking():
         request_id="r", model="m", messages=messages, tools=(WEATHER,),
         reasoning=ReasoningRequest(effort="low")), render)
     assert prompt == "low|user:hi;assistant:(thought);tool:sunny;get_weather"
+
+
+def test_the_files_own_template_sees_one_call_per_assistant_turn():
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}"
+                            "{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %}"
+                            ";{% endfor %}")
+    calls = tuple(ToolCall(id=f"c{n}", name=name, arguments="{}")
+                  for n, name in enumerate(("a", "b")))
+    messages = (user("hi"), ChatMessage(role="assistant", content="", tool_calls=calls))
+
+    def render(shaped, tools, variables):
+        return template.render(shaped, tools=tools, **variables)
+
+    assert harmony_prompt(GenerationRequest(request_id="r", model="m", messages=messages),
+                          render) == "user;assistant[a];assistant[b];"

@@ -13,7 +13,7 @@ header, so the model writes only the arguments or the answer, under that grammar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +67,29 @@ def harmony_prompt(request: GenerationRequest, template: Render | None) -> str:
     if template is None:
         text = render_harmony(messages, tools, effort)
     else:
-        shaped = template_messages(messages, True, BARE_JSON)  # native: no format used
-        for message, original in zip(shaped, messages, strict=True):
+        shaped = template_messages(_one_call_each(messages), True, BARE_JSON)  # native
+        for message, original in zip(shaped, _one_call_each(messages), strict=True):
             _with_thinking(message, original)
         text = template(shaped, template_tools(tools) if tools else None,
                         {"reasoning_effort": effort or DEFAULT_EFFORT})
     forced = forced_reply(request)
     return text if forced is None else text + forced.header + MESSAGE
+
+
+def _one_call_each(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """Assistant turns with several calls as one turn per call (the first keeps the text and
+    reasoning): gpt-oss templates render only a turn's first call, since harmony writes one
+    call per reply."""
+    result: list[ChatMessage] = []
+    for message in messages:
+        if len(message.tool_calls) < 2:
+            result.append(message)
+            continue
+        first, *rest = message.tool_calls
+        result.append(message.model_copy(update={"tool_calls": (first,)}))
+        result.extend(ChatMessage(role="assistant", content="", tool_calls=(call,))
+                      for call in rest)
+    return result
 
 
 def _with_thinking(shaped: dict[str, Any], message: ChatMessage) -> None:
