@@ -16,6 +16,9 @@ reply, one piece per step with special tokens split across pieces (HARMONY_REPLI
 THINK (reasoning, then an answer), THINKCALL (reasoning, then a get_weather call), and,
 once the conversation holds a tool result, AFTERCALL (reasoning, then the answer). Special
 tokens are dropped from the text unless the request keeps them (skip_special_tokens).
+A model id starting "fake-think" has a chat template that mentions </think> (as Qwen3's) and
+writes the same scripts with its reasoning between <think> tags (THINK_REPLIES); with
+enable_thinking false it answers at once.
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ HARMONY_REPLIES = {
     "AFTERCALL": ("<|channel|>analysis<|message|>It is sunny there.<|end|>",
                   "<|start|>assistant<|channel|>final<|message|>Sunny in Paris, ", "22 C."),
 }
+THINK_REPLIES = {
+    "THINK": ("<think>\nThe user greets me.", " Reply kindly.\n</th", "ink>\n\nHello",
+              " there!"),
+    "THINKCALL": ("<think>\nNeed the weather", " in Paris.\n</think>\n\n<tool_call>\n",
+                  '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>"),
+    "AFTERCALL": ("<think>\nIt is sunny there.\n</think>\n\n", "Sunny in Paris, ", "22 C."),
+    "NOTHINK": ("Hello", " there!"),
+}
+# Mentions </think> and enable_thinking as Qwen3's template does; renders ChatML.
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                  "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+                  "{% if enable_thinking is defined and not enable_thinking %}"
+                  "<think>\n\n</think>\n\n{% endif %}")
 _SPECIAL_TOKEN = re.compile(r"<\|[a-z]+\|>")
 
 
@@ -69,6 +85,12 @@ class FakeTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return f"w{token_id} "
+
+
+class FakeThinkTokenizer(FakeTokenizer):
+    """A chat template whose model reasons between <think> tags."""
+
+    chat_template = ChatTemplate(THINK_TEMPLATE)
 
 
 class FakeHarmonyTokenizer(FakeTokenizer):
@@ -112,7 +134,8 @@ class FakeEngine(NoEmbedding, NotFollower):
         self.config = config
         self.model_id = model_id
         harmony = model_id.startswith("fake-harmony")
-        self.tokenizer = FakeHarmonyTokenizer() if harmony else FakeTokenizer()
+        self.tokenizer = FakeHarmonyTokenizer() if harmony else \
+            FakeThinkTokenizer() if model_id.startswith("fake-think") else FakeTokenizer()
         # Anthropic's thinking needs max_tokens above a 1,024-token budget.
         self.max_model_len = HARMONY_MAX_MODEL_LEN if harmony else MAX_MODEL_LEN
         self.vocab_size = VOCAB_SIZE
@@ -123,7 +146,10 @@ class FakeEngine(NoEmbedding, NotFollower):
         self.priorities: dict[str, int] = {}  # request id -> the priority it was added with
 
     def render_chat(self, messages, tools=None, variables=None) -> str:
-        return " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+        text = " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+        if (variables or {}).get("enable_thinking") is False:
+            text += " NOTHINK"  # the template closed an empty <think> block
+        return text
 
     def add_request(self, request_id, prompt_token_ids, params, grammar=None,
                     priority=0, trace=None) -> None:
@@ -134,7 +160,8 @@ class FakeEngine(NoEmbedding, NotFollower):
         params.check_vocab(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         markers = {name for name in ("RAISE", "KILLME", "FOREVER", "SLOW", "TOOLCALL",
-                                     "THINK", "THINKCALL", "to=assistant")
+                                     "THINK", "THINKCALL", "NOTHINK", "to=assistant",
+                                     "<tool_response>")
                    if self.tokenizer.encode(name)[0] in prompt_token_ids}
         self._requests[request_id] = _FakeRequest(list(prompt_token_ids), params, markers,
                                                   self._script(markers))
@@ -143,13 +170,19 @@ class FakeEngine(NoEmbedding, NotFollower):
     def _script(self, markers: set[str]) -> tuple[str, ...] | None:
         if "TOOLCALL" in markers:
             return TOOL_CALL_PIECES
-        if not self.tokenizer.speaks_harmony:
+        if self.tokenizer.speaks_harmony:
+            replies, after_call = HARMONY_REPLIES, "to=assistant"
+        elif isinstance(self.tokenizer, FakeThinkTokenizer):
+            replies, after_call = THINK_REPLIES, "<tool_response>"
+        else:
             return None
-        if "to=assistant" in markers:  # a tool result is in the conversation
-            return HARMONY_REPLIES["AFTERCALL"]
+        if "NOTHINK" in markers and "NOTHINK" in replies:
+            return replies["NOTHINK"]
+        if after_call in markers:  # a tool result is in the conversation
+            return replies["AFTERCALL"]
         for name in ("THINKCALL", "THINK"):
             if name in markers:
-                return HARMONY_REPLIES[name]
+                return replies[name]
         return None
 
     def abort_request(self, request_id) -> None:

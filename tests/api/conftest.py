@@ -17,7 +17,8 @@ from shoal.runner.supervisor import RunnerSupervisor
 @pytest.fixture(scope="module")
 def fake_node(tmp_path_factory):
     """A node on a free port serving the fake engine as "fake-model" (alias "fake"), and
-    as "fake-harmony", a reasoning model speaking harmony (tests/fakes.py).
+    as "fake-harmony" and "fake-think", reasoning models speaking harmony and writing
+    <think> tags (tests/fakes.py).
 
     "broken-model" resolves to a model whose load fails; other names are not found.
     """
@@ -26,7 +27,8 @@ def fake_node(tmp_path_factory):
     sources = {name: fake_engine_config(tmp, model_id).source
                for name, model_id in (("fake-model", "fake-model"), ("fake", "fake-model"),
                                       ("broken-model", "fake-fail-load"),
-                                      ("fake-harmony", "fake-harmony"))}
+                                      ("fake-harmony", "fake-harmony"),
+                                      ("fake-think", "fake-think"))}
 
     def resolve(name):
         if name not in sources:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import traceback
 from typing import Any
@@ -11,9 +10,9 @@ from pydantic import ValidationError
 
 from shoal.engine.core import EngineCore, PromptTokenizer
 from shoal.engine.errors import ContextLengthExceeded, GroupError
-from shoal.engine.grammar_spec import GrammarSpec, InvalidGrammar
+from shoal.engine.grammar_spec import InvalidGrammar
 from shoal.engine.outputs import RequestOutput, TokenLogprob
-from shoal.engine.sampling import InvalidParameter, SamplingParams
+from shoal.engine.sampling import InvalidParameter
 from shoal.protocol import (
     AcceptedChunk,
     EmbeddingRequest,
@@ -43,18 +42,16 @@ from shoal.runner.messages import (
 )
 from shoal.runner.prefix_messages import PrefixExport, PrefixFetched, PrefixPart
 from shoal.runner.prefix_share import RunnerPrefixShare
-from shoal.runner.harmony_stream import HarmonyStream
-from shoal.runner.harmony_use import forced_reply, harmony_prompt
-from shoal.runner.tool_stream import IndexedCall, ReasoningPiece, ToolCallStream
-from shoal.tracing.steps import RequestTrace
-from shoal.runner.tool_use import (
-    TemplateToolSupport,
-    chat_prompt,
-    check_tools,
-    grammar_param,
-    offered_tools,
-    output_grammar,
+from shoal.runner.chat_format import (
+    ChatFormat,
+    OutputStream,
+    TemplateChat,
+    check_reasoning,
+    choose_chat_format,
 )
+from shoal.runner.tool_stream import IndexedCall, ReasoningPiece
+from shoal.runner.tool_use import check_tools, grammar_param
+from shoal.tracing.steps import RequestTrace
 
 log = logging.getLogger("shoal.runner")
 
@@ -85,8 +82,9 @@ class RunnerLoop:
         self.in_flight: set[str] = set()
         self.embeds = engine.task == "embed"
         # Requests whose text is parsed: tool calls taken out, a harmony reply split.
-        self.output_streams: dict[str, ToolCallStream | HarmonyStream] = {}
-        self._tool_support: TemplateToolSupport | None = None
+        self.output_streams: dict[str, OutputStream] = {}
+        self._chat_format: ChatFormat | None = None
+        self._raw_format: TemplateChat | None = None
         self._outbox: list[Any] | None = None  # chunks of the step being reported
         self._stepped = False  # steps ran since the heap was last trimmed
         # Prefix KV between nodes (None: an engine without a prefix cache to share).
@@ -189,12 +187,8 @@ class RunnerLoop:
                 raise InvalidParameter("prompt", f"token id {bad[0]} is outside the "
                                                   f"vocabulary (size {self.engine.vocab_size})")
             return ids
-        if request.messages is not None and self.speaks_harmony:
-            template = self.engine.render_chat if tokenizer.has_chat_template else None
-            return tokenizer.encode(harmony_prompt(request, template), add_special_tokens=True)
         if request.messages is not None:
-            text = chat_prompt(request, self.tool_support, self.engine.render_chat)
-            return tokenizer.encode(text, add_special_tokens=True)
+            return tokenizer.encode(self.chat_format.prompt(request), add_special_tokens=True)
         if request.prompt is not None:
             return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         raise InvalidParameter("prompt", "one of prompt, messages or prompt_token_ids is needed")
@@ -214,13 +208,13 @@ class RunnerLoop:
         try:
             if ids is None:
                 check_tools(request)
-                self.check_reasoning(request)
+                check_reasoning(request, self.chat_format, self.engine.model_id)
                 ids = self.prompt_token_ids(request)
                 if (not request.count_only and self.share is not None
                         and self.share.hold(request, ids)):
                     return  # admitted when its fetch ends, within the share's bound
             if not request.count_only:
-                grammar, sampling = self.output_rules(request)
+                grammar, sampling = self.format_for(request).output_rules(request)
                 self.engine.add_request(request_id, ids, sampling, grammar=grammar,
                                         priority=request.priority,
                                         trace=request_trace(request.trace))
@@ -248,54 +242,26 @@ class RunnerLoop:
                                                         completion_tokens=0)))
                 return
             self.in_flight.add(request_id)
-            stream = self.output_stream(request)
+            stream = self.format_for(request).output_stream(request)
             if stream is not None:
                 self.output_streams[request_id] = stream
             self.send_chunk(AcceptedChunk(request_id=request_id, prompt_tokens=len(ids)))
 
-    def harmony_chat(self, request: GenerationRequest) -> bool:
-        """A chat for a harmony model: rendered and read back in harmony's format."""
-        return request.messages is not None and self.speaks_harmony
-
     @property
-    def speaks_harmony(self) -> bool:
-        return self.tokenizer.speaks_harmony
+    def chat_format(self) -> ChatFormat:
+        """How this model's chats are written and read (a raw prompt: see format_for)."""
+        if self._chat_format is None:
+            self._chat_format = choose_chat_format(self.tokenizer, self.engine.render_chat)
+        return self._chat_format
 
-    def check_reasoning(self, request: GenerationRequest) -> None:
-        """InvalidParameter when reasoning is asked of a model that cannot reason."""
-        reasoning = request.reasoning
-        asked = reasoning is not None and (reasoning.enabled or reasoning.effort is not None)
-        if not asked or self.harmony_chat(request):
-            return
-        what = "a raw prompt" if self.speaks_harmony else f"model {self.engine.model_id!r}"
-        raise InvalidParameter(reasoning.param, f"{what} does not support reasoning")
-
-    def output_rules(self, request: GenerationRequest
-                     ) -> tuple[GrammarSpec | None, SamplingParams]:
-        """(the grammar the output follows or None, the sampling parameters)."""
-        if not self.harmony_chat(request):
-            return output_grammar(request, self.tool_support.call_format), request.sampling
-        forced = forced_reply(request)
-        # The reply's headers are special tokens: the parser must see them as text.
-        sampling = dataclasses.replace(request.sampling, skip_special_tokens=False)
-        return (None if forced is None else forced.grammar), sampling
-
-    def output_stream(self, request: GenerationRequest) -> ToolCallStream | HarmonyStream | None:
-        """What reads this request's output, if anything does."""
-        names = [tool.name for tool in offered_tools(request)]
-        if self.harmony_chat(request):
-            forced = forced_reply(request)
-            enabled = request.reasoning is None or request.reasoning.enabled
-            return HarmonyStream(names, return_reasoning=enabled,
-                                 prefilled_header=None if forced is None else forced.header)
-        return ToolCallStream(names) if names else None
-
-    @property
-    def tool_support(self) -> TemplateToolSupport:
-        if self._tool_support is None:
-            template = self.tokenizer.chat_template
-            self._tool_support = TemplateToolSupport.of(template.source, template.uses_tools)
-        return self._tool_support
+    def format_for(self, request: GenerationRequest) -> ChatFormat:
+        """The chat format for a chat; a raw prompt is generated as written, its output read
+        only for tool calls."""
+        if request.messages is not None:
+            return self.chat_format
+        if self._raw_format is None:
+            self._raw_format = TemplateChat(self.tokenizer, self.engine.render_chat)
+        return self._raw_format
 
     # ---- embed ----------------------------------------------------------------------------
 

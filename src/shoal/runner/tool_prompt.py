@@ -106,6 +106,8 @@ def _base(message: ChatMessage) -> dict[str, Any]:
     shaped: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.name is not None:
         shaped["name"] = message.name
+    if message.reasoning is not None:  # templates of reasoning models read it (Qwen3)
+        shaped["reasoning_content"] = message.reasoning
     return shaped
 
 
