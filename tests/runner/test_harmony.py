@@ -304,3 +304,19 @@ def test_the_files_own_template_sees_one_call_per_assistant_turn():
 
     assert harmony_prompt(GenerationRequest(request_id="r", model="m", messages=messages),
                           render) == "user;assistant[a];assistant[b];"
+
+
+def test_logprobs_are_the_answers_only():
+    from shoal.engine.outputs import TokenLogprob
+
+    stream = HarmonyStream([])
+    texts = ["<|channel|>", "analysis", "<|message|>", "hm", "<|end|>", "<|start|>",
+             "assistant", "<|channel|>", "final", "<|message|>", "Hi", " you"]
+    out = []
+    for index, text in enumerate(texts):
+        out += stream.feed(RequestOutput(
+            request_id="r", text=text, token_ids=(index,), finished=index == len(texts) - 1,
+            logprobs=(TokenLogprob(token_id=index, token=text, logprob=-1.0),)))
+    answer = [p for p in out if isinstance(p, TextPiece)]
+    assert [lp.token for p in answer for lp in p.logprobs] == ["Hi", " you"]
+    assert sum(len(p.token_ids) for p in out) == len(texts)

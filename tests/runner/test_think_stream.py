@@ -80,3 +80,17 @@ def test_the_stream_counts_withholds_and_finds_calls():
     out = run(quiet, ["<think>\nhm\n</think>\n\n", "Hi"])
     assert [type(p) for p in out] == [TextPiece] and out[0].text == "Hi"
     assert out[0].token_ids == (0, 1)  # the reasoning's tokens ride with the answer
+
+
+def test_logprobs_are_the_answers_only():
+    from shoal.engine.outputs import TokenLogprob
+
+    stream = ThinkStream([])
+    texts = ["<think>", "hm", "</think>", "Hi", " you"]
+    out = []
+    for index, text in enumerate(texts):
+        out += stream.feed(RequestOutput(
+            request_id="r", text=text, token_ids=(index,), finished=index == len(texts) - 1,
+            logprobs=(TokenLogprob(token_id=index, token=text, logprob=-1.0),)))
+    answer = [p for p in out if isinstance(p, TextPiece)]
+    assert [lp.token for p in answer for lp in p.logprobs] == ["Hi", " you"]

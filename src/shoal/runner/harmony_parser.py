@@ -66,6 +66,11 @@ class HarmonyParser:
         """Inside a reasoning message's content now."""
         return not self._in_header and self._kind() is Reasoning
 
+    @property
+    def answering(self) -> bool:
+        """Inside an answer's content now (not a header, reasoning or a call)."""
+        return not self._in_header and self._kind() is Answer
+
     def feed(self, text: str, final: bool = False) -> list[HarmonyEvent]:
         self._buffer += text
         events: list[HarmonyEvent] = []

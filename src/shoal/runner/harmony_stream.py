@@ -14,8 +14,8 @@ from shoal.runner.tool_stream import IndexedCall, ReasoningPiece, TextPiece
 class HarmonyStream:
     """Feeds a request's outputs through a HarmonyParser.
 
-    Tokens ride along with the next piece released after them, whatever its kind (logprobs
-    only with answer text). A token that writes reasoning, or arrives while the reply is
+    Tokens ride along with the next piece released after them, whatever its kind; logprobs
+    only of tokens inside an answer. A token that writes reasoning, or arrives while the reply is
     inside a reasoning message (the <|end|> closing it), counts as a reasoning token.
     return_reasoning False: reasoning is counted but never released (the client did not
     ask for it; a harmony model reasons anyway).
@@ -35,7 +35,8 @@ class HarmonyStream:
     def feed(self, output: RequestOutput) -> list[TextPiece | ReasoningPiece | IndexedCall]:
         was_reasoning = self.parser.reasoning
         self._token_ids.extend(output.token_ids)
-        self._logprobs.extend(output.logprobs)
+        if self.parser.answering:  # logprobs are the answer's, never a header's
+            self._logprobs.extend(output.logprobs)
         events = self.parser.feed(output.text, final=output.finished)
         if was_reasoning or any(isinstance(event, Reasoning) for event in events):
             self.reasoning_tokens += len(output.token_ids)
@@ -45,7 +46,6 @@ class HarmonyStream:
                 pieces.append(IndexedCall(self._num_calls, event))
                 self._num_calls += 1
             elif isinstance(event, Reasoning):
-                self._logprobs = []  # logprobs are the answer's
                 if not self.return_reasoning:
                     continue  # its tokens ride with the next piece, still counted there
                 pieces.append(ReasoningPiece(event.text, tuple(self._token_ids)))

@@ -39,6 +39,7 @@ class ThinkSplitter:
     def reasoning(self) -> bool:
         return self._state == "inside"
 
+
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         self._buffer += text
         reasoning = ""
@@ -75,7 +76,7 @@ class ThinkSplitter:
 class ThinkStream:
     """A request's outputs split into reasoning and answer; tool calls are taken out of the
     answer (when tools are offered) as ToolCallStream does. Tokens ride along with the next
-    piece released after them (logprobs only with answer text); return_reasoning False:
+    piece released after them (logprobs only of the answer's); return_reasoning False:
     reasoning is counted but never released."""
 
     def __init__(self, tool_names: Collection[str], return_reasoning: bool = True,
@@ -90,15 +91,16 @@ class ThinkStream:
     def feed(self, output: RequestOutput) -> list[TextPiece | ReasoningPiece | IndexedCall]:
         was_reasoning = self.splitter.reasoning
         self._token_ids.extend(output.token_ids)
-        self._logprobs.extend(output.logprobs)
+        if not was_reasoning:
+            self._logprobs.extend(output.logprobs)
         reasoning, answer = self.splitter.feed(output.text, final=output.finished)
+        if self.splitter.reasoning or (reasoning and not answer):
+            self._logprobs = []  # logprobs are the answer's, never the reasoning's
         if was_reasoning or reasoning:
             self.reasoning_tokens += len(output.token_ids)
         pieces: list[TextPiece | ReasoningPiece | IndexedCall] = []
-        if reasoning:
-            self._logprobs = []  # logprobs are the answer's
-            if self.return_reasoning:
-                pieces.append(ReasoningPiece(reasoning, self._take()[0]))
+        if reasoning and self.return_reasoning:
+            pieces.append(ReasoningPiece(reasoning, self._take()[0]))
         if self.tools is not None and (answer or output.finished):
             token_ids, logprobs = self._take()
             pieces += self.tools.feed(RequestOutput(
