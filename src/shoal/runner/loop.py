@@ -81,7 +81,7 @@ class RunnerLoop:
         self.memory = memory  # reports what the runner holds, between steps
         self.in_flight: set[str] = set()
         self.embeds = engine.task == "embed"
-        # Requests whose text is parsed: tool calls taken out, a harmony reply split.
+        # Requests whose text is read: tool calls taken out, reasoning split from the answer.
         self.output_streams: dict[str, OutputStream] = {}
         self._chat_format: ChatFormat | None = None
         self._raw_format: TemplateChat | None = None
@@ -366,7 +366,7 @@ class RunnerLoop:
             self.send_chunk(FinishChunk(request_id=request_id, finish_reason=finish_reason,
                                         usage=usage, stop_sequence=output.stop_string))
 
-    def _send_pieces(self, request_id: str, stream: ToolCallStream | HarmonyStream,
+    def _send_pieces(self, request_id: str, stream: OutputStream,
                      output: RequestOutput) -> None:
         for piece in stream.feed(output):
             if isinstance(piece, IndexedCall):
