@@ -10,6 +10,7 @@ from tokenizer_fixtures import (
     gemma3_path,
     smollm2_path,
     tiny_byte_level_metadata,
+    tiny_harmony_metadata,
     tiny_sentencepiece_metadata,
 )
 from transformers_refs import transformers_tokenizer
@@ -227,17 +228,10 @@ def test_directory_without_tokenizer_json_is_unsupported(tmp_path):
 
 
 def test_a_vocabulary_with_harmony_tokens_speaks_harmony_and_ends_at_return_or_call():
-    metadata = tiny_byte_level_metadata()
-    harmony = ["<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
-               "<|message|>", "<|call|>"]
-    metadata["tokenizer.ggml.tokens"] = metadata["tokenizer.ggml.tokens"] + harmony
-    metadata["tokenizer.ggml.token_type"] = metadata["tokenizer.ggml.token_type"] + [3] * 7
-    first = len(metadata["tokenizer.ggml.tokens"]) - 7
-    ids = {token: first + n for n, token in enumerate(harmony)}
-    metadata["tokenizer.ggml.eos_token_id"] = ids["<|return|>"]
-    metadata["tokenizer.ggml.eot_token_id"] = ids["<|end|>"]  # as some conversions mark it
-    tokenizer = _tiny(metadata)
+    tokenizer = _tiny(tiny_harmony_metadata())
     assert tokenizer.speaks_harmony and not _tiny(tiny_byte_level_metadata()).speaks_harmony
+    ids = {token: tokenizer.backend.token_to_id(token) for token in ("<|return|>", "<|call|>",
+                                                                     "<|end|>")}
     # <|end|> closes the reasoning before the answer: it must not end the reply
     assert {ids["<|return|>"], ids["<|call|>"]} <= tokenizer.eos_token_ids
     assert ids["<|end|>"] not in tokenizer.eos_token_ids
@@ -246,3 +240,28 @@ def test_a_vocabulary_with_harmony_tokens_speaks_harmony_and_ends_at_return_or_c
     assert tokenizer.decode(reply, skip_special_tokens=False) == \
         "<|channel|>final<|message|>hello<|return|>"
     assert tokenizer.decode(reply) == "finalhello"
+
+
+def test_a_harmony_reply_token_by_token_reads_apart():
+    """Real token ids through the detokenizer keeping special tokens (as the engine does for
+    a harmony chat) into the runner's reader: reasoning and answer apart, nothing of a
+    header in either, the end token never shown."""
+    from shoal.engine.outputs import RequestOutput
+    from shoal.engine.tokenizer.detokenizer import IncrementalDetokenizer
+    from shoal.runner.harmony_stream import HarmonyStream
+    from shoal.runner.tool_stream import ReasoningPiece, TextPiece
+
+    tokenizer = _tiny(tiny_harmony_metadata())
+    ids = tokenizer.encode("<|channel|>analysis<|message|>hello world<|end|><|start|>"
+                           "assistant<|channel|>final<|message|>hello<|return|>",
+                           add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    stream = HarmonyStream([])
+    pieces = []
+    for index, token in enumerate(ids):
+        last = index == len(ids) - 1
+        text = "" if token in tokenizer.eos_token_ids else detokenizer.add(token)
+        pieces += stream.feed(RequestOutput(request_id="r", text=text, token_ids=(token,),
+                                            finished=last, finish_reason="stop" if last else None))
+    assert "".join(p.text for p in pieces if isinstance(p, ReasoningPiece)) == "hello world"
+    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "hello"

@@ -44,6 +44,24 @@ def tiny_byte_level_metadata() -> dict:
     }
 
 
+HARMONY_TOKENS = ("<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                  "<|message|>", "<|call|>")
+
+
+def tiny_harmony_metadata() -> dict:
+    """tiny_byte_level_metadata with harmony's special tokens (gpt-oss's chat format) as
+    control tokens; the file's end and end-of-turn tokens are <|return|> and <|end|>."""
+    metadata = tiny_byte_level_metadata()
+    first = len(metadata["tokenizer.ggml.tokens"])
+    metadata["tokenizer.ggml.tokens"] = metadata["tokenizer.ggml.tokens"] + list(HARMONY_TOKENS)
+    metadata["tokenizer.ggml.token_type"] = metadata["tokenizer.ggml.token_type"] + \
+        [3] * len(HARMONY_TOKENS)
+    metadata["tokenizer.ggml.eos_token_id"] = first + HARMONY_TOKENS.index("<|return|>")
+    metadata["tokenizer.ggml.eot_token_id"] = first + HARMONY_TOKENS.index("<|end|>")
+    del metadata["tokenizer.chat_template"]
+    return metadata
+
+
 def tiny_sentencepiece_metadata(architecture: str = "gemma3") -> dict:
     """A SentencePiece-style vocabulary with byte fallback (no merges stored, as in GGUF)."""
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
