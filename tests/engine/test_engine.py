@@ -163,3 +163,15 @@ def test_a_traced_request_records_its_wait_prefill_chunks_and_decode_steps(tmp_p
     assert all(s["dur"] > 0 for s in spans[1:])
     assert [s["name"] for s in engine.tracer.spans.of("e" * 32)] == ["wait", "prefill"] + \
         ["decode"] * 4
+
+
+def test_a_request_may_keep_special_tokens_in_its_text(fast_engine):
+    # A harmony chat reads its headers (special tokens) from the text; others never see them.
+    special = fast_engine.tokenizer.backend.token_to_id("<|im_start|>")
+    prompt = encode(fast_engine, "Hello")
+    texts = {}
+    for keep in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=2, logit_bias={special: 100.0},
+                                skip_special_tokens=not keep)
+        texts[keep] = run(fast_engine, {f"keep{keep}": (prompt, params)})[f"keep{keep}"]["text"]
+    assert texts == {False: "", True: "<|im_start|><|im_start|>"}
