@@ -68,7 +68,7 @@ DEFAULT_GROUP_CONNECT_S = 120.0
 
 def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) -> ParallelConfig:
     """A multi-rank instance's rank as its runner joins the group: the master's rendezvous,
-    the rank's layers, the group-formation deadline."""
+    the rank's layers (and experts), the group-formation deadline."""
     if instance.rendezvous is None or instance.sharding not in MULTI_RANK_SHARDINGS:
         raise ValueError(f"instance {instance.instance_id} is not a multi-rank instance")
     return ParallelConfig(rank=rank.rank, world_size=rank.world_size,
@@ -76,7 +76,8 @@ def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) ->
                           layer_end=rank.layer_end, master_addr=instance.rendezvous.host,
                           master_port=instance.rendezvous.port,
                           connect_timeout_s=connect_timeout_s,
-                          compress_hidden=instance.request.hidden_int8)
+                          compress_hidden=instance.request.hidden_int8,
+                          expert_start=rank.expert_start, expert_end=rank.expert_end)
 
 
 class ClusterLink(Protocol):
