@@ -120,3 +120,20 @@ def test_a_rank_keeps_every_tensor_but_other_ranks_experts():
     assert holds_tensor("layers.3.router.weight", (4, 6))
     assert holds_tensor("layers.3.shared_expert.up.weight", (4, 6))
     assert holds_tensor("layers.3.experts.9.up.weight", None)
+
+
+def test_an_expert_rank_needs_its_range_and_runs_every_layer():
+    def config(sharding, start=0, end=0):
+        return ParallelConfig(rank=0, world_size=2, sharding=sharding, layer_start=0,
+                              layer_end=2, master_addr="127.0.0.1", master_port=29500,
+                              expert_start=start, expert_end=end)
+
+    expert = config("expert", 0, 4)
+    assert expert.expert_range == (0, 4) and expert.runs_every_layer
+    assert (expert.tp_rank, expert.tp_size) == (0, 1)  # no tensor slices of its layers
+    assert config("tensor").runs_every_layer and not config("pipeline").runs_every_layer
+    assert config("pipeline").expert_range is None
+    with pytest.raises(ValueError, match="invalid expert range"):
+        config("expert")
+    with pytest.raises(ValueError, match="needs expert sharding"):
+        config("pipeline", 0, 4)
