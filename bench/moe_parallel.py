@@ -117,8 +117,8 @@ def main() -> None:
     })
     result = {"model": model, "dtype": args.dtype, "rounds": args.rounds,
               "prompt_tokens": args.prompt, "new_tokens": args.tokens,
-              "layers": layers, "experts": experts, "experts_per_token": config.num_experts_per_token,
-              "threads_per_rank": 1}
+              "layers": layers, "experts": experts,
+              "experts_per_token": config.num_experts_per_token, "threads_per_rank": 1}
     for name, config_runs in runs.items():
         medians = distributed.median_run(config_runs)
         result[name] = {"decode_tokens_per_s": medians["decode_tokens_per_s"],

@@ -358,7 +358,7 @@ def tensor_split_problem(facts: ModelFacts, width: int) -> str | None:
     """Why the model cannot be split over `width` tensor ranks, or None if it can."""
     if facts.n_experts:  # the engine refuses such a load (engine/models/moe.py)
         return ("a mixture-of-experts model cannot be split by tensor parallelism yet: "
-                "split it by layers (pipeline)")
+                "split it by layers (pipeline) or by experts (expert)")
     group = facts.n_heads // facts.n_kv_heads
     if facts.n_kv_heads < width:
         sharing = width // facts.n_kv_heads

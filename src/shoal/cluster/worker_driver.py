@@ -261,9 +261,10 @@ class WorkerDriver:
             parallel = (parallel_config(instance, rank, self._group_connect_s)
                         if rank.world_size > 1 else None)
             if parallel is not None:
-                log.info("starting rank %d of %d of %s (%s, layers %d-%d)", rank.rank,
-                         rank.world_size, instance.model, instance.sharding, rank.layer_start,
-                         rank.layer_end)
+                held = (f"experts {rank.expert_start}-{rank.expert_end}" if rank.experts
+                        else f"layers {rank.layer_start}-{rank.layer_end}")
+                log.info("starting rank %d of %d of %s (%s, %s)", rank.rank, rank.world_size,
+                         instance.model, instance.sharding, held)
             else:
                 log.info("starting model %s for %s", instance.model, instance.instance_id)
             await self._registry.start((instance.instance_id, rank.rank), source, parallel,

@@ -19,7 +19,8 @@ def make_experts(config: ModelConfig, index: int, weights: dict[str, RawTensor],
                  plan: WeightPlan) -> MixtureOfExperts | ExpertParallel:
     if plan.shard is not None:
         raise UnsupportedModel("mixture-of-experts layers cannot be split by tensor "
-                               "parallelism yet: split the model by layers (pipeline)")
+                               "parallelism yet: split the model by layers (pipeline) or "
+                               "by experts (expert)")
     prefix = f"layers.{index}."
     router = Router(_float32(weights[prefix + "router.weight"], plan),
                     config.num_experts_per_token, config.norm_topk_prob)
