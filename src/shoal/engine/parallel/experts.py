@@ -6,12 +6,13 @@ expert). Every rank routes every row in float32 on the same hidden states, so al
 same choices; each runs only its own experts on the rows that chose them and the partial
 outputs [T, hidden] are summed over the ranks, once per layer, in float32.
 
-The sum is in rank order (RankGroup.all_reduce_), so every rank holds the same bits. One
-node adds a row's expert outputs in ascending expert order; with ranks holding ascending
-ranges, the ranks' sum is that same sum whenever a row's experts past the first rank's lie
-on one rank (top-2 routing over two ranks, always): then float32 output is one node's, bit
-for bit. Otherwise it differs only by float32 rounding of the order. A shared expert runs on
-every rank, like the attention, and is added after the sum, as one node adds it.
+Every rank ends with the same bits (RankGroup.all_reduce_: two ranks add in rank order).
+One node adds a row's expert outputs one by one in ascending expert order; rank 0 holds the
+lower experts, so over two ranks rank 0's partial is a prefix of that sum, and adding rank
+1's gives the same bits whenever rank 1 holds at most one of the row's experts or rank 0
+none of them: always with top-2 routing, so float32 output is one node's, bit for bit.
+Otherwise it differs by float32 rounding of the order only. A shared expert runs on every
+rank, like the attention, and is added after the sum, as one node adds it.
 """
 
 from __future__ import annotations
