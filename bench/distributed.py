@@ -100,9 +100,11 @@ def serve_rank(rank: int, args: dict, port: int | None, commands, results) -> No
     parallel = None
     if port is not None:
         layers = args["layers"][rank]
+        experts = args["experts"][rank] if "experts" in args else (0, 0)  # expert sharding
         parallel = ParallelConfig(rank=rank, world_size=2, sharding=args["sharding"],
                                   layer_start=layers[0], layer_end=layers[1],
-                                  master_addr="127.0.0.1", master_port=port)
+                                  master_addr="127.0.0.1", master_port=port,
+                                  expert_start=experts[0], expert_end=experts[1])
     config = engine_config(args["model"], args["dtype"], args["threads"], parallel)
     if rank != 0:
         from shoal.engine.parallel.follower import FollowerEngine

@@ -16,10 +16,12 @@ GIB = 2**30
 
 def facts(model: str = "tiny", weight_bytes: int = 8 * GIB, n_layers: int = 32,
           n_heads: int = 32, n_kv_heads: int = 8, head_dim: int = 128,
-          intermediate_size: int | None = 14336, n_experts: int = 0) -> ModelFacts:
+          intermediate_size: int | None = 14336, n_experts: int = 0,
+          expert_bytes: int = 0) -> ModelFacts:
     return ModelFacts(model=ModelId(model), weight_bytes=weight_bytes, n_layers=n_layers,
                       n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                      intermediate_size=intermediate_size, n_experts=n_experts)
+                      intermediate_size=intermediate_size, n_experts=n_experts,
+                      expert_bytes=expert_bytes)
 
 
 def node(name: str) -> NodeInfo:

@@ -61,6 +61,22 @@ def test_expert_counts_come_from_either_format(tmp_path):
     assert model_facts_from_source(ModelSource("x", "safetensors", directory)).n_experts == 8
 
 
+def test_the_routed_experts_bytes_come_from_either_format(tmp_path):
+    """What expert sharding splits: the 3-D *_exps tensors of a GGUF, the
+    experts.N tensors of safetensors files (a shared expert is not among them)."""
+    from engine import tiny_models  # tests/engine, a namespace package on tests/'s path
+
+    moe = tiny_models.build("qwen2moe", tmp_path)
+    gguf_facts = model_facts_from_source(ModelSource("m", "gguf", moe.gguf_path))
+    hf_facts = model_facts_from_source(ModelSource("m", "safetensors", moe.safetensors_dir))
+    # 2 layers x 8 experts x (gate, up, down) of 32 x 64: float32 in safetensors.
+    assert hf_facts.expert_bytes == 2 * 8 * 3 * 32 * 64 * 4
+    assert 0 < gguf_facts.expert_bytes < gguf_facts.weight_bytes
+    assert 0 < hf_facts.expert_bytes < hf_facts.weight_bytes
+    dense = tiny_models.build("qwen3", tmp_path)
+    assert model_facts_from_source(ModelSource("d", "gguf", dense.gguf_path)).expert_bytes == 0
+
+
 def test_gguf_defaults_kv_heads_to_heads_and_honours_key_length(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, kv_heads=None, key_length=32)

@@ -293,3 +293,68 @@ def test_a_node_s_capacity_is_its_budget_less_what_its_instances_hold():
     # With no budget reported, placement uses live memory as before.
     assert node_capacity(NodeReading(node_id=NodeId("a"), taken_at=0, memory_total=2**30,
                                      memory_available=2**29), state).free_slots is None
+
+
+# A mixture-of-experts model: 8 GiB of which 6 GiB are 8 routed experts per layer.
+MOE = facts(n_heads=32, n_kv_heads=8, intermediate_size=None, n_experts=8,
+            expert_bytes=6 * GIB)
+
+
+def test_expert_ranks_hold_every_layer_and_experts_split_by_room():
+    # Replicated: (2 GiB x 1.25) + 128 MiB KV; each expert 6/8 GiB x 1.25 = 0.9375 GiB.
+    replicated = shard_bytes(MOE, 32, 1, POLICY, experts_held=0)
+    assert replicated == int(2.5 * GIB) + 32 * KV_PER_LAYER
+    assert shard_bytes(MOE, 32, 1, POLICY, experts_held=8) == shard_bytes(MOE, 32, 1, POLICY)
+    result = place_exact(request(model=MOE), nodes(a=9, b=5), "expert", 2, POLICY)
+    assert isinstance(result, Placement) and result.sharding == "expert"
+    # Rooms ~6.4 and ~2.4 GiB: 6 and 2 experts (largest remainder).
+    assert [(s.layer_start, s.layer_end) for s in result.shards] == [(0, 32), (0, 32)]
+    assert [(s.expert_start, s.expert_end) for s in result.shards] == [(0, 6), (6, 8)]
+    instance = result.to_instance("i", RENDEZVOUS)
+    assert [r.experts for r in instance.ranks] == [(0, 6), (6, 8)]
+    assert [r.tp_size for r in instance.ranks] == [1, 1]
+    assert load_refusal(instance, "b", 5 * GIB, POLICY) is None
+    assert load_refusal(instance, "a", 4 * GIB, POLICY) is not None
+
+
+def test_auto_picks_experts_for_a_moe_model_too_big_for_one_node_else_a_pipeline():
+    # 10.1 GiB whole: fits neither 7 GiB node; experts over two need ~6.3 and ~6.3 GiB.
+    auto = place(request(model=MOE), nodes(a=7, b=7), POLICY)
+    assert isinstance(auto, Placement) and auto.sharding == "expert" and auto.width == 2
+    # Too little room beside the replicated part for experts over two: a pipeline of two.
+    tight = place(request(model=MOE), nodes(a=5.5, b=5.5), POLICY)
+    assert isinstance(tight, Placement) and tight.sharding == "pipeline"
+    # Fits one node: single, whatever it is.
+    assert place(request(model=MOE), nodes(a=16, b=7), POLICY).sharding == "single"
+    # A dense model is never split by experts.
+    assert place(request(), nodes(a=7, b=7), POLICY).sharding == "pipeline"
+
+
+def test_expert_sharding_needs_experts_enough_for_its_width():
+    dense = place(request(sharding="expert", min_nodes=2), nodes(a=64, b=64), POLICY)
+    assert isinstance(dense, PlacementError)
+    assert "expert sharding needs a mixture-of-experts model" in dense.reason
+    narrow = facts(intermediate_size=None, n_experts=2, expert_bytes=GIB)
+    wide = place_exact(request(model=narrow), nodes(a=9, b=9, c=9), "expert", 3, POLICY)
+    assert isinstance(wide, PlacementError) and "exceed the model's 2 experts" in wide.reason
+    options = {(p.sharding, p.width) for p in previews(request(model=MOE), nodes(a=9, b=9),
+                                                       POLICY)}
+    assert ("expert", 2) in options
+
+
+def test_expert_instances_cover_every_expert_in_order():
+    from shoal.cluster.instances import Instance, Rank
+
+    def ranks(*ranges):
+        return tuple(Rank(runner_id=f"r{i}", node_id=f"n{i}", rank=i, world_size=len(ranges),
+                          layer_start=0, layer_end=32, expert_start=s, expert_end=e)
+                     for i, (s, e) in enumerate(ranges))
+
+    def make(sharding, *ranges):
+        return Instance(instance_id="i", request=request(model=MOE), sharding=sharding,
+                        ranks=ranks(*ranges), rendezvous=RENDEZVOUS)
+
+    assert make("expert", (0, 3), (3, 8)).ranks[1].experts == (3, 8)
+    for bad in [((0, 3), (4, 8)), ((0, 3), (3, 7)), ((0, 8), (8, 8))]:
+        with pytest.raises(ValueError, match="expert"):
+            make("expert", *bad)

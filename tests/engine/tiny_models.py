@@ -45,8 +45,9 @@ def hf_config(family: str, **overrides):
     if family == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=2, head_dim=32, rope_theta=10000.0, **common)
     if family == "qwen3moe":
-        return tf.Qwen3MoeConfig(num_hidden_layers=2, head_dim=32, rope_theta=10000.0,
-                                 norm_topk_prob=True, **(EXPERTS | common))
+        shape = dict(num_hidden_layers=2, head_dim=32)  # overrides may replace these too
+        return tf.Qwen3MoeConfig(rope_theta=10000.0, norm_topk_prob=True,
+                                 **(shape | EXPERTS | common))
     if family == "qwen2moe":  # top-k weights not renormalised, as Qwen1.5-MoE's
         return tf.Qwen2MoeConfig(num_hidden_layers=2, rope_theta=10000.0,
                                  shared_expert_intermediate_size=64, **(EXPERTS | common))

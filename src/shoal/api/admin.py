@@ -52,6 +52,9 @@ async def _placement_request(body: PlaceBody) -> PlacementRequest:
         raise APIError(404, str(error), param="model", code="model_not_found") from None
     except (UnsupportedModel, ValueError) as error:
         raise invalid_parameter("model", str(error)) from None
+    if body.sharding == "expert" and not facts.n_experts:
+        raise invalid_parameter("sharding", "expert sharding needs a mixture-of-experts model: "
+                                f"{body.model!r} has no experts")
     try:
         return PlacementRequest(facts=facts, sharding=body.sharding, min_nodes=body.min_nodes,
                                 excluded_nodes=tuple(body.excluded_nodes),
@@ -105,6 +108,8 @@ async def instance_previews(request: Request,
         options.append({"sharding": preview.sharding, "width": preview.width,
                         "fits": preview.placement is not None, "reason": preview.error,
                         "ranks": [{"node_id": s.node_id, "layers": [s.layer_start, s.layer_end],
+                                   "experts": ([s.expert_start, s.expert_end]
+                                               if s.expert_end else None),
                                    "needed_bytes": s.needed_bytes,
                                    "usable_bytes": s.usable_bytes} for s in shards]})
     return {"model": placement.model, "previews": options}

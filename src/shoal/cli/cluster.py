@@ -63,8 +63,15 @@ def _ago(when: float | None) -> str:
 
 
 def _ranks(instance: dict[str, Any]) -> str:
-    return ", ".join(f"{r['node_id']}[{r['layers'][0]}:{r['layers'][1]}]"
-                     for r in instance["ranks"])
+    return ", ".join(f"{r['node_id']}[{_held(r)}]" for r in instance["ranks"])
+
+
+def _held(rank: dict[str, Any]) -> str:
+    """A rank's layers, or an expert rank's experts (it holds every layer)."""
+    experts = rank.get("experts")
+    if experts:
+        return f"experts {experts[0]}:{experts[1]}"
+    return f"{rank['layers'][0]}:{rank['layers'][1]}"
 
 
 def _size(size: int | None) -> str:

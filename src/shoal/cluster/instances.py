@@ -2,8 +2,9 @@
 
 A rank is one runner process on one node. Pipeline ranks each hold a contiguous, half-open
 range of layers that keeps the original layer indices; tensor ranks hold every layer and a
-1/tp_size slice of its heads and MLP columns. A single-node instance is one rank holding
-everything.
+1/tp_size slice of its heads and MLP columns; expert ranks hold every layer and a contiguous
+range [expert_start, expert_end) of each mixture-of-experts layer's experts. A single-node
+instance is one rank holding everything.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class Rank(Frozen):
     layer_end: int  # exclusive
     tp_rank: int = 0
     tp_size: int = 1
+    # An expert rank's experts of each mixture-of-experts layer; (0, 0) for other shardings.
+    expert_start: int = 0
+    expert_end: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> Rank:
@@ -40,11 +44,19 @@ class Rank(Frozen):
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"layer range [{self.layer_start}, {self.layer_end}) is empty "
                              "or negative")
+        if self.expert_start < 0 or self.expert_end < self.expert_start:
+            raise ValueError(f"expert range [{self.expert_start}, {self.expert_end}) is "
+                             "negative")
         return self
 
     @property
     def layers(self) -> tuple[int, int]:
         return (self.layer_start, self.layer_end)
+
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """The experts an expert rank holds; None for other shardings."""
+        return (self.expert_start, self.expert_end) if self.expert_end else None
 
 
 class Rendezvous(Frozen):
@@ -126,6 +138,7 @@ class Instance(Frozen):
         if len({r.runner_id for r in ranks}) != len(ranks):
             raise ValueError("runner ids of an instance must be distinct")
         _check_layout(self.sharding, ranks, self.facts.n_layers)
+        _check_experts(self.sharding, ranks, self.facts.n_experts)
         if (len(ranks) > 1) != (self.rendezvous is not None):
             raise ValueError("an instance has a rendezvous exactly when it has several ranks")
         return self
@@ -153,14 +166,16 @@ class Instance(Frozen):
 def _check_layout(sharding: Sharding, ranks: tuple[Rank, ...], n_layers: int) -> None:
     if sharding == "single" and len(ranks) != 1:
         raise ValueError(f"a single-node instance has one rank, not {len(ranks)}")
-    if sharding in ("single", "tensor"):
+    if sharding in ("single", "tensor", "expert"):
+        tensor_split = sharding != "expert"
         for rank in ranks:
             if rank.layers != (0, n_layers):
                 raise ValueError(f"{sharding} rank {rank.rank} must hold all layers "
                                  f"[0, {n_layers}), not {list(rank.layers)}")
-            if (rank.tp_rank, rank.tp_size) != (rank.rank, rank.world_size):
-                raise ValueError(f"{sharding} rank {rank.rank} must have tp_rank {rank.rank} "
-                                 f"of {rank.world_size}")
+            expected = (rank.rank, rank.world_size) if tensor_split else (0, 1)
+            if (rank.tp_rank, rank.tp_size) != expected:
+                raise ValueError(f"{sharding} rank {rank.rank} must have tp_rank "
+                                 f"{expected[0]} of {expected[1]}")
         return
     start = 0
     for rank in ranks:
@@ -170,3 +185,19 @@ def _check_layout(sharding: Sharding, ranks: tuple[Rank, ...], n_layers: int) ->
         start = rank.layer_end
     if start != n_layers:
         raise ValueError(f"pipeline ranks cover layers [0, {start}), not [0, {n_layers})")
+
+
+def _check_experts(sharding: Sharding, ranks: tuple[Rank, ...], n_experts: int) -> None:
+    """Expert ranks' ranges are contiguous and cover [0, n_experts); others hold none."""
+    if sharding != "expert":
+        if any(rank.experts is not None for rank in ranks):
+            raise ValueError(f"{sharding} ranks hold no expert range")
+        return
+    start = 0
+    for rank in ranks:
+        if rank.expert_start != start or rank.expert_end <= start:
+            raise ValueError(f"expert rank {rank.rank} must start at expert {start} and hold "
+                             "at least one (ranges are contiguous)")
+        start = rank.expert_end
+    if start != n_experts:
+        raise ValueError(f"expert ranks cover experts [0, {start}), not [0, {n_experts})")

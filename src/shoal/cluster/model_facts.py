@@ -7,6 +7,8 @@ no torch import, so the node process can compute facts before any runner exists.
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -24,7 +26,8 @@ class ModelFacts(BaseModel):
     weight_bytes is the size of the weight files (every expert's included); placement
     multiplies it by an engine overhead factor. intermediate_size is None when the
     checkpoint does not say. n_experts: the experts of each mixture-of-experts layer (0 for
-    a dense model).
+    a dense model); expert_bytes: the part of weight_bytes those routed experts take (what
+    expert sharding splits; a shared expert is not among them).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -37,6 +40,7 @@ class ModelFacts(BaseModel):
     head_dim: int
     intermediate_size: int | None = None
     n_experts: int = 0
+    expert_bytes: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> ModelFacts:
@@ -52,6 +56,10 @@ class ModelFacts(BaseModel):
             raise ValueError("intermediate_size must be >= 1")
         if self.n_experts < 0:
             raise ValueError("n_experts must be >= 0")
+        if not 0 <= self.expert_bytes <= self.weight_bytes:
+            raise ValueError("expert_bytes must be between 0 and weight_bytes")
+        if self.expert_bytes and not self.n_experts:
+            raise ValueError("expert_bytes needs n_experts")
         return self
 
     def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None,
@@ -76,7 +84,8 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
     # The reader imports numpy and the gguf package, which a node serving no GGUF never needs.
     from shoal.engine.weights.gguf_file import GGUFFile
 
-    metadata = GGUFFile(path).metadata
+    reader = GGUFFile(path)
+    metadata = reader.metadata
     arch = metadata.get("general.architecture")
     # A family shoal cannot run still has facts: its keys are the common ones.
     family = find_family(str(arch))
@@ -99,7 +108,10 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
         head_dim=int(field("head_dim", hidden // heads)),
         # Mixture-of-experts files store a per-layer array here; treat that as unknown.
         intermediate_size=intermediate if isinstance(intermediate, int) else None,
-        n_experts=int(metadata.get(f"{arch}.expert_count") or 0))
+        n_experts=int(metadata.get(f"{arch}.expert_count") or 0),
+        # A layer's routed experts are one 3-D tensor each: ffn_{gate,up,down}_exps.
+        expert_bytes=sum(info.nbytes for name, info in reader.tensors.items()
+                         if "_exps." in name))
 
 
 def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
@@ -115,6 +127,8 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
     keys = family.hf_config_keys if family is not None else HF_CONFIG_KEYS
     try:
         heads = int(hf[keys["num_heads"]])
+        # Qwen's MoE configs say num_experts, Mixtral's num_local_experts.
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         return ModelFacts(
             model=model,
             weight_bytes=sum(f.stat().st_size for f in directory.glob("*.safetensors")),
@@ -122,7 +136,32 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             n_kv_heads=int(hf.get(keys["num_kv_heads"]) or heads),
             head_dim=int(hf.get(keys["head_dim"]) or int(hf[keys["hidden_size"]]) // heads),
             intermediate_size=hf.get(keys["intermediate_size"]),
-            # Qwen's MoE configs say num_experts, Mixtral's num_local_experts.
-            n_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0))
+            n_experts=experts,
+            expert_bytes=_safetensors_expert_bytes(directory) if experts else 0)
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error
+
+
+# "model.layers.3.mlp.experts.5.up_proj.weight": a routed expert's tensor.
+_HF_EXPERT = re.compile(r"\.experts\.\d+\.")
+# safetensors' own limit on a header's size.
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def _safetensors_expert_bytes(directory: Path) -> int:
+    """Bytes of the routed experts' tensors, from the files' headers (8-byte length, then
+    JSON: name -> dtype, shape, data_offsets)."""
+    total = 0
+    for file in directory.glob("*.safetensors"):
+        try:
+            with open(file, "rb") as handle:
+                size = struct.unpack("<Q", handle.read(8))[0]
+                if size > _MAX_HEADER_BYTES:
+                    raise ValueError(f"a header of {size} bytes")
+                header = json.loads(handle.read(size))
+        except (OSError, ValueError, struct.error) as error:
+            raise UnsupportedModel(f"{file}: unreadable safetensors header ({error})") from error
+        total += sum(entry["data_offsets"][1] - entry["data_offsets"][0]
+                     for name, entry in header.items()
+                     if name != "__metadata__" and _HF_EXPERT.search(name))
+    return total

@@ -22,7 +22,7 @@ from shoal.cluster.placement import (
     NodeCapacity,
     PlacementPolicy,
     gib,
-    shard_bytes,
+    rank_needed_bytes,
 )
 from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
@@ -47,8 +47,7 @@ def rank_bytes(state: ClusterState, instance: Instance, node_id: NodeId,
     status = state.runners.get(rank.runner_id)
     if status is not None and status.memory_bytes is not None:
         return Holding(instance, status.memory_bytes, True)
-    estimate = shard_bytes(instance.facts, rank.layer_end - rank.layer_start, rank.tp_size,
-                           policy)
+    estimate = rank_needed_bytes(instance.facts, rank, policy)
     return Holding(instance, estimate, False)
 
 

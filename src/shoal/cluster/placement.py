@@ -10,7 +10,13 @@ for the runner process. It must fit the node's usable memory.
   tensor    w nodes, every layer split across them: whole KV-head groups as evenly as they
             go (uneven when the group count does not divide), or, with fewer KV heads than
             nodes, a replicated KV head whose q heads split equally; MLP columns near-equally.
-  auto      single if it fits, else the narrowest pipeline that fits.
+  expert    w nodes (a mixture-of-experts model), each holding every layer whole but for the
+            routed experts, of which each holds a contiguous range, in proportion to the
+            memory its node has left for them once the replicated part is counted.
+  auto      single if it fits, else the narrowest width at which something fits: expert
+            sharding there when the model has experts and it fits (it decodes and prefills
+            faster than a pipeline of the same width: README, "Across nodes"), else a
+            pipeline.
 Explicit pipeline / tensor try widths from min_nodes up; a width of 1 is reported as single.
 Wider attempts use the w nodes with the most usable memory.
 """
@@ -100,6 +106,8 @@ class ShardPlan:
     tp_size: int
     needed_bytes: int
     usable_bytes: int
+    expert_start: int = 0  # an expert rank's experts [start, end); (0, 0) otherwise
+    expert_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,8 @@ class Placement:
         ranks = tuple(
             Rank(runner_id=runner_id_for(instance_id, index), node_id=shard.node_id, rank=index,
                  world_size=world, layer_start=shard.layer_start, layer_end=shard.layer_end,
-                 tp_rank=shard.tp_rank, tp_size=shard.tp_size)
+                 tp_rank=shard.tp_rank, tp_size=shard.tp_size, expert_start=shard.expert_start,
+                 expert_end=shard.expert_end)
             for index, shard in enumerate(self.shards))
         return Instance(instance_id=instance_id, request=self.request, sharding=self.sharding,
                         ranks=ranks, rendezvous=rendezvous if world > 1 else None,
@@ -190,6 +199,8 @@ def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], shardi
     if width == 1:
         sharding = "single"
     facts = request.facts
+    if sharding == "expert":
+        return _place_experts(request, chosen, policy)
     if sharding == "pipeline":
         if width > facts.n_layers:
             return PlacementError(f"{width} nodes exceed the model's {facts.n_layers} layers")
@@ -213,6 +224,30 @@ def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], shardi
     return Placement(request=request, sharding=sharding, shards=tuple(shards))
 
 
+def _place_experts(request: PlacementRequest, chosen: Sequence[NodeCapacity],
+                   policy: PlacementPolicy) -> Placement | PlacementError:
+    """Every layer on every node, the experts split in proportion to each node's room left
+    once the replicated part (all but the experts, its KV and the floor) is counted."""
+    facts, width = request.facts, len(chosen)
+    reason = expert_split_problem(facts, width)
+    if reason is not None:
+        return PlacementError(reason)
+    replicated = shard_bytes(facts, facts.n_layers, 1, policy, experts_held=0)
+    rooms = [max(1, node.usable_bytes - replicated) for node in chosen]
+    counts = split_layers(facts.n_experts, rooms)  # largest remainder, at least one each
+    shards, start = [], 0
+    for node, count in zip(chosen, counts):
+        needed = shard_bytes(facts, facts.n_layers, 1, policy, experts_held=count)
+        if needed > node.usable_bytes:
+            return PlacementError(
+                f"over {width} node(s) node {node.node_id} needs {gib(needed)} for experts "
+                f"[{start}, {start + count}) but has {gib(node.usable_bytes)} usable")
+        shards.append(ShardPlan(node.node_id, 0, facts.n_layers, 0, 1, needed,
+                                node.usable_bytes, start, start + count))
+        start += count
+    return Placement(request=request, sharding="expert", shards=tuple(shards))
+
+
 def previews(request: PlacementRequest, nodes: Sequence[NodeCapacity],
              policy: PlacementPolicy = DEFAULT_POLICY) -> tuple[PlacementPreview, ...]:
     """Every sharding at every width the cluster allows, each placed or with its reason.
@@ -225,6 +260,8 @@ def previews(request: PlacementRequest, nodes: Sequence[NodeCapacity],
         return ()
     options: list[tuple[Sharding, int]] = [("single", 1)]
     for sharding in MULTI_RANK_SHARDINGS:
+        if sharding == "expert" and not request.facts.n_experts:
+            continue  # not an option for a dense model at all
         options += [(sharding, w) for w in range(2, len(candidates) + 1)]
     out = []
     for sharding, width in options:
@@ -260,7 +297,7 @@ def load_refusal(instance: Instance, node_id: NodeId, usable_bytes: int,
     rank = instance.rank_on(node_id)
     if rank is None:
         raise ValueError(f"instance {instance.instance_id} has no rank on node {node_id}")
-    needed = shard_bytes(instance.facts, rank.layer_end - rank.layer_start, rank.tp_size, policy)
+    needed = rank_needed_bytes(instance.facts, rank, policy)
     if needed <= usable_bytes * (1 + tolerance):
         return None
     return (f"node {node_id} needs {gib(needed)} for rank {rank.rank} of model "
@@ -270,11 +307,24 @@ def load_refusal(instance: Instance, node_id: NodeId, usable_bytes: int,
 # -- memory model -------------------------------------------------------------------------
 
 
+def rank_needed_bytes(facts: ModelFacts, rank: Rank,
+                      policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+    """Memory placement counts for one rank of an instance."""
+    experts = rank.experts
+    return shard_bytes(facts, rank.layer_end - rank.layer_start, rank.tp_size, policy,
+                       experts_held=None if experts is None else experts[1] - experts[0])
+
+
 def shard_bytes(facts: ModelFacts, layers: int, tp_size: int = 1,
-                policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+                policy: PlacementPolicy = DEFAULT_POLICY,
+                experts_held: int | None = None) -> int:
     """Memory one rank needs for `layers` layers, holding its tensor share of each (the
-    busiest rank's, when the split is uneven)."""
-    weights = math.ceil(facts.weight_bytes * layers / facts.n_layers
+    busiest rank's, when the split is uneven) and, for an expert rank, experts_held of each
+    mixture-of-experts layer's experts (None: all)."""
+    model_bytes = facts.weight_bytes
+    if experts_held is not None:
+        model_bytes -= facts.expert_bytes * (facts.n_experts - experts_held) // facts.n_experts
+    weights = math.ceil(model_bytes * layers / facts.n_layers
                         * tensor_share(facts, tp_size) * policy.overhead_factor)
     kv_heads = kv_heads_per_rank(facts.n_kv_heads, tp_size)
     kv = (facts.kv_bytes_per_token_per_layer(policy.kv_element_bytes, kv_heads,
@@ -308,7 +358,7 @@ def tensor_split_problem(facts: ModelFacts, width: int) -> str | None:
     """Why the model cannot be split over `width` tensor ranks, or None if it can."""
     if facts.n_experts:  # the engine refuses such a load (engine/models/moe.py)
         return ("a mixture-of-experts model cannot be split by tensor parallelism yet: "
-                "split it by layers (pipeline)")
+                "split it by layers (pipeline) or by experts (expert)")
     group = facts.n_heads // facts.n_kv_heads
     if facts.n_kv_heads < width:
         sharing = width // facts.n_kv_heads
@@ -317,6 +367,15 @@ def tensor_split_problem(facts: ModelFacts, width: int) -> str | None:
                     f"be split over {width} nodes")
     if facts.intermediate_size is not None and facts.intermediate_size < width:
         return f"MLP width {facts.intermediate_size} is narrower than {width} nodes"
+    return None
+
+
+def expert_split_problem(facts: ModelFacts, width: int) -> str | None:
+    """Why the model cannot be split over `width` expert ranks, or None if it can."""
+    if not facts.n_experts:
+        return "expert sharding needs a mixture-of-experts model"
+    if width > facts.n_experts:
+        return f"{width} nodes exceed the model's {facts.n_experts} experts"
     return None
 
 
@@ -348,7 +407,11 @@ def _attempts(request: PlacementRequest, available: int) -> list[tuple[Sharding,
     if request.sharding in MULTI_RANK_SHARDINGS:
         return [(request.sharding, w) for w in range(low, available + 1)]
     single: list[tuple[Sharding, int]] = [("single", 1)] if low == 1 else []
-    return single + [("pipeline", w) for w in range(max(2, low), available + 1)]
+    # At each width a mixture-of-experts model tries experts first (faster where both fit).
+    splits: tuple[Sharding, ...] = ("expert", "pipeline") if request.facts.expert_bytes else \
+        ("pipeline",)
+    return single + [(sharding, w) for w in range(max(2, low), available + 1)
+                     for sharding in splits]
 
 
 def _candidates(nodes: Sequence[NodeCapacity],

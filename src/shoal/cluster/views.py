@@ -21,7 +21,9 @@ def describe_instance(state: ClusterState, instance: Instance,
     for rank in instance.ranks:
         held = rank_bytes(state, instance, rank.node_id)
         status = state.runners.get(rank.runner_id)
+        experts = rank.experts
         ranks.append({"node_id": rank.node_id, "rank": rank.rank, "layers": list(rank.layers),
+                      "experts": list(experts) if experts is not None else None,
                       "phase": status.phase if status else None,
                       "memory_bytes": held.bytes if held else None,
                       "measured": held.measured if held else False})

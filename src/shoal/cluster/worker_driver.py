@@ -68,7 +68,7 @@ DEFAULT_GROUP_CONNECT_S = 120.0
 
 def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) -> ParallelConfig:
     """A multi-rank instance's rank as its runner joins the group: the master's rendezvous,
-    the rank's layers, the group-formation deadline."""
+    the rank's layers (and experts), the group-formation deadline."""
     if instance.rendezvous is None or instance.sharding not in MULTI_RANK_SHARDINGS:
         raise ValueError(f"instance {instance.instance_id} is not a multi-rank instance")
     return ParallelConfig(rank=rank.rank, world_size=rank.world_size,
@@ -76,7 +76,8 @@ def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) ->
                           layer_end=rank.layer_end, master_addr=instance.rendezvous.host,
                           master_port=instance.rendezvous.port,
                           connect_timeout_s=connect_timeout_s,
-                          compress_hidden=instance.request.hidden_int8)
+                          compress_hidden=instance.request.hidden_int8,
+                          expert_start=rank.expert_start, expert_end=rank.expert_end)
 
 
 class ClusterLink(Protocol):
@@ -260,9 +261,10 @@ class WorkerDriver:
             parallel = (parallel_config(instance, rank, self._group_connect_s)
                         if rank.world_size > 1 else None)
             if parallel is not None:
-                log.info("starting rank %d of %d of %s (%s, layers %d-%d)", rank.rank,
-                         rank.world_size, instance.model, instance.sharding, rank.layer_start,
-                         rank.layer_end)
+                held = (f"experts {rank.expert_start}-{rank.expert_end}" if rank.experts
+                        else f"layers {rank.layer_start}-{rank.layer_end}")
+                log.info("starting rank %d of %d of %s (%s, %s)", rank.rank, rank.world_size,
+                         instance.model, instance.sharding, held)
             else:
                 log.info("starting model %s for %s", instance.model, instance.instance_id)
             await self._registry.start((instance.instance_id, rank.rank), source, parallel,

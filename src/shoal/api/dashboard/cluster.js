@@ -93,12 +93,18 @@ function keepAlive(instance) {
     ? "kept loaded" : `in use (then ${formatSeconds(instance.keep_alive_s)})`;
 }
 
+// An expert rank holds every layer and a range of experts; other ranks a range of layers.
+function rankHolds(rank) {
+  if (rank.experts) return `experts ${rank.experts[0]}–${rank.experts[1]}`;
+  return `layers ${rank.layers[0]}–${rank.layers[1]}`;
+}
+
 export function renderInstances(table, cluster) {
   const rows = (cluster.instances || []).map((instance) => el("tr", { "data-instance-id": instance.instance_id },
     el("td", {}, instance.model, el("div", { class: "muted small" }, instance.sharding)),
     el("td", { class: `status-${instance.status}` }, instance.status),
     el("td", {}, instance.ranks.map((rank) => el("div", {},
-      `rank ${rank.rank}: ${nodeName(cluster, rank.node_id)}, layers ${rank.layers[0]}–${rank.layers[1]}, ${rank.phase || "pending"}`))),
+      `rank ${rank.rank}: ${nodeName(cluster, rank.node_id)}, ${rankHolds(rank)}, ${rank.phase || "pending"}`))),
     el("td", {}, formatBytes(instance.memory_bytes)),
     el("td", {}, keepAlive(instance)),
     el("td", {}, instance.queue_depth ?? 0)));

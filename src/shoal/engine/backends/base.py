@@ -125,11 +125,12 @@ class Backend(ABC):
         return GatedMLP(gate_up, down, activation)
 
     def experts(self, router: Router, experts: list[GatedMLP],
-                shared: SharedExpert | None) -> MixtureOfExperts:
+                shared: SharedExpert | None, first_expert: int = 0) -> MixtureOfExperts:
         """A mixture-of-experts feed-forward: the router picks each row's experts in float32
         and rows are grouped by expert, so a step reads each chosen expert's weights once
-        (each expert a gated_mlp of this backend's linears)."""
-        return MixtureOfExperts(router, experts, shared)
+        (each expert a gated_mlp of this backend's linears). experts are the router's
+        [first_expert, first_expert + len(experts)): an expert-parallel rank's share."""
+        return MixtureOfExperts(router, experts, shared, first_expert)
 
     @abstractmethod
     def head(self, raw: RawTensor, embedding: Embedding | None, spare_bytes: int

@@ -12,11 +12,13 @@ from torch import nn
 
 from shoal.engine.backends import Backend, choose_backend
 from shoal.engine.config import ModelSource
+from shoal.engine.errors import UnsupportedModel
 from shoal.engine.kernels.build import KERNEL
 from shoal.engine.kv.quant import check_head_dim, row_bytes
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.linear import WeightPlan
 from shoal.engine.models.registry import family_of, model_class
+from shoal.engine.parallel.experts import holds_tensor
 from shoal.engine.parallel.shard import TensorShard
 from shoal.engine.parallel.tensor import rank_config
 from shoal.engine.weights.gguf import GGUFCheckpoint
@@ -86,9 +88,11 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
                progress: Callable[[float], None] | None = None,
                shard: TensorShard | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               kv_cache_dtype: str = "auto", backend: Backend | None = None) -> LoadedModel:
+               kv_cache_dtype: str = "auto", backend: Backend | None = None,
+               experts: tuple[int, int] | None = None) -> LoadedModel:
     """Load layers [start, end) of a checkpoint (the whole model by default); with a tensor
-    shard, only that rank's slice of each layer, summed over the ranks with reduce.
+    shard, only that rank's slice of each layer, summed over the ranks with reduce; with an
+    expert range, only those experts of each mixture-of-experts layer (parallel/experts.py).
 
     On CPU with bfloat16 compute every GGUF type stays packed as the file stores it
     (kernels/quant_*.cpp); dtype="float32" dequantizes everything (the exact reference
@@ -101,18 +105,32 @@ def load_model(source: ModelSource, dtype: str = "auto", device: str = "cpu",
     if backend is None:
         backend = choose_backend(torch.device(device), resolve_compute_dtype(dtype, device))
     compute_dtype = backend.compute_dtype
+    if experts is not None:
+        check_expert_range(config, experts)
     plan = WeightPlan(backend, shard=shard if shard is not None and shard.size > 1 else None,
-                      reduce=reduce)
+                      reduce=reduce, experts=experts)
+    weights = {name: raw for name, raw in checkpoint.stream((start, end))
+               if holds_tensor(name, experts)}  # never another rank's experts
     with torch.inference_mode():
-        module = model_class(family_of(config.architecture))(config, (start, end),
-                                                  dict(checkpoint.stream((start, end))), plan,
-                                                  progress)
+        module = model_class(family_of(config.architecture))(config, (start, end), weights,
+                                                             plan, progress)
+    del weights
     module.eval()
     del checkpoint  # unmaps the file: the model holds its own (packed) copies
     held = rank_config(config, plan.shard) if plan.shard is not None else config
     return LoadedModel(module=module, config=held, compute_dtype=compute_dtype,
                        weight_bytes=module.weight_bytes(), layer_range=(start, end),
                        kv_dtype=resolve_kv_dtype(kv_cache_dtype, compute_dtype, held))
+
+
+def check_expert_range(config: ModelConfig, experts: tuple[int, int]) -> None:
+    """UnsupportedModel for a dense model, ValueError for a range outside its experts."""
+    if not config.num_experts:
+        raise UnsupportedModel("expert sharding needs a mixture-of-experts model: "
+                               f"{config.architecture} has no experts")
+    if not 0 <= experts[0] < experts[1] <= config.num_experts:
+        raise ValueError(f"expert range [{experts[0]}, {experts[1]}) is outside the model's "
+                         f"{config.num_experts} experts")
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype,

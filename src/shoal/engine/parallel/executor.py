@@ -4,6 +4,8 @@ Rank 0 (LeaderExecutor) owns the scheduler: it sends each other rank the step pl
 own part and returns one token per sampled chunk.
 - tensor: every rank runs every layer on its heads; the layers sum their partial outputs
   across ranks; rank 0 samples from the logits it computed.
+- expert: the same, every rank running every layer whole but for the routed experts, of
+  which it runs its own; each mixture-of-experts layer sums its partial outputs.
 - pipeline: hidden states [T, hidden] go rank to rank; the last rank computes the logits,
   samples (SamplingMirror) and sends the tokens back to rank 0.
 The other ranks run Follower.run(): take a plan, do their part, until a shutdown plan, a
@@ -155,7 +157,7 @@ class LeaderExecutor:
         self._send_plan(StepPlan(kind="step", chunks=scheduled.chunks, added=tuple(added),
                                  removed=tuple(removed), allowed=allowed,
                                  traced=dict(traced or {})))
-        if self._config.sharding == "tensor":
+        if self._config.runs_every_layer:
             logits = self._runner.execute(scheduled)  # [S, V]; layers sum across ranks
             return self._sampler(logits, rows)
         hidden = self._runner.execute(scheduled)  # [T, hidden] of this rank's layers
@@ -307,7 +309,7 @@ class Follower:
     def _step(self, plan: StepPlan) -> None:
         scheduled = SchedulerOutput(chunks=plan.chunks)
         config = self._config
-        if config.sharding == "tensor":
+        if config.runs_every_layer:
             self._runner.execute(scheduled)  # rank 0 samples; these logits go unused
         else:
             prepared = self._runner.prepare(scheduled)  # while the rank before computes

@@ -62,8 +62,9 @@ def set_up_rank(config: EngineConfig, progress: Progress,
         loaded = load_model(config.source, config.dtype, device=config.device,
                             layer_range=parallel.layer_range,
                             progress=lambda f: progress("weights", f), shard=shard,
-                            reduce=group.all_reduce_ if shard is not None else None,
-                            kv_cache_dtype=config.kv_cache_dtype)
+                            reduce=group.all_reduce_ if parallel.runs_every_layer else None,
+                            kv_cache_dtype=config.kv_cache_dtype,
+                            experts=parallel.expert_range)
         own = plan_kv_cache(config, loaded.config, loaded)
         start, end = loaded.layer_range
         layout = layout_of(allocate_kv_cache(loaded.config, end - start, 1, config.block_size,

@@ -39,6 +39,13 @@ class TensorInfo:
     type_name: str          # GGMLQuantizationType name, e.g. "Q4_1"
     offset: int             # from the start of the file
 
+    @property
+    def nbytes(self) -> int:
+        """The tensor's bytes in the file."""
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]]
+        rows = int(np.prod(self.dims[1:], dtype=np.int64)) if len(self.dims) > 1 else 1
+        return rows * (self.dims[0] // block * block_bytes)
+
 
 class GGUFFile:
     """metadata: key -> scalar or string; an array's value is None there (read it with

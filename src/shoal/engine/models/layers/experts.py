@@ -63,22 +63,39 @@ class SharedExpert(Layer):
 class MixtureOfExperts(Layer):
     """forward(x [T, hidden], prompt_from) -> [T, hidden] in x's dtype; rows from
     prompt_from on are prompt tokens (see QuantLinear), and stay so within each expert's
-    group (a group keeps the rows' order)."""
+    group (a group keeps the rows' order).
+
+    experts may be a contiguous share [first_expert, first_expert + len(experts)) of the
+    router's (an expert-parallel rank's, parallel/experts.py): choices of other experts are
+    left to the ranks holding them, and routed() is this share's part of the sum.
+    """
 
     def __init__(self, router: Router, experts: list[GatedMLP],
-                 shared: SharedExpert | None = None) -> None:
+                 shared: SharedExpert | None = None, first_expert: int = 0) -> None:
         super().__init__()
         self.router = router
         self.experts = nn.ModuleList(experts)
         self.shared = shared
+        self.first_expert = first_expert
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        out = self.routed(x, prompt_from)
+        if self.shared is not None:
+            out += self.shared(x, prompt_from)
+        return out.to(x.dtype)
+
+    def routed(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        """The held experts' weighted outputs summed per row: float32 [T, hidden]."""
         weights, chosen = self.router(x)  # [T, k] each
         top_k = chosen.shape[1]
-        flat = chosen.reshape(-1)  # [T * k]: row r's choices at r*k .. r*k + k-1
+        held = len(self.experts)
+        # [T * k]: row r's choices at r*k .. r*k + k-1, as indices into self.experts; another
+        # rank's experts all go to one bucket past the end, never run here.
+        flat = chosen.reshape(-1) - self.first_expert
+        flat = torch.where((flat >= 0) & (flat < held), flat, held)
         # (row, choice) pairs grouped by expert; within a group rows stay in ascending order.
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=held + 1)[:held].tolist()
         flat_weights = weights.reshape(-1)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, hidden]
         start = 0
@@ -92,9 +109,7 @@ class MixtureOfExperts(Layer):
                                  else int(torch.searchsorted(rows, prompt_from)))
             y = self.experts[expert](x[rows], local_prompt_from)  # [count, hidden]
             out.index_add_(0, rows, y.float() * flat_weights[pairs, None])
-        if self.shared is not None:
-            out += self.shared(x, prompt_from)
-        return out.to(x.dtype)
+        return out
 
     def nbytes(self) -> int:
         held = self.router.nbytes() + sum(_mlp_bytes(expert) for expert in self.experts)

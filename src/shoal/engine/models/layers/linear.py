@@ -26,13 +26,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class WeightPlan:
-    """How to materialise checkpoint tensors: the backend that builds every layer."""
+    """How to materialise checkpoint tensors: the backend that builds every layer, and the
+    part of each layer this rank holds."""
 
     backend: Backend
     # A tensor-parallel rank: which slice of each layer it holds, and how its partial
     # outputs are summed over the ranks (in place).
     shard: TensorShard | None = None
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # An expert-parallel rank: the half-open range of each mixture-of-experts layer's
+    # experts it holds; the layer's partial output is summed over the ranks with reduce.
+    experts: tuple[int, int] | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
