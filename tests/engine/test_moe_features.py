@@ -2,7 +2,7 @@
 qwen2moe and mixtral with a byte-level tokenizer in their GGUF files): the int8 KV cache,
 grammar-constrained output, speculative decoding with a draft model and with n-grams, seeded
 sampling across prefix-cache hits and batches, and prefix KV from disk and from another
-engine."""
+engine. K-quant experts: test_moe.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from forward_helpers import all_position_logits, chunk, step
 from tiny_models import MOE_FAMILIES
 from tokenizer_fixtures import tiny_byte_level_metadata
 
-from shoal.engine.config import EngineConfig, ModelSource
+from shoal.engine.config import EngineConfig, KvDiskConfig, ModelSource
 from shoal.engine.engine import Engine
 from shoal.engine.grammar_spec import GrammarSpec
 from shoal.engine.model_runner import ModelRunner
@@ -236,3 +236,42 @@ def test_seeded_outputs_hold_across_cache_hits_batches_and_draft_guesses(checkpo
     others = {rid: (ids[::-1], params) for rid, (ids, params) in seeded_requests("other").items()}
     joined = run_requests(engine, others, late=seeded_requests(""))
     assert {rid: joined[rid]["ids"] for rid in alone} == alone
+
+
+# Prefix KV from disk and from another engine ---------------------------------------------
+
+def greedy_run(engine: Engine, request_id: str, prompt: list[int]) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return run_requests(engine, {request_id: (prompt, params)})[request_id]
+
+
+LONG_PROMPT = [(11 * j) % 250 + 3 for j in range(43)]  # 5 full blocks and 3 tokens more
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_restarted_engine_serves_a_moe_prompt_from_the_disk_tier_identically(
+        checkpoints, family, tmp_path):
+    disk = KvDiskConfig(root=tmp_path / "kv", max_bytes=64 * 2**20)
+    engine = engine_of(checkpoints[family], tmp_path, kv_disk=disk)
+    computed = greedy_run(engine, "cold", LONG_PROMPT)
+    assert computed["cached"] == 0
+    engine.close()  # writes out the disk tier's queue
+    restarted = engine_of(checkpoints[family], tmp_path, kv_disk=disk)
+    served = greedy_run(restarted, "warm", LONG_PROMPT)
+    assert restarted.stats()["kv_disk_loaded_blocks"] == 5
+    assert served["cached"] == 5 * BLOCK
+    assert served["ids"] == computed["ids"]
+    restarted.close()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_moe_prefix_exported_from_one_engine_serves_another_identically(checkpoints, family,
+                                                                          tmp_path):
+    source, target = (engine_of(checkpoints[family], tmp_path) for _ in range(2))
+    computed = greedy_run(source, "cold", LONG_PROMPT)
+    blocks = source.export_prefix(LONG_PROMPT)
+    assert blocks.num_blocks == 5
+    assert target.import_prefix(blocks) == 5
+    served = greedy_run(target, "warm", LONG_PROMPT)
+    assert served["cached"] == 5 * BLOCK
+    assert served["ids"] == computed["ids"]
