@@ -14,6 +14,7 @@ import pytest
 import tiny_models
 import torch
 from forward_helpers import all_position_logits, chunk, step
+from rank_processes import follow, run_ranks, split_config
 from tiny_models import MOE_FAMILIES
 from tokenizer_fixtures import tiny_byte_level_metadata
 
@@ -275,3 +276,38 @@ def test_a_moe_prefix_exported_from_one_engine_serves_another_identically(checkp
     served = greedy_run(target, "warm", LONG_PROMPT)
     assert served["cached"] == 5 * BLOCK
     assert served["ids"] == computed["ids"]
+
+
+# A pipeline over two ranks ----------------------------------------------------------------
+
+def pipeline_requests(engine: Engine) -> dict[str, list[int]]:
+    """Three greedy requests and a seeded sampled one, in one batch."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = {str(i): (ids, greedy) for i, ids in enumerate(PROMPTS)}
+    requests["seeded"] = (LOOP, SamplingParams(temperature=0.9, top_k=40, seed=7,
+                                               max_tokens=16, ignore_eos=True))
+    return token_ids(run_requests(engine, requests))
+
+
+def pipeline_rank(rank: int, world: int, port: int, path: str):
+    config = split_config(rank, world, port, path, "pipeline", [(0, 1), (1, 2)],
+                          block_size=BLOCK)
+    if rank:
+        return follow(config)
+    engine = Engine(config)
+    try:
+        return pipeline_requests(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_moe_model_split_in_two_pipeline_stages_answers_as_one_engine(checkpoints, family,
+                                                                        tmp_path):
+    """Each stage a process holding one of the two layers (its experts with it), in
+    float32: the same tokens as one engine, the sampled request's too."""
+    path = str(checkpoints[family].gguf_path)
+    expected = pipeline_requests(engine_of(checkpoints[family], tmp_path, threads=1))
+    results = run_ranks(pipeline_rank, 2, path, timeout_s=240)
+    assert isinstance(results[1], int) and results[1] > 0  # the second stage served steps
+    assert results[0] == expected
