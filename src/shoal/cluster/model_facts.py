@@ -94,7 +94,9 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
     intermediate = metadata.get(f"{arch}.{keys['intermediate_size']}")
     return ModelFacts(
         model=model, weight_bytes=path.stat().st_size,
-        n_layers=int(field("num_layers")), n_heads=heads,
+        # GLM-4.5's block_count counts its multi-token-prediction layers, which never run.
+        n_layers=int(field("num_layers")) - int(metadata.get(f"{arch}.nextn_predict_layers") or 0),
+        n_heads=heads,
         n_kv_heads=int(field("num_kv_heads", heads)),
         head_dim=int(field("head_dim", hidden // heads)),
         # Mixture-of-experts files store a per-layer array here; treat that as unknown.
@@ -122,7 +124,9 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             n_kv_heads=int(hf.get(keys["num_kv_heads"]) or heads),
             head_dim=int(hf.get(keys["head_dim"]) or int(hf[keys["hidden_size"]]) // heads),
             intermediate_size=hf.get(keys["intermediate_size"]),
-            # Qwen's MoE configs say num_experts, Mixtral's num_local_experts.
-            n_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0))
+            # Qwen's MoE configs say num_experts, Mixtral's num_local_experts, GLM's and
+            # DeepSeek's n_routed_experts.
+            n_experts=int(hf.get("num_experts") or hf.get("num_local_experts")
+                          or hf.get("n_routed_experts") or 0))
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error

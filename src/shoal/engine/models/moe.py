@@ -1,5 +1,7 @@
 """The mixture-of-experts feed-forward of one decoder layer, built from its canonical tensors
-(layers.{i}.router, layers.{i}.experts.{e}.gate/up/down, and qwen2moe's shared expert)."""
+(layers.{i}.router, layers.{i}.experts.{e}.gate/up/down, a shared expert with its gate
+(qwen2moe) or without (GLM-4.5, DeepSeek), and the sigmoid routers' per-expert score bias
+layers.{i}.router_score_bias)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,12 @@ import torch
 
 from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
-from shoal.engine.models.layers.experts import MixtureOfExperts, Router, SharedExpert
+from shoal.engine.models.layers.experts import (
+    GroupedRouter,
+    MixtureOfExperts,
+    Router,
+    SharedExpert,
+)
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.weights.quant import RawTensor
@@ -19,15 +26,27 @@ def make_experts(config: ModelConfig, index: int, weights: dict[str, RawTensor],
         raise UnsupportedModel("mixture-of-experts layers cannot be split by tensor "
                                "parallelism yet: split the model by layers (pipeline)")
     prefix = f"layers.{index}."
-    router = Router(_float32(weights[prefix + "router.weight"], plan),
-                    config.num_experts_per_token, config.norm_topk_prob)
     experts = [_gated_mlp(weights, f"{prefix}experts.{e}.", config, plan)
                for e in range(config.num_experts)]
     shared = None
     if config.shared_expert_intermediate_size:
-        gate = _float32(weights[prefix + "shared_expert_gate.weight"], plan).reshape(1, -1)
-        shared = SharedExpert(_gated_mlp(weights, prefix + "shared_expert.", config, plan), gate)
-    return plan.backend.experts(router, experts, shared)
+        gate = weights.get(prefix + "shared_expert_gate.weight")
+        shared = SharedExpert(_gated_mlp(weights, prefix + "shared_expert.", config, plan),
+                              None if gate is None else _float32(gate, plan).reshape(1, -1))
+    return plan.backend.experts(_router(config, prefix, weights, plan), experts, shared)
+
+
+def _router(config: ModelConfig, prefix: str, weights: dict[str, RawTensor],
+            plan: WeightPlan) -> Router | GroupedRouter:
+    weight = _float32(weights[prefix + "router.weight"], plan)
+    bias = weights.get(prefix + "router_score_bias.bias")
+    if (config.expert_scoring == "softmax" and config.expert_groups == 1 and bias is None
+            and config.routed_scaling_factor == 1.0):
+        return Router(weight, config.num_experts_per_token, config.norm_topk_prob)
+    return GroupedRouter(weight, config.num_experts_per_token, config.norm_topk_prob,
+                         config.expert_scoring, config.expert_groups, config.expert_groups_used,
+                         None if bias is None else _float32(bias, plan).reshape(-1),
+                         config.routed_scaling_factor)
 
 
 def _gated_mlp(weights: dict[str, RawTensor], prefix: str, config: ModelConfig,
