@@ -26,7 +26,7 @@ from shoal.engine.models.layers.head import build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import RotaryTable
-from shoal.engine.models.moe import make_experts
+from shoal.engine.models.moe import check_not_tensor_split, make_experts
 from shoal.engine.parallel.tensor import RowParallel, shard_attention, shard_mlp
 from shoal.engine.weights.quant import RawTensor
 
@@ -126,6 +126,7 @@ class LlamaModel(Layer):
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], weights: Weights,
                  plan: WeightPlan, progress: Callable[[float], None] | None = None) -> None:
         super().__init__()
+        check_not_tensor_split(config, plan)
         self.config, self.plan = config, plan
         self.start, self.end = layer_range
         file_bytes = _file_bytes(weights)  # this stage's tensors as the file stores them

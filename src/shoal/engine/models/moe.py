@@ -22,9 +22,7 @@ from shoal.engine.weights.quant import RawTensor
 
 def make_experts(config: ModelConfig, index: int, weights: dict[str, RawTensor],
                  plan: WeightPlan) -> MixtureOfExperts:
-    if plan.shard is not None:
-        raise UnsupportedModel("mixture-of-experts layers cannot be split by tensor "
-                               "parallelism yet: split the model by layers (pipeline)")
+    check_not_tensor_split(config, plan)
     prefix = f"layers.{index}."
     experts = [_gated_mlp(weights, f"{prefix}experts.{e}.", config, plan)
                for e in range(config.num_experts)]
@@ -34,6 +32,14 @@ def make_experts(config: ModelConfig, index: int, weights: dict[str, RawTensor],
         shared = SharedExpert(_gated_mlp(weights, prefix + "shared_expert.", config, plan),
                               None if gate is None else _float32(gate, plan).reshape(1, -1))
     return plan.backend.experts(_router(config, prefix, weights, plan), experts, shared)
+
+
+def check_not_tensor_split(config: ModelConfig, plan: WeightPlan) -> None:
+    """Refuses a tensor-parallel plan for a model with experts (before any layer is built:
+    GLM's and DeepSeek's dense leading layers come first)."""
+    if plan.shard is not None and config.num_experts:
+        raise UnsupportedModel("mixture-of-experts layers cannot be split by tensor "
+                               "parallelism yet: split the model by layers (pipeline)")
 
 
 def _router(config: ModelConfig, prefix: str, weights: dict[str, RawTensor],
