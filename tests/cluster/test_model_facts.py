@@ -121,3 +121,45 @@ def test_incomplete_config_is_unsupported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(UnsupportedModel, match="num_attention_heads"):
         model_facts_from_source(ModelSource(model_id="m", format="safetensors", path=tmp_path))
+
+
+def test_glm_and_deepseek_facts_count_their_experts_layers_and_cache_heads(tmp_path):
+    # GLM-4.5's block_count counts its multi-token-prediction layer, which never runs.
+    path = tmp_path / "glm.gguf"
+    writer = gguf.GGUFWriter(str(path), "glm4moe")
+    for key, value in (("block_count", 47), ("nextn_predict_layers", 1), ("expert_count", 128),
+                       ("embedding_length", 4096), ("attention.head_count", 96),
+                       ("attention.head_count_kv", 8), ("attention.key_length", 128)):
+        writer.add_uint32(f"glm4moe.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 96), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    facts = model_facts_from_source(ModelSource("glm", "gguf", path))
+    assert (facts.n_layers, facts.n_experts, facts.n_kv_heads) == (46, 128, 8)
+    # DeepSeek's files say one latent KV head; shoal caches every head's key and value.
+    path = tmp_path / "deepseek.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, value in (("block_count", 61), ("expert_count", 256), ("embedding_length", 7168),
+                       ("attention.head_count", 128), ("attention.head_count_kv", 1),
+                       ("attention.key_length", 576), ("attention.key_length_mla", 192)):
+        writer.add_uint32(f"deepseek2.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 96), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    facts = model_facts_from_source(ModelSource("ds", "gguf", path))
+    assert (facts.n_layers, facts.n_experts, facts.n_kv_heads, facts.head_dim) == \
+        (61, 256, 128, 192)
+    for architecture, extra in (("Glm4MoeForCausalLM", {"head_dim": 128}),
+                                ("DeepseekV3ForCausalLM", {"qk_head_dim": 192})):
+        directory = tmp_path / architecture
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({
+            "architectures": [architecture], "num_hidden_layers": 46, "hidden_size": 4096,
+            "num_attention_heads": 96, "num_key_value_heads": 8, "intermediate_size": 10944,
+            "n_routed_experts": 128, **extra}))
+        facts = model_facts_from_source(ModelSource("x", "safetensors", directory))
+        assert facts.n_experts == 128 and facts.head_dim == next(iter(extra.values()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import tiny_models
 import torch
 from forward_helpers import all_position_logits, chunk, step
 from tiny_models import DENSE_FAMILIES, FAMILIES, VOCAB
@@ -43,7 +44,7 @@ def reference_logits(model, token_ids) -> torch.Tensor:
 def test_fp32_logits_match_transformers(tiny_checkpoints, family, fmt):
     checkpoint = tiny_checkpoints[family]
     loaded = load(checkpoint, fmt)
-    assert loaded.config.architecture == family
+    assert loaded.config.architecture == tiny_models.architecture(family)
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
     ours = all_position_logits(runner, PROMPT, shuffled_blocks())
     reference = checkpoint.hf_model if fmt == "safetensors" else checkpoint.gguf_reference

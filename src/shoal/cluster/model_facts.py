@@ -103,7 +103,9 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
     intermediate = metadata.get(f"{arch}.{keys['intermediate_size']}")
     return ModelFacts(
         model=model, weight_bytes=path.stat().st_size,
-        n_layers=int(field("num_layers")), n_heads=heads,
+        # GLM-4.5's block_count counts its multi-token-prediction layers, which never run.
+        n_layers=int(field("num_layers")) - int(metadata.get(f"{arch}.nextn_predict_layers") or 0),
+        n_heads=heads,
         n_kv_heads=int(field("num_kv_heads", heads)),
         head_dim=int(field("head_dim", hidden // heads)),
         # Mixture-of-experts files store a per-layer array here; treat that as unknown.
@@ -127,8 +129,10 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
     keys = family.hf_config_keys if family is not None else HF_CONFIG_KEYS
     try:
         heads = int(hf[keys["num_heads"]])
-        # Qwen's MoE configs say num_experts, Mixtral's num_local_experts.
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        # Qwen's MoE configs say num_experts, Mixtral's num_local_experts, GLM's and
+        # DeepSeek's n_routed_experts.
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts")
+                      or hf.get("n_routed_experts") or 0)
         return ModelFacts(
             model=model,
             weight_bytes=sum(f.stat().st_size for f in directory.glob("*.safetensors")),

@@ -22,7 +22,12 @@ from torch import nn
 from shoal.engine.backends.packing import dense_values
 from shoal.engine.backends.paged_attention import TorchPagedAttention
 from shoal.engine.models.layers.attention import Attend
-from shoal.engine.models.layers.experts import MixtureOfExperts, Router, SharedExpert
+from shoal.engine.models.layers.experts import (
+    GroupedRouter,
+    MixtureOfExperts,
+    Router,
+    SharedExpert,
+)
 from shoal.engine.models.layers.linear import DenseLinear
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -124,7 +129,7 @@ class Backend(ABC):
     def gated_mlp(self, gate_up: nn.Module, down: nn.Module, activation: str) -> GatedMLP:
         return GatedMLP(gate_up, down, activation)
 
-    def experts(self, router: Router, experts: list[GatedMLP],
+    def experts(self, router: Router | GroupedRouter, experts: list[GatedMLP],
                 shared: SharedExpert | None, first_expert: int = 0) -> MixtureOfExperts:
         """A mixture-of-experts feed-forward: the router picks each row's experts in float32
         and rows are grouped by expert, so a step reads each chosen expert's weights once

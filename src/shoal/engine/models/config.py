@@ -2,10 +2,57 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 LayerType = Literal["full", "sliding"]
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (DeepSeek's): frequencies interpolated by factor beyond the
+    original context, and with mscale / mscale_all_dim the attention logits scaled by
+    (0.1 * mscale_all_dim * ln(factor) + 1) ** 2 (transformers' deepseek yarn_apply_mscale)."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position < 1:
+            raise ValueError("yarn scaling needs a positive factor and original context")
+
+    def magnitude(self, mscale: float = 1.0) -> float:
+        """YaRN's get_mscale: 0.1 * mscale * ln(factor) + 1 (1 without scaling up)."""
+        return 1.0 if self.factor <= 1 else 0.1 * mscale * math.log(self.factor) + 1.0
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention: q from x (q_lora_rank 0) or through a rank
+    q_lora_rank bottleneck; keys and values from one kv_lora_rank latent per token plus a
+    qk_rope_head_dim key part shared by every head (the only part RoPE turns)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim) < 1 \
+                or self.q_lora_rank < 0 or self.qk_nope_head_dim < 0:
+            raise ValueError("latent attention needs positive ranks and head sizes")
+        if self.v_head_dim > self.qk_head_dim:
+            raise ValueError("latent attention's value heads must not exceed its key heads")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -36,6 +83,13 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # Linear RoPE scaling of global layers (positions divided by this factor).
     rope_scaling_factor: float = 1.0
+    # Dimensions of each q/k head that RoPE rotates: GLM's first rotary_dim (its partial
+    # rotary), DeepSeek's last (its rope part, latent_attention); None: all.
+    rotary_dim: int | None = None
+    rope_yarn: YarnScaling | None = None
+    # DeepSeek's latent attention (models/deepseek2.py); head_dim is then its key heads'
+    # size (nope + rope), each KV cache row a head's key or its value padded to head_dim.
+    latent_attention: LatentAttention | None = None
     # Attention logits are multiplied by this; None means head_dim ** -0.5.
     attention_scale: float | None = None
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"
@@ -49,6 +103,18 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # The first first_dense_layers layers have a dense MLP of intermediate_size (GLM-4.5,
+    # DeepSeek's first_k_dense_replace); the rest route to experts.
+    first_dense_layers: int = 0
+    # How the router scores experts (layers/experts.py GroupedRouter): "softmax" (the
+    # default Router) or "sigmoid" (GLM-4.5, DeepSeek-V3: the score plus a per-expert bias
+    # chooses, the score alone weighs). With expert_groups > 1 each token first keeps its
+    # expert_groups_used best groups of experts. The chosen weights are multiplied by
+    # routed_scaling_factor.
+    expert_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -68,6 +134,17 @@ class ModelConfig:
                 raise ValueError("num_experts_per_token must be within 1..num_experts")
             if self.expert_intermediate_size < 1:
                 raise ValueError("a mixture-of-experts model needs expert_intermediate_size")
+            if self.expert_groups < 1 or self.num_experts % self.expert_groups:
+                raise ValueError("num_experts must be a multiple of expert_groups")
+            if not 1 <= self.expert_groups_used <= self.expert_groups:
+                raise ValueError("expert_groups_used must be within 1..expert_groups")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise ValueError("rotary_dim must be even and within 1..head_dim")
+
+    def has_experts(self, layer_index: int) -> bool:
+        """Whether the layer's feed-forward routes to experts (else a dense MLP)."""
+        return bool(self.num_experts) and layer_index >= self.first_dense_layers
 
     def layer_type(self, layer_index: int) -> LayerType:
         return self.layer_types[layer_index] if self.layer_types else "full"

@@ -1,5 +1,6 @@
 """One decoder skeleton for llama / mistral / qwen2 (qkv bias) / qwen3 (q/k norm), and
-their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe: the MLP routed to experts).
+their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe, glm4moe: the MLP routed to
+experts, GLM-4.5's after dense leading layers, with partial RoPE).
 
 A model instance holds a half-open layer range [start, end) with original layer indices;
 the first stage embeds token ids, the last stage owns the final norm and output head.
@@ -25,7 +26,7 @@ from shoal.engine.models.layers.head import build_head
 from shoal.engine.models.layers.linear import WeightPlan, build_linear
 from shoal.engine.models.layers.norm import RMSNorm
 from shoal.engine.models.layers.rotary import RotaryTable
-from shoal.engine.models.moe import make_experts
+from shoal.engine.models.moe import check_not_tensor_split, make_experts
 from shoal.engine.parallel.tensor import RowParallel, shard_attention, shard_mlp
 from shoal.engine.weights.quant import RawTensor
 
@@ -63,7 +64,8 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=config.head_dim,
         sliding=config.layer_type(index) == "sliding",
         attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale),
-        q_norm=q_norm, k_norm=k_norm, attention_dtype=_attention_cast(plan))
+        q_norm=q_norm, k_norm=k_norm, attention_dtype=_attention_cast(plan),
+        rotary_dim=config.rotary_dim)
 
 
 def _row_parallel(layer: nn.Module, plan: WeightPlan) -> nn.Module:
@@ -98,7 +100,7 @@ class LlamaBlock(Layer):
         self.attn_norm = make_norm(weights[prefix + "attn_norm.weight"], config, plan)
         self.attn = make_attention(config, index, weights, plan)
         self.mlp_norm = make_norm(weights[prefix + "mlp_norm.weight"], config, plan)
-        self.mlp = (make_experts(config, index, weights, plan) if config.num_experts
+        self.mlp = (make_experts(config, index, weights, plan) if config.has_experts(index)
                     else make_mlp(config, index, weights, plan))
 
     def forward(self, h: torch.Tensor, rope, kv_cache: KVCache, meta: AttentionMetadata,
@@ -124,6 +126,7 @@ class LlamaModel(Layer):
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], weights: Weights,
                  plan: WeightPlan, progress: Callable[[float], None] | None = None) -> None:
         super().__init__()
+        check_not_tensor_split(config, plan)
         self.config, self.plan = config, plan
         self.start, self.end = layer_range
         file_bytes = _file_bytes(weights)  # this stage's tensors as the file stores them
@@ -150,8 +153,9 @@ class LlamaModel(Layer):
             head_bytes = 0 if tied else _file_bytes({"head": head_raw})
             spare = int(MEMORY_FACTOR * file_bytes) - _held_bytes(self) - head_bytes
             self.head = build_head(head_raw, plan, self.embedding if tied else None, spare)
-        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position,
-                                  config.rope_scaling_factor)
+        self.rotary = RotaryTable(config.rotary_dim or config.head_dim, config.rope_theta,
+                                  config.max_position, config.rope_scaling_factor,
+                                  config.rope_yarn)
         # q and k are rotated in the attention dtype (float32 on CPU).
         self.attention_dtype = plan.backend.attention_dtype
         # Whether decode steps may run as one compiled call (off: always the Python path).

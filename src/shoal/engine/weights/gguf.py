@@ -76,14 +76,15 @@ class GGUFCheckpoint:
             rms_eps=float(read("rms_eps", 1e-6)),
         )
         scaling = read("rope_scaling_type", "none")
-        if scaling not in ("none", "linear"):
+        if scaling not in family.rope_scalings:
             raise UnsupportedModel(f"RoPE scaling {scaling!r} is not supported")
         values = {**family.config_defaults, **common,
                   # Which optional tensors the file holds says what the model has.
                   "tie_embeddings": _OUTPUT not in self.tensors,
                   "qkv_bias": _FIRST_Q + ".bias" in self.tensors,
                   "qk_norm": _FIRST_Q_NORM in self.tensors,
-                  "rope_scaling_factor": float(read("rope_scaling_factor", 1.0) or 1.0)}
+                  "rope_scaling_factor": (float(read("rope_scaling_factor", 1.0) or 1.0)
+                                          if scaling != "yarn" else 1.0)}
         if family.gguf_config_extras is not None:
             values.update(family.gguf_config_extras(self._arch_field, values))
         return ModelConfig(**values)
@@ -104,7 +105,7 @@ class GGUFCheckpoint:
             if self.family.gguf_permuted_qk and part in ("q", "k"):
                 heads = config.num_heads if ".q." in canonical else config.num_kv_heads
                 raw = raw.rows(_unpermute_order(heads, config.head_dim, raw.shape[0]))
-            if len(raw.shape) == 3:  # [experts, out, in]
+            if ".experts." in canonical:  # [experts, out, in]
                 for expert, matrix in enumerate(_expert_matrices(raw)):
                     yield expert_name(canonical, expert), matrix
                 continue

@@ -5,7 +5,9 @@ Global: embed.weight, norm.weight, lm_head.weight. Per layer i: layers.{i}.<part
 mlp_norm, post_mlp_norm, gate, up, down. Mixture-of-experts layers have router and, per
 expert e, experts.{e}.gate / .up / .down (a GGUF file stores a layer's experts as one 3-D
 tensor, experts.gate, which its reader splits by expert); qwen2moe's shared expert is
-shared_expert.gate / .up / .down with its gate shared_expert_gate.
+shared_expert.gate / .up / .down with its gate shared_expert_gate (GLM-4.5's and DeepSeek's
+shared experts have none); sigmoid routers add router_score_bias.bias. A family may say that
+one of its tables' tensor kinds is another part (ModelFamily.tensor_parts).
 
 A family's GGUF and Hugging Face names come from the gguf package's tables for the family's
 architecture (MODEL_TENSORS, TENSOR_NAMES, TensorNameMap); this module only says which of
@@ -45,6 +47,13 @@ _LAYER_PARTS = {
     MODEL_TENSOR.ATTN_POST_NORM: "post_attn_norm", MODEL_TENSOR.FFN_NORM: "mlp_norm",
     MODEL_TENSOR.FFN_PRE_NORM: "mlp_norm", MODEL_TENSOR.FFN_POST_NORM: "post_mlp_norm",
     MODEL_TENSOR.FFN_GATE: "gate", MODEL_TENSOR.FFN_UP: "up", MODEL_TENSOR.FFN_DOWN: "down",
+    # DeepSeek's latent attention (models/deepseek2.py): q straight (q) or through q_a,
+    # q_a_norm, q_b; the kv latent and shared rope key (kv_a), its norm, and its per-head
+    # decompression kv_b (newer GGUF files: k_b, transposed, and v_b, each [heads, ., .]).
+    MODEL_TENSOR.ATTN_Q_A: "q_a", MODEL_TENSOR.ATTN_Q_B: "q_b",
+    MODEL_TENSOR.ATTN_Q_A_NORM: "q_a_norm", MODEL_TENSOR.ATTN_KV_A_MQA: "kv_a",
+    MODEL_TENSOR.ATTN_KV_A_NORM: "kv_a_norm", MODEL_TENSOR.ATTN_KV_B: "kv_b",
+    MODEL_TENSOR.ATTN_K_B: "k_b", MODEL_TENSOR.ATTN_V_B: "v_b",
     # Mixture-of-experts layers.
     MODEL_TENSOR.FFN_GATE_INP: "router", MODEL_TENSOR.FFN_GATE_EXP: "experts.gate",
     MODEL_TENSOR.FFN_UP_EXP: "experts.up", MODEL_TENSOR.FFN_DOWN_EXP: "experts.down",
@@ -52,6 +61,9 @@ _LAYER_PARTS = {
     MODEL_TENSOR.FFN_UP_SHEXP: "shared_expert.up",
     MODEL_TENSOR.FFN_DOWN_SHEXP: "shared_expert.down",
     MODEL_TENSOR.FFN_GATE_INP_SHEXP: "shared_expert_gate",
+    # The sigmoid routers' per-expert score bias (e_score_correction_bias; its GGUF name
+    # ends in .bias).
+    MODEL_TENSOR.FFN_EXP_PROBS_B: "router_score_bias",
 }
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A Hugging Face checkpoint stores each expert's matrices apart: "...experts.5.gate_proj".
@@ -70,8 +82,10 @@ class TensorNames:
         # GGUF base name ("token_embd", or a block's "attn_q") -> canonical part.
         self._global = {TENSOR_NAMES[kind]: part for kind, part in _GLOBAL_PARTS.items()
                         if kind in kinds}
+        layer_parts = _LAYER_PARTS | {MODEL_TENSOR[kind]: part
+                                      for kind, part in family.tensor_parts.items()}
         self._layer = {TENSOR_NAMES[kind].removeprefix("blk.{bid}."): part
-                       for kind, part in _LAYER_PARTS.items() if kind in kinds}
+                       for kind, part in layer_parts.items() if kind in kinds}
         self._hf_map: TensorNameMap | None = None  # built on first from_hf
 
     def from_gguf(self, name: str) -> CanonicalName:
@@ -90,6 +104,8 @@ class TensorNames:
         "model.layers.3.mlp.experts.5.up_proj.weight" -> ("layers.3.experts.5.up.weight", 3)."""
         if self._hf_map is None:
             self._hf_map = TensorNameMap(self.arch, self.num_layers)
+        # llama.cpp's converter renames the router's bias so the tables find it.
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         expert = _HF_EXPERT.search(name)
         if expert is not None:  # the gguf tables name the experts of a layer together
             name = name[:expert.start()] + ".experts." + name[expert.end():]

@@ -92,7 +92,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         rms_eps=float(read("rms_eps", 1e-6)),
         tie_embeddings=bool(read("tie_embeddings", defaults.get("tie_embeddings", False))),
         qkv_bias=bool(read("qkv_bias", defaults.get("qkv_bias", False))),
-        rope_scaling_factor=_linear_factor(rope),
+        rope_scaling_factor=_linear_factor(rope, family.rope_scalings),
     )
     if not family.supports_sliding_window and hf.get("sliding_window") \
             and hf.get("use_sliding_window"):
@@ -115,10 +115,10 @@ def _rope_parameters(hf: dict) -> dict:
     return merged
 
 
-def _linear_factor(rope: dict) -> float:
+def _linear_factor(rope: dict, supported: tuple[str, ...]) -> float:
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return 1.0
+    if kind == "default" or (kind != "linear" and kind in supported):
+        return 1.0  # another scaling the family's extras read
     if kind == "linear":
         return float(rope["factor"])
     raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported")

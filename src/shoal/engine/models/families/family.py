@@ -75,6 +75,9 @@ class ModelFamily:
     # TensorNameMap) give this family's GGUF and Hugging Face tensor names; None: the
     # model file reads the checkpoint's own names.
     tensor_tables: str | None = None
+    # MODEL_TENSOR name -> canonical part, where this family's use of a tensor kind differs
+    # from weights/names.py's (GLM-4.5's post_attention_norm is its pre-MLP norm).
+    tensor_parts: Mapping[str, str] = field(default_factory=dict)
     gguf_config_keys: Mapping[str, str] = field(default_factory=lambda: GGUF_CONFIG_KEYS)
     hf_config_keys: Mapping[str, str] = field(default_factory=lambda: HF_CONFIG_KEYS)
     # ModelConfig values of this family where the checkpoint does not say otherwise. GGUF
@@ -82,6 +85,8 @@ class ModelFamily:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     gguf_config_extras: GGUFConfigExtras | None = None
     hf_config_extras: HFConfigExtras | None = None
+    # The RoPE scalings this family's readers accept ("yarn": the family's extras read it).
+    rope_scalings: tuple[str, ...] = ("none", "linear")
     # Whether a config.json may turn sliding-window attention on (the extras read it).
     supports_sliding_window: bool = False
     # llama.cpp's converter stores this family's q/k rows permuted (rotary halves

@@ -145,8 +145,11 @@ class SelfAttention(Layer):
     def __init__(self, qkv: nn.Module, o: nn.Module, num_heads: int, num_kv_heads: int,
                  head_dim: int, sliding: bool, attend: Attend,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 attention_dtype: torch.dtype | None = None) -> None:
+                 attention_dtype: torch.dtype | None = None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
+        # RoPE turns each head's first rotary_dim dimensions (GLM: half), the rest pass.
+        self.rotary_dim = rotary_dim or head_dim
         self.attend = attend  # the backend's, for this layer's heads (Backend.attention)
         self.attention_dtype = attention_dtype  # None: attend in the compute dtype
         self.qkv, self.o = qkv, o
@@ -168,11 +171,11 @@ class SelfAttention(Layer):
             qkv = qkv.to(self.attention_dtype)
         if self.q_norm is not None:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # [T, H|H_kv, D]
-            q = apply_rotary(self.q_norm(q), *rope)
-            new_kv = torch.cat((apply_rotary(self.k_norm(k), *rope), v), dim=1)
+            q = self._rotate(self.q_norm(q), rope)
+            new_kv = torch.cat((self._rotate(self.k_norm(k), rope), v), dim=1)
         else:
             # Rotate q and k heads in place, so k sits beside v: new_kv is a view.
-            apply_rotary_(qkv[:, :heads + kv_heads], *rope)
+            apply_rotary_(qkv[:, :heads + kv_heads, :self.rotary_dim], *rope)
             q, new_kv = qkv[:, :heads], qkv[:, heads:]  # [T, H, D], [T, 2 H_kv, D]
         # Attend to the keys and values as the cache holds them (rounded or quantized),
         # whether they come from this chunk or from the cache: a token's result then does
@@ -185,3 +188,9 @@ class SelfAttention(Layer):
         if keep is not None:
             out = out[keep]
         return self.o(out.to(x.dtype), prompt_from_of(meta, keep))
+
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, *rope)
+        turned, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((apply_rotary(turned, *rope), passed), dim=-1)

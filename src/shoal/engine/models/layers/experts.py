@@ -41,23 +41,88 @@ class Router(Layer):
         return self.weight.numel() * self.weight.element_size()
 
 
-class SharedExpert(Layer):
-    """An expert every row runs (qwen2moe), scaled by sigmoid(gate . x) per row.
+class GroupedRouter(Layer):
+    """The routing of GLM-4.5 and DeepSeek-V2/V3 in float32, as transformers computes it.
 
-    gate: float32 [1, hidden]. forward(x [T, hidden]) -> float32 [T, hidden].
+    scoring "sigmoid" (GLM-4.5, DeepSeek-V3): scores = sigmoid(logits); the choice ranks
+    scores + score_bias (e_score_correction_bias: it steers the choice, never the weights),
+    groups ranked by the sum of their two best; the weights are the chosen scores.
+    scoring "softmax" (DeepSeek-V2): scores = softmax(logits); groups ranked by their best
+    score, the experts of the other groups scored 0 (topk_method group_limited_greedy).
+    With groups > 1 only each row's groups_used best groups of experts compete; normalize
+    rescales the k weights to sum to 1, and every weight is multiplied by scale
+    (routed_scaling_factor). weight: float32 [experts, hidden], score_bias float32
+    [experts]; forward as Router's.
     """
 
-    def __init__(self, mlp: GatedMLP, gate: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, top_k: int, normalize: bool,
+                 scoring: str, groups: int = 1, groups_used: int = 1,
+                 score_bias: torch.Tensor | None = None, scale: float = 1.0) -> None:
+        super().__init__()
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"unknown expert scoring {scoring!r}")
+        self.weight, self.score_bias = weight, score_bias
+        self.top_k, self.normalize, self.scoring = top_k, normalize, scoring
+        self.groups, self.groups_used, self.scale = groups, groups_used, scale
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)  # [T, experts]
+        if self.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores if self.score_bias is None else scores + self.score_bias
+            if self.groups > 1:
+                best_two = self._by_group(choice).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+                choice = choice.masked_fill(~self._kept(best_two), float("-inf"))
+            experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, experts)
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+            if self.groups > 1:
+                best = self._by_group(scores).max(dim=-1).values  # [T, G]
+                scores = scores.masked_fill(~self._kept(best), 0.0)
+            weights, experts = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, experts
+
+    def _by_group(self, scores: torch.Tensor) -> torch.Tensor:
+        # [T, G, experts / G] (sizes spelled out: a step may route no rows)
+        return scores.view(scores.shape[0], self.groups, scores.shape[1] // self.groups)
+
+    def _kept(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, G] group scores -> [T, experts] bool: the expert's group is among the row's
+        groups_used best."""
+        best = torch.topk(group_scores, k=self.groups_used, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, best, 1.0).bool()  # [T, G]
+        per_group = self.weight.shape[0] // self.groups
+        return mask.repeat_interleave(per_group, dim=1)
+
+    def nbytes(self) -> int:
+        bias = 0 if self.score_bias is None else self.score_bias.numel() * 4
+        return self.weight.numel() * self.weight.element_size() + bias
+
+
+class SharedExpert(Layer):
+    """An expert every row runs: scaled by sigmoid(gate . x) per row where it has a gate
+    (qwen2moe), added as it is where not (GLM-4.5, DeepSeek).
+
+    gate: float32 [1, hidden] or None. forward(x [T, hidden]) -> float32 [T, hidden].
+    """
+
+    def __init__(self, mlp: GatedMLP, gate: torch.Tensor | None = None) -> None:
         super().__init__()
         self.mlp = mlp
         self.gate = gate
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
-        scale = torch.sigmoid(F.linear(x.float(), self.gate))  # [T, 1]
-        return scale * self.mlp(x, prompt_from).float()
+        out = self.mlp(x, prompt_from).float()
+        if self.gate is None:
+            return out
+        return torch.sigmoid(F.linear(x.float(), self.gate)) * out  # [T, 1] * [T, hidden]
 
     def nbytes(self) -> int:
-        return _mlp_bytes(self.mlp) + self.gate.numel() * self.gate.element_size()
+        gate = 0 if self.gate is None else self.gate.numel() * self.gate.element_size()
+        return _mlp_bytes(self.mlp) + gate
 
 
 class MixtureOfExperts(Layer):
@@ -70,7 +135,7 @@ class MixtureOfExperts(Layer):
     left to the ranks holding them, and routed() is this share's part of the sum.
     """
 
-    def __init__(self, router: Router, experts: list[GatedMLP],
+    def __init__(self, router: Router | GroupedRouter, experts: list[GatedMLP],
                  shared: SharedExpert | None = None, first_expert: int = 0) -> None:
         super().__init__()
         self.router = router

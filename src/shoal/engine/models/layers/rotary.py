@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+from shoal.engine.models.config import YarnScaling
 
 
 class RotaryTable(nn.Module):
@@ -17,10 +21,15 @@ class RotaryTable(nn.Module):
     GROW = 4096
 
     def __init__(self, head_dim: int, theta: float, max_position: int,
-                 scaling_factor: float = 1.0) -> None:
+                 scaling_factor: float = 1.0, yarn: YarnScaling | None = None) -> None:
         super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
+        # cos and sin are multiplied by attention_factor (YaRN's; 1.0 otherwise).
+        self.attention_factor = 1.0
+        if yarn is not None:
+            self.inv_freq, self.attention_factor = yarn_frequencies(head_dim, theta, yarn)
+        else:
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            self.inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
         self.max_position = max_position
         self.cos = self.sin = torch.empty(0, head_dim // 2)
         self._extend(min(self.GROW, max_position))
@@ -29,8 +38,8 @@ class RotaryTable(nn.Module):
         # Each row depends only on its position: rows computed later equal rows computed now.
         positions = torch.arange(self.cos.shape[0], size, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq[None, :]  # [P, D/2]
-        self.cos = torch.cat((self.cos, freqs.cos()))
-        self.sin = torch.cat((self.sin, freqs.sin()))
+        self.cos = torch.cat((self.cos, freqs.cos() * self.attention_factor))
+        self.sin = torch.cat((self.sin, freqs.sin() * self.attention_factor))
 
     def lookup(self, positions: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +56,33 @@ class RotaryTable(nn.Module):
         sin = self.sin[positions].to(dtype)
         return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
                 torch.cat((-sin, sin), dim=-1).unsqueeze(1))
+
+
+def yarn_frequencies(dim: int, theta: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim/2], attention factor) of YaRN scaling, as transformers computes them
+    (modeling_rope_utils._compute_yarn_parameters): each frequency blends its interpolated
+    (divided by factor) and original value by a ramp between the dimensions that turn
+    beta_fast and beta_slow times over the original context."""
+    factor = yarn.factor
+    if yarn.mscale and yarn.mscale_all_dim:
+        attention_factor = yarn.magnitude(yarn.mscale) / yarn.magnitude(yarn.mscale_all_dim)
+    else:
+        attention_factor = yarn.magnitude()
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi))) \
+            / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) \
+        + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
