@@ -86,10 +86,13 @@ def test_packed_next_tokens_follow_float32(tiny_checkpoints, family):
 
 
 def _expert_calls(model) -> list[tuple[int, int, int]]:
-    """Records (layer, expert, rows) for every expert call of the model's MoE layers."""
+    """Records (layer, expert, rows) for every expert call of the model's MoE layers (run
+    by the per-expert loop: the compiled grouped form gives its bits, as
+    test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit checks)."""
     calls: list[tuple[int, int, int]] = []
     for layer, block in enumerate(model.blocks):
         assert isinstance(block.mlp, MixtureOfExperts)
+        block.mlp.grouped = None
         for index, expert in enumerate(block.mlp.experts):
             def counted(x, prompt_from=None, _run=expert.forward, _at=(layer, index)):
                 calls.append((*_at, x.shape[0]))
@@ -168,6 +171,27 @@ def test_prompt_and_generated_rows_keep_their_own_arithmetic_in_one_group(tiny_c
             apart = torch.cat([experts(x[:generated], None), experts(x[generated:], 0)])
             assert torch.equal(together, apart)
         assert not torch.equal(experts(x, None), experts(x, 0))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit(tiny_checkpoints, family):
+    # Packed experts run as one compiled call per step (GroupedExperts); the Python loop over
+    # experts is its definition: the same bits for generated rows, prompt rows and a mix,
+    # one row or many (groups of one to ~40 rows).
+    loaded = packed(tiny_checkpoints[family])
+    torch.manual_seed(0)
+    for block in loaded.module.blocks:
+        experts = block.mlp
+        assert experts.grouped is not None
+        x = torch.randn(120, experts.router.weight.shape[1]).to(torch.bfloat16)
+        with torch.inference_mode():
+            for rows, prompt_from in ((1, None), (1, 0), (5, None), (120, None), (120, 0),
+                                      (120, 1), (120, 40)):
+                grouped = experts(x[:rows], prompt_from)
+                compiled, experts.grouped = experts.grouped, None
+                loop = experts(x[:rows], prompt_from)
+                experts.grouped = compiled
+                assert torch.equal(grouped, loop), (rows, prompt_from)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -5,9 +5,14 @@ rows chose it (prompt rows too) and never reads an expert no row chose.
 Each expert is a GatedMLP over the linear layers of layers/linear.py: packed in the file's
 GGUF types with bf16 compute on CPU, dense float32 in the reference mode. A row's result is
 the sum of its experts' outputs in ascending expert order whatever else shares its step.
+A backend may hand the whole grouping to one compiled call (grouped: the compiled kernels'
+GroupedExperts, kernels/quant_experts.h), which gives the same bits without Python between
+experts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,17 +68,35 @@ class SharedExpert(Layer):
 class MixtureOfExperts(Layer):
     """forward(x [T, hidden], prompt_from) -> [T, hidden] in x's dtype; rows from
     prompt_from on are prompt tokens (see QuantLinear), and stay so within each expert's
-    group (a group keeps the rows' order)."""
+    group (a group keeps the rows' order).
+
+    grouped: (x, weights [T, k], chosen [T, k], prompt_from) -> float32 [T, hidden], the
+    routed experts' weighted sum computed as the loop below does (the backend's compiled
+    form); None runs the loop.
+    """
 
     def __init__(self, router: Router, experts: list[GatedMLP],
-                 shared: SharedExpert | None = None) -> None:
+                 shared: SharedExpert | None = None, grouped: Callable | None = None) -> None:
         super().__init__()
         self.router = router
         self.experts = nn.ModuleList(experts)
         self.shared = shared
+        self.grouped = grouped
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         weights, chosen = self.router(x)  # [T, k] each
+        if self.grouped is not None:
+            out = self.grouped(x, weights, chosen,
+                               x.shape[0] if prompt_from is None else prompt_from)
+        else:
+            out = self._expert_loop(x, weights, chosen, prompt_from)
+        if self.shared is not None:
+            out += self.shared(x, prompt_from)
+        return out.to(x.dtype)
+
+    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                     prompt_from: int | None) -> torch.Tensor:
+        """float32 [T, hidden]: each chosen expert over its rows, in ascending expert order."""
         top_k = chosen.shape[1]
         flat = chosen.reshape(-1)  # [T * k]: row r's choices at r*k .. r*k + k-1
         # (row, choice) pairs grouped by expert; within a group rows stay in ascending order.
@@ -92,9 +115,7 @@ class MixtureOfExperts(Layer):
                                  else int(torch.searchsorted(rows, prompt_from)))
             y = self.experts[expert](x[rows], local_prompt_from)  # [count, hidden]
             out.index_add_(0, rows, y.float() * flat_weights[pairs, None])
-        if self.shared is not None:
-            out += self.shared(x, prompt_from)
-        return out.to(x.dtype)
+        return out
 
     def nbytes(self) -> int:
         held = self.router.nbytes() + sum(_mlp_bytes(expert) for expert in self.experts)
