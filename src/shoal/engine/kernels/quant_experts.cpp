@@ -48,7 +48,8 @@ at::Tensor GroupedExperts::forward(const at::Tensor& input, const at::Tensor& we
                   input.size(1) == hidden_,
               "GroupedExperts: x must be [T, ", hidden_, "] bfloat16");
   const int64_t t = input.size(0);
-  TORCH_CHECK(chosen_in.dim() == 2 && chosen_in.size(0) == t && weights_in.sizes() == chosen_in.sizes(),
+  TORCH_CHECK(chosen_in.dim() == 2 && chosen_in.size(0) == t &&
+                  weights_in.sizes() == chosen_in.sizes(),
               "GroupedExperts: weights and chosen must be [T, k]");
   const at::Tensor x = input.contiguous();
   const at::Tensor chosen = chosen_in.to(at::kLong).contiguous();
@@ -88,7 +89,8 @@ at::Tensor GroupedExperts::forward(const at::Tensor& input, const at::Tensor& we
     bf16* act_p = act.data_ptr<bf16>();
     for (int64_t j = 0; j < count; ++j) {
       if (gelu_) {
-        shoal_decode::gated<true>(gu + j * 2 * ffn_, gu + j * 2 * ffn_ + ffn_, act_p + j * ffn_, ffn_);
+        shoal_decode::gated<true>(gu + j * 2 * ffn_, gu + j * 2 * ffn_ + ffn_, act_p + j * ffn_,
+                                  ffn_);
       } else {
         shoal_decode::gated<false>(gu + j * 2 * ffn_, gu + j * 2 * ffn_ + ffn_, act_p + j * ffn_,
                                    ffn_);
