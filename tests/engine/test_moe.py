@@ -11,6 +11,7 @@ from tiny_models import MOE_FAMILIES, ExpertTypes
 from tokenizer_fixtures import tiny_byte_level_metadata
 from transformers_refs import transformers_greedy
 
+from shoal.engine.backends.choose import choose_backend
 from shoal.engine.config import EngineConfig, ModelSource
 from shoal.engine.engine import Engine
 from shoal.engine.errors import UnsupportedModel
@@ -97,12 +98,15 @@ DECIDED_MARGIN = {"glm4moe": 0.1}
 
 
 def _expert_calls(model) -> list[tuple[int, int, int]]:
-    """Records (layer, expert, rows) for every expert call of the model's MoE layers."""
+    """Records (layer, expert, rows) for every expert call of the model's MoE layers (run
+    by the per-expert loop: the compiled grouped form gives its bits, as
+    test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit checks)."""
     calls: list[tuple[int, int, int]] = []
     for layer, block in enumerate(model.blocks):
         assert isinstance(block.mlp, MixtureOfExperts) == model.config.has_experts(layer)
         if not isinstance(block.mlp, MixtureOfExperts):
             continue
+        block.mlp.grouped = None
         for index, expert in enumerate(block.mlp.experts):
             def counted(x, prompt_from=None, _run=expert.forward, _at=(layer, index)):
                 calls.append((*_at, x.shape[0]))
@@ -184,6 +188,48 @@ def test_prompt_and_generated_rows_keep_their_own_arithmetic_in_one_group(tiny_c
             apart = torch.cat([experts(x[:generated], None), experts(x[generated:], 0)])
             assert torch.equal(together, apart)
         assert not torch.equal(experts(x, None), experts(x, 0))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit(tiny_checkpoints, family):
+    # Packed experts run as one compiled call per step (GroupedExperts); the Python loop over
+    # experts is its definition: the same bits for generated rows, prompt rows and a mix,
+    # one row or many (groups of one to ~40 rows).
+    loaded = packed(tiny_checkpoints[family])
+    torch.manual_seed(0)
+    for block in loaded.module.blocks:
+        experts = block.mlp
+        if not isinstance(experts, MixtureOfExperts):  # GLM's and DeepSeek's dense layers
+            continue
+        assert experts.grouped is not None
+        x = torch.randn(120, experts.router.weight.shape[1]).to(torch.bfloat16)
+        with torch.inference_mode():
+            for rows, prompt_from in ((1, None), (1, 0), (5, None), (120, None), (120, 0),
+                                      (120, 1), (120, 40)):
+                grouped = experts(x[:rows], prompt_from)
+                compiled, experts.grouped = experts.grouped, None
+                loop = experts(x[:rows], prompt_from)
+                experts.grouped = compiled
+                assert torch.equal(grouped, loop), (rows, prompt_from)
+
+
+def test_an_expert_share_runs_compiled_as_its_loop(tiny_checkpoints):
+    # An expert-parallel rank holds experts [1, n): the compiled call skips the choices of
+    # expert 0 (another rank's) exactly as the loop does, and the two shares add up to all.
+    loaded = packed(tiny_checkpoints["qwen3moe"])
+    whole = loaded.module.blocks[0].mlp
+    backend = choose_backend(torch.device("cpu"), torch.bfloat16)
+    held = list(whole.experts)
+    low = backend.experts(whole.router, held[:1], None, first_expert=0)
+    high = backend.experts(whole.router, held[1:], None, first_expert=1)
+    assert low.grouped is not None and high.grouped is not None
+    torch.manual_seed(0)
+    x = torch.randn(64, whole.router.weight.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        compiled = high.routed(x, 32)
+        high.grouped = None
+        assert torch.equal(compiled, high.routed(x, 32))
+        torch.testing.assert_close(low.routed(x, 32) + compiled, whole.routed(x, 32))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -19,6 +19,12 @@ from shoal.engine.backends.base import Backend
 from shoal.engine.backends.fused_decode import FusedDecoder, fusable
 from shoal.engine.backends.packing import QuantLinear, pack, packed_type
 from shoal.engine.models.layers.attention import Attend, AttentionGroup
+from shoal.engine.models.layers.experts import (
+    GroupedRouter,
+    MixtureOfExperts,
+    Router,
+    SharedExpert,
+)
 from shoal.engine.models.layers.head import ExactHead
 from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.models.layers.norm import RMSNorm
@@ -66,6 +72,22 @@ class CpuKernels(Backend):
 
     def gated_mlp(self, gate_up: nn.Module, down: nn.Module, activation: str) -> GatedMLP:
         return GatedMLP(gate_up, down, activation, self.kernel.gated)
+
+    def experts(self, router: Router | GroupedRouter, experts: list[GatedMLP],
+                shared: SharedExpert | None, first_expert: int = 0) -> MixtureOfExperts:
+        """Experts whose linears are all packed run in one compiled call per step
+        (GroupedExperts: the same bits as the per-expert loop, without Python between
+        experts)."""
+        grouped = None
+        # Only plain gated MLPs of packed linears on this kernel's activation (silu or
+        # gelu_tanh, one for all); any other expert keeps the loop.
+        if all(type(e) is GatedMLP and e.gated is self.kernel.gated and e.gelu == experts[0].gelu
+               and type(e.gate_up) is QuantLinear and type(e.down) is QuantLinear
+               for e in experts):
+            grouped = self.kernel.GroupedExperts([e.gate_up.op for e in experts],
+                                                 [e.down.op for e in experts],
+                                                 experts[0].gelu).forward
+        return MixtureOfExperts(router, experts, shared, first_expert, grouped)
 
     def head(self, raw: RawTensor, embedding, spare_bytes: int) -> nn.Module:
         if packed_type(raw) is None:  # a tied embedding would be dense (build_head)

@@ -31,11 +31,11 @@ _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("decode.cpp", "quant_pack.cpp", "quant_matmul.cpp",
                                           "quant_paths.cpp", "quant_groups.cpp", "quant_avx2.cpp",
                                           "quant_estimate.cpp", "quant_head_copy.cpp",
-                                          "quant_head_split.cpp",
+                                          "quant_head_split.cpp", "quant_experts.cpp",
                                           "quant_bindings.cpp"))
 HEADERS = tuple(_HERE / name for name in (
     "attention.h", "decode_rows.h", "kv_layout.h", "prompt_attention.h", "vector.h", "vector_avx2.h", "quant.h",
-    "quant_amx.h", "quant_avx2.h", "quant_avx512.h", "quant_backend.h", "quant_buffers.h", "quant_formats.h",
+    "quant_amx.h", "quant_avx2.h", "quant_experts.h", "quant_avx512.h", "quant_backend.h", "quant_buffers.h", "quant_formats.h",
     "quant_kernels.h", "quant_prefetch.h", "quant_head_copy.h", "quant_head_split.h", "quant_estimate_avx2.h",
     "quant_simd.h", "quant_strip.h"))
 NAME = "shoal_kernels"

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "quant.h"
+#include "quant_experts.h"
 #include "quant_head_copy.h"
 #include "quant_head_split.h"
 
@@ -59,6 +60,14 @@ void bind(pybind11::module& m) {
       .def_property_readonly("out_features", &QuantLinear::out_features)
       .def("nbytes", &QuantLinear::nbytes)
       .def_property_readonly("backend", &QuantLinear::backend);
+  pybind11::class_<GroupedExperts>(m, "GroupedExperts")
+      .def(pybind11::init<std::vector<std::shared_ptr<QuantLinear>>,
+                          std::vector<std::shared_ptr<QuantLinear>>, bool>(),
+           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("gelu"))
+      .def("forward", &GroupedExperts::forward, pybind11::arg("x"), pybind11::arg("weights"),
+           pybind11::arg("chosen"), pybind11::arg("prompt_from"),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("experts", &GroupedExperts::experts);
 }
 
 }  // namespace shoal_quant

@@ -5,9 +5,14 @@ rows chose it (prompt rows too) and never reads an expert no row chose.
 Each expert is a GatedMLP over the linear layers of layers/linear.py: packed in the file's
 GGUF types with bf16 compute on CPU, dense float32 in the reference mode. A row's result is
 the sum of its experts' outputs in ascending expert order whatever else shares its step.
+A backend may hand the whole grouping to one compiled call (grouped: the compiled kernels'
+GroupedExperts, kernels/quant_experts.h), which gives the same bits without Python between
+experts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -133,15 +138,21 @@ class MixtureOfExperts(Layer):
     experts may be a contiguous share [first_expert, first_expert + len(experts)) of the
     router's (an expert-parallel rank's, parallel/experts.py): choices of other experts are
     left to the ranks holding them, and routed() is this share's part of the sum.
+
+    grouped: (x, weights [T, k], chosen [T, k], prompt_from) -> float32 [T, hidden], the
+    routed experts' weighted sum computed as the loop below does (the backend's compiled
+    form; chosen are indices into experts, any outside them skipped); None runs the loop.
     """
 
     def __init__(self, router: Router | GroupedRouter, experts: list[GatedMLP],
-                 shared: SharedExpert | None = None, first_expert: int = 0) -> None:
+                 shared: SharedExpert | None = None, first_expert: int = 0,
+                 grouped: Callable | None = None) -> None:
         super().__init__()
         self.router = router
         self.experts = nn.ModuleList(experts)
         self.shared = shared
         self.first_expert = first_expert
+        self.grouped = grouped
 
     def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         out = self.routed(x, prompt_from)
@@ -152,6 +163,14 @@ class MixtureOfExperts(Layer):
     def routed(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
         """The held experts' weighted outputs summed per row: float32 [T, hidden]."""
         weights, chosen = self.router(x)  # [T, k] each
+        if self.grouped is not None:
+            return self.grouped(x, weights, chosen - self.first_expert,
+                                x.shape[0] if prompt_from is None else prompt_from)
+        return self._expert_loop(x, weights, chosen, prompt_from)
+
+    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                     prompt_from: int | None) -> torch.Tensor:
+        """float32 [T, hidden]: each chosen expert over its rows, in ascending expert order."""
         top_k = chosen.shape[1]
         held = len(self.experts)
         # [T * k]: row r's choices at r*k .. r*k + k-1, as indices into self.experts; another

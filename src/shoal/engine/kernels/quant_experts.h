@@ -1,0 +1,41 @@
+// A mixture-of-experts layer's experts in one compiled call (quant_experts.cpp): the
+// router's choices in, the weighted sum of the chosen experts' gated MLPs out, with no
+// Python between experts.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <vector>
+
+#include "quant.h"
+
+namespace shoal_quant {
+
+// Expert e is down(act(gate) * up) over gate_up[e] ([2F, H]: gate rows, then up rows) and
+// down[e] ([H, F]), each a packed QuantLinear.
+//
+// forward's result is bit for bit the per-expert Python path's (layers/experts.py): rows
+// grouped by expert in ascending expert order (a group keeps its rows' order), each group
+// through QuantLinear::forward as generated rows before prompt_from and prompt rows from it
+// on, then out[row] += float(y) * weight in ascending expert order.
+class GroupedExperts {
+ public:
+  GroupedExperts(std::vector<std::shared_ptr<QuantLinear>> gate_up,
+                 std::vector<std::shared_ptr<QuantLinear>> down, bool gelu);
+
+  // x [T, H] bf16, weights [T, k] float32, chosen [T, k] int64 (expert ids); rows from
+  // prompt_from on are prompt tokens (T: none) -> float32 [T, H].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen,
+                     int64_t prompt_from) const;
+
+  int64_t experts() const { return static_cast<int64_t>(gate_up_.size()); }
+
+ private:
+  std::vector<std::shared_ptr<QuantLinear>> gate_up_, down_;
+  bool gelu_;
+  int64_t hidden_, ffn_;
+};
+
+}  // namespace shoal_quant
