@@ -9,6 +9,26 @@ LayerType = Literal["full", "sliding"]
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (transformers' _compute_yarn_parameters): frequencies blended
+    between interpolated (divided by factor) and original across the dimensions whose
+    rotations over original_max_position lie between beta_slow and beta_fast; cos and sin
+    scaled by attention_factor (None: 0.1 ln(factor) + 1). truncate rounds the blend's
+    bounds to whole dimensions."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position < 1:
+            raise ValueError("YaRN scaling needs a positive factor and original context")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the forward path needs to know about a checkpoint.
 
@@ -36,6 +56,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # Linear RoPE scaling of global layers (positions divided by this factor).
     rope_scaling_factor: float = 1.0
+    # YaRN scaling of every layer's RoPE (gpt-oss); None: none.
+    rope_yarn: YarnScaling | None = None
     # Attention logits are multiplied by this; None means head_dim ** -0.5.
     attention_scale: float | None = None
     hidden_activation: Literal["silu", "gelu_tanh"] = "silu"
@@ -49,6 +71,12 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # gpt-oss's experts: the router takes the top k of its logits and a softmax over those k
+    # (layers/experts.py LogitTopKRouter), and each expert's activation is the clamped SwiGLU
+    # (up clamped to +-swiglu_limit, gate to at most it; (up + 1) * gate * sigmoid(alpha gate)).
+    router_softmax_after_topk: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",

@@ -1,5 +1,7 @@
 """One decoder skeleton for llama / mistral / qwen2 (qkv bias) / qwen3 (q/k norm), and
-their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe: the MLP routed to experts).
+their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe, gpt-oss: the MLP routed to
+experts; gpt-oss adds an output bias, attention sinks, sliding-window layers and YaRN RoPE,
+each read from its tensors or config).
 
 A model instance holds a half-open layer range [start, end) with original layer indices;
 the first stage embeds token ids, the last stage owns the final norm and output head.
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import (
     AttentionMetadata,
@@ -48,10 +51,17 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
     parts = [weights[prefix + p + ".weight"] for p in "qkv"]
     biases = [weights[prefix + p + ".bias"] for p in "qkv"] if config.qkv_bias else None
     o_raw = weights[prefix + "o.weight"]
+    # gpt-oss: a bias on o too, and a learned logit per head that joins each softmax's
+    # denominator (an "attention sink": the head may attend to nothing).
+    o_bias, sinks_raw = weights.get(prefix + "o.bias"), weights.get(prefix + "sinks.weight")
     num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
     if plan.shard is not None:  # this rank's heads only; o sums over the ranks
+        if o_bias is not None or sinks_raw is not None:
+            raise UnsupportedModel("attention with an output bias or sinks cannot be split "
+                                   "by tensor parallelism yet: split the model by layers")
         parts, biases, o_raw, heads = shard_attention(config, plan.shard, parts, biases, o_raw)
         num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
+    sinks = None if sinks_raw is None else sinks_raw.dequantize().to(plan.device)  # [H] f32
     q_norm = k_norm = None
     if config.qk_norm:  # applied to q / k in the attention dtype
         dtype = plan.backend.attention_dtype
@@ -59,10 +69,12 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan, dtype)
     return SelfAttention(
         qkv=build_linear(parts, biases, plan),
-        o=_row_parallel(build_linear([o_raw], None, plan), plan),
+        o=_row_parallel(build_linear([o_raw], None if o_bias is None else [o_bias], plan),
+                        plan),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=config.head_dim,
         sliding=config.layer_type(index) == "sliding",
-        attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale),
+        attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale,
+                                      sinks),
         q_norm=q_norm, k_norm=k_norm, attention_dtype=_attention_cast(plan))
 
 
@@ -151,7 +163,7 @@ class LlamaModel(Layer):
             spare = int(MEMORY_FACTOR * file_bytes) - _held_bytes(self) - head_bytes
             self.head = build_head(head_raw, plan, self.embedding if tied else None, spare)
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position,
-                                  config.rope_scaling_factor)
+                                  config.rope_scaling_factor, config.rope_yarn)
         # q and k are rotated in the attention dtype (float32 on CPU).
         self.attention_dtype = plan.backend.attention_dtype
         # Whether decode steps may run as one compiled call (off: always the Python path).

@@ -11,6 +11,7 @@ from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.families.bert import BERT
 from shoal.engine.models.families.family import ModelFamily
 from shoal.engine.models.families.gemma3 import GEMMA3
+from shoal.engine.models.families.gptoss import GPT_OSS
 from shoal.engine.models.families.llama import LLAMA
 from shoal.engine.models.families.mixtral import MIXTRAL
 from shoal.engine.models.families.qwen2 import QWEN2
@@ -19,7 +20,7 @@ from shoal.engine.models.families.qwen3 import QWEN3
 from shoal.engine.models.families.qwen3moe import QWEN3MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MIXTRAL, QWEN2, QWEN2MOE, QWEN3, QWEN3MOE,
-                                       GEMMA3, BERT)
+                                       GPT_OSS, GEMMA3, BERT)
 
 
 def _by_name(families: tuple[ModelFamily, ...]) -> dict[str, ModelFamily]:

@@ -76,16 +76,19 @@ class GGUFCheckpoint:
             rms_eps=float(read("rms_eps", 1e-6)),
         )
         scaling = read("rope_scaling_type", "none")
-        if scaling not in ("none", "linear"):
-            raise UnsupportedModel(f"RoPE scaling {scaling!r} is not supported")
         values = {**family.config_defaults, **common,
                   # Which optional tensors the file holds says what the model has.
                   "tie_embeddings": _OUTPUT not in self.tensors,
                   "qkv_bias": _FIRST_Q + ".bias" in self.tensors,
                   "qk_norm": _FIRST_Q_NORM in self.tensors,
-                  "rope_scaling_factor": float(read("rope_scaling_factor", 1.0) or 1.0)}
+                  "rope_scaling_factor": float(read("rope_scaling_factor", 1.0) or 1.0)
+                  if scaling == "linear" else 1.0}
         if family.gguf_config_extras is not None:
             values.update(family.gguf_config_extras(self._arch_field, values))
+        # YaRN is read by the families that use it (their extras set rope_yarn).
+        known = scaling in ("none", "linear") or (scaling == "yarn" and values.get("rope_yarn"))
+        if not known:
+            raise UnsupportedModel(f"RoPE scaling {scaling!r} is not supported")
         return ModelConfig(**values)
 
     def stream(self, layer_range: LayerRange | None = None) -> Iterator[tuple[str, RawTensor]]:
@@ -107,6 +110,12 @@ class GGUFCheckpoint:
             if len(raw.shape) == 3:  # [experts, out, in]
                 for expert, matrix in enumerate(_expert_matrices(raw)):
                     yield expert_name(canonical, expert), matrix
+                continue
+            if ".experts." in canonical and canonical.endswith(".bias"):  # [experts, out]
+                values = raw.dequantize()
+                for expert in range(values.shape[0]):
+                    yield expert_name(canonical, expert), RawTensor(
+                        (values.shape[1],), "dense", values[expert].clone())
                 continue
             yield canonical, raw
 

@@ -2,10 +2,11 @@
 
 Global: embed.weight, norm.weight, lm_head.weight. Per layer i: layers.{i}.<part>.weight
 (and .bias) with part one of attn_norm, q, k, v, o, q_norm, k_norm, post_attn_norm,
-mlp_norm, post_mlp_norm, gate, up, down. Mixture-of-experts layers have router and, per
+mlp_norm, post_mlp_norm, gate, up, down, sinks. Mixture-of-experts layers have router and, per
 expert e, experts.{e}.gate / .up / .down (a GGUF file stores a layer's experts as one 3-D
 tensor, experts.gate, which its reader splits by expert); qwen2moe's shared expert is
-shared_expert.gate / .up / .down with its gate shared_expert_gate.
+shared_expert.gate / .up / .down with its gate shared_expert_gate. Expert biases (gpt-oss)
+are experts.{e}.gate / .up / .down .bias.
 
 A family's GGUF and Hugging Face names come from the gguf package's tables for the family's
 architecture (MODEL_TENSORS, TENSOR_NAMES, TensorNameMap); this module only says which of
@@ -52,6 +53,7 @@ _LAYER_PARTS = {
     MODEL_TENSOR.FFN_UP_SHEXP: "shared_expert.up",
     MODEL_TENSOR.FFN_DOWN_SHEXP: "shared_expert.down",
     MODEL_TENSOR.FFN_GATE_INP_SHEXP: "shared_expert_gate",
+    MODEL_TENSOR.ATTN_SINKS: "sinks",  # gpt-oss: one logit per head
 }
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A Hugging Face checkpoint stores each expert's matrices apart: "...experts.5.gate_proj".
@@ -70,7 +72,8 @@ class TensorNames:
         # GGUF base name ("token_embd", or a block's "attn_q") -> canonical part.
         self._global = {TENSOR_NAMES[kind]: part for kind, part in _GLOBAL_PARTS.items()
                         if kind in kinds}
-        self._layer = {TENSOR_NAMES[kind].removeprefix("blk.{bid}."): part
+        renamed = family.renamed_parts
+        self._layer = {TENSOR_NAMES[kind].removeprefix("blk.{bid}."): renamed.get(part, part)
                        for kind, part in _LAYER_PARTS.items() if kind in kinds}
         self._hf_map: TensorNameMap | None = None  # built on first from_hf
 

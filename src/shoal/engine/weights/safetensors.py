@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,18 @@ class SafetensorsCheckpoint:
         for file in self.files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    canonical, layer = names.from_hf(name)
-                    if canonical is None or not in_stage(canonical, layer, start, end, config):
-                        continue
-                    tensor = handle.get_tensor(name)
-                    if family.hf_norm_offset and canonical.endswith("norm.weight"):
-                        tensor = tensor.float() + family.hf_norm_offset
-                    yield canonical, RawTensor(tuple(tensor.shape), "dense", tensor)
+                    split = family.hf_tensor_split
+                    parts = None if split is None else split(name, partial(handle.get_tensor, name))
+                    if parts is None:  # read as it is, only if this stage needs it
+                        parts = [(name, partial(handle.get_tensor, name))]
+                    for part, load in parts:
+                        canonical, layer = names.from_hf(part)
+                        if canonical is None or not in_stage(canonical, layer, start, end, config):
+                            continue
+                        tensor = load()
+                        if family.hf_norm_offset and canonical.endswith("norm.weight"):
+                            tensor = tensor.float() + family.hf_norm_offset
+                        yield canonical, RawTensor(tuple(tensor.shape), "dense", tensor)
 
 
 def read_tensors(directory: Path) -> Iterator[tuple[str, RawTensor]]:
@@ -100,6 +106,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
                                "(only for Gemma 3)")
     if family.hf_config_extras is not None:
         values.update(family.hf_config_extras(hf, values))
+    # YaRN is read by the families that use it (their extras set rope_yarn).
+    if _rope_kind(rope) == "yarn" and not values.get("rope_yarn"):
+        raise UnsupportedModel(f"RoPE scaling 'yarn' is not supported for {family.name}")
     return ModelConfig(**values)
 
 
@@ -115,9 +124,13 @@ def _rope_parameters(hf: dict) -> dict:
     return merged
 
 
+def _rope_kind(rope: dict) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def _linear_factor(rope: dict) -> float:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
+    kind = _rope_kind(rope)
+    if kind in ("default", "yarn"):  # YaRN: checked after the family's extras
         return 1.0
     if kind == "linear":
         return float(rope["factor"])

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from shoal.engine.models.config import YarnScaling
+
 
 class RotaryTable(nn.Module):
-    """cos / sin of position * inv_freq for positions 0 .. max_position - 1.
+    """cos / sin of position * inv_freq for positions 0 .. max_position - 1 (YaRN: both
+    scaled by its attention factor, as transformers does).
 
     Computed in float32 exactly as transformers does, so fp32 logits match it bit for bit;
     rows are computed as positions reach them (in steps of GROW), not for the whole context
@@ -17,10 +22,14 @@ class RotaryTable(nn.Module):
     GROW = 4096
 
     def __init__(self, head_dim: int, theta: float, max_position: int,
-                 scaling_factor: float = 1.0) -> None:
+                 scaling_factor: float = 1.0, yarn: YarnScaling | None = None) -> None:
         super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
+        if yarn is not None:
+            self.inv_freq, self.attention_factor = yarn_frequencies(head_dim, theta, yarn)
+        else:
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            self.inv_freq = 1.0 / (theta ** exponent) / scaling_factor  # [D/2]
+            self.attention_factor = None  # cos and sin unscaled
         self.max_position = max_position
         self.cos = self.sin = torch.empty(0, head_dim // 2)
         self._extend(min(self.GROW, max_position))
@@ -29,8 +38,11 @@ class RotaryTable(nn.Module):
         # Each row depends only on its position: rows computed later equal rows computed now.
         positions = torch.arange(self.cos.shape[0], size, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq[None, :]  # [P, D/2]
-        self.cos = torch.cat((self.cos, freqs.cos()))
-        self.sin = torch.cat((self.sin, freqs.sin()))
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor is not None:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos = torch.cat((self.cos, cos))
+        self.sin = torch.cat((self.sin, sin))
 
     def lookup(self, positions: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +59,34 @@ class RotaryTable(nn.Module):
         sin = self.sin[positions].to(dtype)
         return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
                 torch.cat((-sin, sin), dim=-1).unsqueeze(1))
+
+
+def yarn_frequencies(head_dim: int, theta: float,
+                     yarn: YarnScaling) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention factor) as transformers' _compute_yarn_parameters
+    computes them, step for step (its float32 and float64 roundings included)."""
+    factor = yarn.factor
+    attention_factor = yarn.attention_factor
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_share = 1 - ramp
+    powers = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolated, interpolated = 1.0 / powers, 1.0 / (factor * powers)
+    inv_freq = (interpolated * (1 - extrapolation_share)
+                + extrapolated * extrapolation_share)
+    return inv_freq, attention_factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
