@@ -50,10 +50,10 @@ def test_gguf_and_hugging_face_names_meet_at_the_same_canonical_name(family):
 
 
 # Families whose every layer routes to experts: their tables have no dense MLP.
-EXPERT_ONLY_FAMILIES = ("qwen3moe", "qwen2moe")
+EXPERT_ONLY_FAMILIES = ("qwen3moe", "qwen2moe", "gpt-oss")
 
 
-@pytest.mark.parametrize("family", EXPERT_ONLY_FAMILIES)
+@pytest.mark.parametrize("family", ("qwen3moe", "qwen2moe"))
 def test_expert_names_meet_at_one_canonical_name_per_expert(family):
     # A GGUF file holds a layer's experts as one 3-D tensor, which its reader splits
     # (expert_name); a Hugging Face checkpoint holds each expert's matrices apart.
@@ -81,6 +81,31 @@ def test_qwen2moe_names_its_shared_expert_and_gate():
         "blk.1.ffn_up_shexp.weight") == ("layers.1.shared_expert.up.weight", 1)
     assert names.from_hf("model.layers.1.mlp.shared_expert_gate.weight") == names.from_gguf(
         "blk.1.ffn_gate_inp_shexp.weight") == ("layers.1.shared_expert_gate.weight", 1)
+
+
+def test_gpt_oss_names_its_sinks_router_bias_and_fused_experts():
+    import torch
+
+    from shoal.engine.models.families.gptoss import split_hf_tensor
+
+    names = TensorNames(family_of("gpt-oss"), num_layers=2)
+    pairs = {"model.layers.1.self_attn.sinks.weight": "blk.1.attn_sinks.weight",
+             "model.layers.1.mlp.router.bias": "blk.1.ffn_gate_inp.bias",
+             "model.layers.1.self_attn.o_proj.bias": "blk.1.attn_output.bias",
+             # its pre-MLP norm is ATTN_POST_NORM in GGUF files, the MLP's norm all the same
+             "model.layers.1.post_attention_layernorm.weight": "blk.1.post_attention_norm.weight"}
+    for hf_name, gguf_name in pairs.items():
+        assert names.from_hf(hf_name) == names.from_gguf(gguf_name) != (None, None)
+    assert names.from_gguf("blk.1.post_attention_norm.weight")[0] == "layers.1.mlp_norm.weight"
+    # [experts, hidden, 2 * size], gate and up interleaved, as x @ W -> per expert [out, in]
+    fused = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    parts = dict(split_hf_tensor("model.layers.1.mlp.experts.gate_up_proj", lambda: fused))
+    gate = parts["model.layers.1.mlp.experts.1.gate_proj.weight"]()
+    up = parts["model.layers.1.mlp.experts.1.up_proj.weight"]()
+    assert torch.equal(gate, fused[1][:, 0::2].t()) and torch.equal(up, fused[1][:, 1::2].t())
+    assert names.from_hf("model.layers.1.mlp.experts.1.up_proj.weight") == (
+        "layers.1.experts.1.up.weight", 1)
+    assert split_hf_tensor("model.layers.1.self_attn.q_proj.weight", lambda: fused) is None
 
 
 def test_gemma_post_attention_norm_is_not_the_mlp_norm():

@@ -20,6 +20,8 @@ TYPES = list(QTYPES)
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "IQ4_NL": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
                "Q6_K": [208], "IQ4_XS": [0]}
+# Byte offsets of each type's E8M0 scale (a power of two: 2^(e - 128) in ggml's convention).
+E8M0_FIELDS = {"MXFP4": [0]}
 ROWS = (1, 4, 16, 128)
 AUTO, AVX512, AMX, PORTABLE, AVX2 = 0, 1, 2, 3, 4
 
@@ -50,9 +52,11 @@ def random_blocks(name: str, rows: int, cols: int, seed: int) -> np.ndarray:
         return values.bfloat16().view(torch.int16).numpy().view(np.uint8)
     block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
     raw = rng.integers(0, 256, size=(rows, cols // block_weights, block_bytes), dtype=np.uint8)
-    for offset in FP16_FIELDS[name]:
+    for offset in FP16_FIELDS.get(name, ()):
         scale = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
         raw[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    for offset in E8M0_FIELDS.get(name, ()):  # scales 2^-12 .. 2^-4
+        raw[:, :, offset] = rng.integers(116, 125, size=raw.shape[:2], dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -94,7 +98,19 @@ def test_packed_weights_dequantize_to_gguf_values(kernel, name):
     assert weights.numel() == kernel.quant_packed_bytes(QTYPES[name], rows, cols)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q2_K", "BF16"])
+def test_mxfp4_keeps_every_e8m0_scale_exactly(kernel):
+    """An MXFP4 scale is any power of two 2^-128 .. 2^127 (fp16 holds few of them): every
+    exponent byte dequantizes to gguf's values, subnormal scales included."""
+    rows, cols = 16, 256 * 32
+    raw = random_blocks("MXFP4", rows, cols, seed=31).reshape(rows, -1, 17)
+    raw[:, :, 0] = np.arange(256, dtype=np.uint8)  # each row's blocks take every exponent
+    raw = raw.reshape(rows, -1)
+    weights = packed(kernel, "MXFP4", raw, rows, cols)
+    assert torch.equal(kernel.quant_dequantize(QTYPES["MXFP4"], weights, rows, cols),
+                       gguf_values("MXFP4", raw, rows, cols))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q2_K", "BF16", "MXFP4"])
 def test_dense_weights_take_gguf_values(kernel, name):
     """Weights that stay dense (float32 compute) are unpacked by the kernels where they are
     built, and equal what Python's dequantization gives."""
@@ -129,7 +145,7 @@ def test_packed_matmul_equals_dequantize_then_matmul(kernel, name):
             assert error < 1e-5, f"{name} backend {backend} prompt {prompt} rows {rows}: {error}"
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "BF16", "F16"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "BF16", "F16", "MXFP4"])
 def test_a_rows_result_does_not_depend_on_its_batch(kernel, name):
     out_features, cols = 64, 512
     raw = random_blocks(name, out_features, cols, seed=4)

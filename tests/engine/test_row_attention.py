@@ -25,7 +25,7 @@ class Case:
     every position of both is a row (request 1's rows after request 0's)."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, dtype: torch.dtype,
-                 window: int | None, seed: int = 0) -> None:
+                 window: int | None, seed: int = 0, sinks: bool = False) -> None:
         generator = torch.Generator().manual_seed(seed)
         values = torch.randn(2 * kv_heads, 512, dim, generator=generator)
         # An int8 cache holds rows of values and a scale (kv/quant.py).
@@ -42,11 +42,14 @@ class Case:
         self.q = torch.randn(len(position), heads, dim, generator=generator)
         self.scale = dim ** -0.5
         self.kv_heads = kv_heads
+        # gpt-oss's sink logits per head (some large enough to take most of the weight).
+        self.sinks = torch.randn(heads, generator=generator) * 3 if sinks else None
 
     def run(self, kernel, rows: slice | list[int] = slice(None), prompt: bool = True):
         pick = (lambda t: t[rows])
         return kernel.attend_rows(pick(self.q), self.cache, self.key_slots, pick(self.base),
-                                  pick(self.position), pick(self.lo), self.scale, prompt)
+                                  pick(self.position), pick(self.lo), self.scale, prompt,
+                                  self.sinks)
 
     def reference(self) -> torch.Tensor:
         """Float64 softmax attention, row by row: [rows, heads * dim]."""
@@ -60,7 +63,10 @@ class Case:
                 g = h // group
                 k = cache[g, keys].double()
                 v = cache[self.kv_heads + g, keys].double()
-                weights = torch.softmax(k @ self.q[r, h].double() * self.scale, dim=0)
+                scores = k @ self.q[r, h].double() * self.scale
+                if self.sinks is not None:  # the sink joins the softmax and has no value
+                    scores = torch.cat((scores, self.sinks[h:h + 1].double()))
+                weights = torch.softmax(scores, dim=0)[:len(keys)]
                 out[r, h] = weights @ v
         return out.view(rows, heads * dim)
 
@@ -104,6 +110,25 @@ def test_a_row_does_not_depend_on_what_shares_its_call(kernel, shape, prompt):
     assert torch.equal(together, chunked)
     reverse = list(range(102, -1, -1))
     assert torch.equal(together[reverse], case.run(kernel, reverse, prompt))
+
+
+@pytest.mark.parametrize("shape", [(64, 9, 3, torch.float32, None), (16, 4, 2, torch.bfloat16, 8),
+                                   (40, 4, 2, torch.float32, 7), (64, 14, 2, torch.int8, 5)],
+                         ids=lambda s: f"d{s[0]}-h{s[1]}-kv{s[2]}-{str(s[3])[6:]}")
+@pytest.mark.parametrize("prompt", [True, False], ids=["prompt", "generated"])
+def test_rows_with_attention_sinks_match_float64_attention(kernel, shape, prompt):
+    """gpt-oss: a logit per head joins the softmax's denominator (with no value), in full
+    and sliding-window rows; a row still does not depend on what shares its call."""
+    case = Case(*shape, sinks=True)
+    out = case.run(kernel, prompt=prompt)
+    torch.testing.assert_close(out.double(), case.reference(), atol=1e-2, rtol=8e-3)
+    without = Case(*shape).run(kernel, prompt=prompt)
+    assert (out.double() - without.double()).abs().max() > 0.05  # the sinks took weight
+    alone = torch.cat([case.run(kernel, slice(r, r + 1), prompt) for r in range(103)])
+    assert torch.equal(out, alone)
+    with pytest.raises(RuntimeError, match="one logit per head"):
+        kernel.attend_rows(case.q, case.cache, case.key_slots, case.base, case.position,
+                           case.lo, case.scale, prompt, case.sinks[:1])
 
 
 def test_bad_rows_are_refused(kernel):

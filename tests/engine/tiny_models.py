@@ -22,7 +22,8 @@ VOCAB = 128
 # llama.cpp writes Mixtral as "llama" (with experts), its q/k rows permuted as llama's.
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
               "qwen2moe": "qwen2moe", "mixtral": "llama", "glm4moe": "glm4moe",
-              "deepseek3": "deepseek2", "deepseek2": "deepseek2", "gemma3": "gemma3"}
+              "deepseek3": "deepseek2", "deepseek2": "deepseek2", "gemma3": "gemma3",
+              "gpt-oss": "gpt-oss"}
 _DEEPSEEK = ("deepseek3", "deepseek2")
 # The latent attention's shape: heads of 16 + 8 (rope) dimensions, values of 16.
 LATENT = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -59,7 +60,8 @@ def hf_config(family: str, **overrides):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=family not in ("llama", "mixtral"))
+                  rms_norm_eps=1e-6,
+                  tie_word_embeddings=family not in ("llama", "mixtral", "gpt-oss"))
     common.update(overrides)
     if family == "llama":
         return tf.LlamaConfig(num_hidden_layers=2, rope_theta=10000.0, **common)
@@ -101,6 +103,18 @@ def hf_config(family: str, **overrides):
         return tf.DeepseekV2Config(num_hidden_layers=3, q_lora_rank=None,
                                    topk_method="group_limited_greedy", rope_parameters=yarn,
                                    **(experts | LATENT | common))
+    if family == "gpt-oss":
+        # Four layers, sliding and full alternating, a window of 8 tokens; 8 experts of 32,
+        # 2 chosen; YaRN over an original context of 64 (interpolated and extrapolated
+        # frequencies both present at head_dim 16).
+        common.update(intermediate_size=EXPERTS["moe_intermediate_size"], rms_norm_eps=1e-5)
+        return tf.GptOssConfig(
+            num_hidden_layers=4, head_dim=16, sliding_window=8,
+            num_local_experts=EXPERTS["num_experts"],
+            num_experts_per_tok=EXPERTS["num_experts_per_tok"],
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=64, beta_fast=32.0,
+                                 beta_slow=1.0, truncate=False), **common)
     # Six layers so both kinds appear (five sliding, one global); a window of 5 tokens.
     common.update(num_key_value_heads=1)
     return tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=32, sliding_window=5,
@@ -118,12 +132,17 @@ def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
                "qwen3": tf.Qwen3ForCausalLM, "qwen3moe": tf.Qwen3MoeForCausalLM,
                "qwen2moe": tf.Qwen2MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "glm4moe": tf.Glm4MoeForCausalLM, "deepseek3": tf.DeepseekV3ForCausalLM,
-               "deepseek2": tf.DeepseekV2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}
+               "deepseek2": tf.DeepseekV2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
+               "gpt-oss": tf.GptOssForCausalLM}
     model = classes[family](config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Random norms and biases too, so a misplaced norm or bias shows in the logits.
             std = 0.3 if "norm" in name or "bias" in name else 0.08
+            if name.endswith(("sinks", "experts.gate_up_proj")):
+                # Sinks that matter; gate/up large enough that the clamps of gpt-oss's
+                # SwiGLU (at +-7) take part.
+                std = 2.0 if name.endswith("sinks") else 0.6
             param.normal_(1.0 if ("norm" in name and family != "gemma3") else 0.0, std)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # steers the choice of experts
@@ -159,6 +178,10 @@ _LAYER_MAP = {
     "self_attn.q_proj.bias": ("attn_q.bias", "F32"),
     "self_attn.k_proj.bias": ("attn_k.bias", "F32"),
     "self_attn.v_proj.bias": ("attn_v.bias", "F32"),
+    "self_attn.o_proj.bias": ("attn_output.bias", "F32"),
+    "self_attn.sinks": ("attn_sinks.weight", "F32"),
+    "mlp.router.weight": ("ffn_gate_inp.weight", "F32"),
+    "mlp.router.bias": ("ffn_gate_inp.bias", "F32"),
     "self_attn.q_norm.weight": ("attn_q_norm.weight", "F32"),
     "self_attn.k_norm.weight": ("attn_k_norm.weight", "F32"),
     "mlp.gate_proj.weight": ("ffn_gate.weight", "Q4_1"),
@@ -197,7 +220,7 @@ def _gguf_name(hf_name: str, family: str) -> tuple[str, str]:
         return "output.weight", "Q8_0"
     _, _, index, suffix = hf_name.split(".", 3)
     if suffix == "post_attention_layernorm.weight":
-        part = ("post_attention_norm.weight" if family in ("gemma3", "glm4moe")
+        part = ("post_attention_norm.weight" if family in ("gemma3", "glm4moe", "gpt-oss")
                 else "ffn_norm.weight")
         return f"blk.{index}.{part}", "F32"
     part, quant = _LAYER_MAP[suffix]
@@ -230,6 +253,9 @@ def write_gguf(model, family: str, path: Path, metadata: dict | None = None,
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         types = (expert_types or [ExpertTypes()])[_layer(hf_name) % len(expert_types or [0])]
+        if family == "gpt-oss" and ".mlp.experts." in hf_name:
+            stored[hf_name] = _write_gpt_oss_experts(writer, hf_name, tensor)
+            continue
         if hf_name.endswith("mlp.experts.gate_up_proj"):
             stored[hf_name] = _write_gate_up_experts(writer, hf_name, tensor, types)
             continue
@@ -313,6 +339,37 @@ def _write_kv_b(writer, hf_name: str, tensor: torch.Tensor, config, split: bool)
     back = np.concatenate((k_back.reshape(k_b.shape).transpose(0, 2, 1),
                            v_back.reshape(v_b.shape)), axis=1)
     return torch.from_numpy(back.astype(np.float32)).reshape(tensor.shape)
+
+
+def _write_gpt_oss_experts(writer, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's fused experts as llama.cpp's converter writes them: gate and up taken
+    apart from their interleaved columns, every matrix [experts, out, in] in MXFP4, biases
+    [experts, out] in F32. Returns the values the file holds in transformers' layout."""
+    import gguf
+
+    index, kind = hf_name.split(".")[2], hf_name.rsplit(".", 1)[1]
+    values = tensor.float().numpy().copy()
+    if kind == "down_proj":  # [experts, size, hidden] (x @ W) -> [experts, hidden, size]
+        data, back = _encode(np.ascontiguousarray(values.transpose(0, 2, 1)), "MXFP4")
+        writer.add_tensor(f"blk.{index}.ffn_down_exps.weight", data,
+                          raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        return torch.from_numpy(np.ascontiguousarray(back.transpose(0, 2, 1)))
+    if kind == "down_proj_bias":
+        writer.add_tensor(f"blk.{index}.ffn_down_exps.bias", values)
+        return torch.from_numpy(values)
+    back = np.empty_like(values)
+    for offset, part in ((0, "gate"), (1, "up")):
+        if kind == "gate_up_proj":  # [experts, hidden, 2 * size], gate and up interleaved
+            matrix = np.ascontiguousarray(values[:, :, offset::2].transpose(0, 2, 1))
+            data, held = _encode(matrix, "MXFP4")
+            writer.add_tensor(f"blk.{index}.ffn_{part}_exps.weight", data,
+                              raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            back[:, :, offset::2] = held.transpose(0, 2, 1)
+        else:  # gate_up_proj_bias [experts, 2 * size]
+            bias = np.ascontiguousarray(values[:, offset::2])
+            writer.add_tensor(f"blk.{index}.ffn_{part}_exps.bias", bias)
+            back[:, offset::2] = bias
+    return torch.from_numpy(back)
 
 
 def _write_value(writer, key: str, value) -> None:
@@ -421,8 +478,16 @@ def _write_metadata(writer, config, family: str) -> None:
     theta = config.rope_parameters.get("full_attention", config.rope_parameters)["rope_theta"]
     writer.add_float32(f"{arch}.rope.freq_base", theta)
     writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
-    if family == "gemma3":
+    if family in ("gemma3", "gpt-oss"):
         writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          rope["original_max_position_embeddings"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if experts:
         writer.add_uint32(f"{arch}.expert_count", experts)

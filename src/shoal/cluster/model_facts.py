@@ -146,8 +146,9 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error
 
 
-# "model.layers.3.mlp.experts.5.up_proj.weight": a routed expert's tensor.
-_HF_EXPERT = re.compile(r"\.experts\.\d+\.")
+# "model.layers.3.mlp.experts.5.up_proj.weight": a routed expert's tensor; gpt-oss keeps a
+# layer's experts fused ("model.layers.3.mlp.experts.gate_up_proj", its _blocks, _bias).
+_HF_EXPERT = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
 # safetensors' own limit on a header's size.
 _MAX_HEADER_BYTES = 100_000_000
 

@@ -118,10 +118,11 @@ class Backend(ABC):
                 device=self.device, dtype=self.compute_dtype)
         return dense.to(device=self.device, dtype=self.compute_dtype), bias
 
-    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
-                  ) -> Attend:
-        """One layer's attention of a group over the paged cache (layers/attention.py)."""
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale).attend
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                  sinks: torch.Tensor | None = None) -> Attend:
+        """One layer's attention of a group over the paged cache (layers/attention.py);
+        sinks: [H] float32 logits joining each head's softmax denominator (gpt-oss)."""
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale, sinks).attend
 
     def norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
         return RMSNorm(weight, eps)

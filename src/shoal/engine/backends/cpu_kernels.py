@@ -63,9 +63,9 @@ class CpuKernels(Backend):
                                      weights[0].shape[1], bias)
         return QuantLinear(op, float_out)
 
-    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
-                  ) -> Attend:
-        return RowAttention(self.kernel.attend_rows, scale).attend
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                  sinks: torch.Tensor | None = None) -> Attend:
+        return RowAttention(self.kernel.attend_rows, scale, sinks).attend
 
     def norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
         return RMSNorm(weight, eps, self.kernel.rms_norm_rows)
@@ -112,8 +112,9 @@ class RowAttention:
     RowKeys name: prompt rows and generated rows take different kernels (the generated
     ones the fused decoder's arithmetic)."""
 
-    def __init__(self, attend_rows, scale: float) -> None:
+    def __init__(self, attend_rows, scale: float, sinks: torch.Tensor | None = None) -> None:
         self.attend_rows, self.scale = attend_rows, scale
+        self.sinks = None if sinks is None else sinks.float().contiguous()  # [H]
 
     def attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
                group: AttentionGroup, sliding: bool) -> torch.Tensor:
@@ -124,4 +125,4 @@ class RowAttention:
             q = q[rows]
         keys = view.rows
         return self.attend_rows(q, kv_cache, keys.key_slots, keys.base, keys.position,
-                                keys.lo, self.scale, keys.prompt)
+                                keys.lo, self.scale, keys.prompt, self.sinks)

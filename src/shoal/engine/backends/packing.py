@@ -20,7 +20,7 @@ from shoal.engine.weights.quant import RawTensor
 # The kernel's numbering of weight types (quant_formats.h, QType).
 QTYPES = {name: code for code, name in enumerate(
     ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))}
+     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"))}
 # Weights per super-block along the input dimension: packed inputs are multiples of it.
 _SUPER_K = {name: 256 if name.endswith("_K") or name == "IQ4_XS" else 32 for name in QTYPES}
 _DENSE_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}

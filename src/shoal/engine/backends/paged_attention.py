@@ -16,11 +16,14 @@ from shoal.engine.models.layers.attention import AttentionGroup, RowBufferWrite
 
 
 class TorchPagedAttention:
-    """One layer's heads; attend is the layer's Attend (layers/attention.py)."""
+    """One layer's heads; attend is the layer's Attend (layers/attention.py). sinks: [H]
+    float32 logits that join each head's softmax denominator (gpt-oss), or None."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sinks: torch.Tensor | None = None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sinks = sinks
 
     def attend(self, q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor,
                group: AttentionGroup, sliding: bool) -> torch.Tensor:
@@ -52,9 +55,13 @@ class TorchPagedAttention:
         # A bf16 cache read for float32 attention, or the few int8 rows this group reads
         # dequantized: kv [B, 2 H_kv, L, D]
         kv = widened(kv, q.dtype, dim)
-        out = F.scaled_dot_product_attention(
-            q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
-            is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
+        if self.sinks is not None:
+            out = _attend_with_sinks(q, kv[:, :kv_heads], kv[:, kv_heads:], view.mask,
+                                     view.is_causal, self.scale, self.sinks)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=view.mask,
+                is_causal=view.is_causal, scale=self.scale, enable_gqa=True)
         # out: [B, H, Tq, D] -> [B * Tq, H * D] (for Tq = 1, H and D merge as they are)
         if query_len == 1:
             return out.reshape(batch, heads * dim)
@@ -68,3 +75,26 @@ def _write_row_buffer(kv_cache: torch.Tensor, write: RowBufferWrite, new_kv: tor
         return
     rows = kv_cache.index_select(1, write.rebuild)  # [2 H_kv, B * row_len, D]
     kv_cache[:, write.first:write.first + rows.shape[1]].copy_(rows)
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None, is_causal: bool, scale: float,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, the sink, with no value: the
+    operations of transformers' eager gpt-oss attention, in its order (float32 results
+    equal to it). q: [B, H, Tq, D], k / v: [B, H_kv, L, D], mask [B, 1, Tq, L] additive."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, H, Tq, L]
+    if is_causal:
+        query_len, length = scores.shape[-2:]
+        hidden = torch.ones(query_len, length, dtype=torch.bool, device=q.device).triu(
+            length - query_len + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # the sink's share is dropped
+    return torch.matmul(probs.to(v.dtype), v)

@@ -65,16 +65,21 @@ inline void load_row(const E* plane, const int64_t* key_slots, int64_t p, int64_
 // cache: [2 * kv_heads, slots, W] of E (W = dim; for int8, dim values and their scales),
 // keys of KV head g in plane g, values in plane kv_heads + g. q: [B, heads, dim] float32
 // (rotated). out: [B, heads * dim] bf16.
+// sinks: [heads] float32 logits that join each head's softmax denominator with no value
+// (gpt-oss's attention sinks), or nullptr.
 struct Layout {
   int64_t heads, kv_heads, dim, slots;
   float scale;
+  const float* sinks = nullptr;
 };
 
 // Softmax of each query head's scores in place ([group, length]); returns 1 / sum for each.
-inline void softmax_rows(float* scores, int64_t group, int64_t length, float* inverse_total) {
+// sinks: the group's heads' sink logits (counted in the peak and the sum), or nullptr.
+inline void softmax_rows(float* scores, int64_t group, int64_t length, float* inverse_total,
+                         const float* sinks) {
   for (int64_t j = 0; j < group; ++j) {
     float* s = scores + j * length;
-    float peak = -std::numeric_limits<float>::infinity();
+    float peak = sinks ? sinks[j] : -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < length; ++p) peak = std::max(peak, s[p]);
     f32x16 totals{};
     int64_t p = 0;
@@ -88,6 +93,7 @@ inline void softmax_rows(float* scores, int64_t group, int64_t length, float* in
       s[p] = std::exp(s[p] - peak);
       total += s[p];
     }
+    if (sinks) total += std::exp(sinks[j] - peak);
     inverse_total[j] = 1.f / total;
   }
 }
@@ -97,7 +103,7 @@ inline void softmax_rows(float* scores, int64_t group, int64_t length, float* in
 template <int NV, int G, typename E>
 void attend_vector(const float* q, const E* keys, const E* values,
                    const int64_t* key_slots, int64_t length, float scale, float* scores,
-                   bf16* out) {
+                   bf16* out, const float* sinks) {
   constexpr int64_t D = kLanes * NV;
   f32x16 qv[G][NV];
   for (int j = 0; j < G; ++j)
@@ -112,7 +118,7 @@ void attend_vector(const float* q, const E* keys, const E* values,
     }
   }
   float inverse_total[G];
-  softmax_rows(scores, G, length, inverse_total);
+  softmax_rows(scores, G, length, inverse_total, sinks);
   f32x16 acc[G][NV] = {};
   for (int64_t p = 0; p < length; ++p) {
     f32x16 vv[NV];
@@ -132,7 +138,7 @@ void attend_vector(const float* q, const E* keys, const E* values,
 template <typename E>
 void attend_scalar(const float* q, const E* keys, const E* values,
                           const int64_t* key_slots, int64_t length, int64_t group, int64_t dim,
-                          float scale, float* scores, bf16* out) {
+                          float scale, float* scores, bf16* out, const float* sinks) {
   const int64_t width = shoal_kv::row_width<E>(dim);
   for (int64_t p = 0; p < length; ++p) {
     const E* k = keys + key_slots[p] * width;
@@ -144,7 +150,7 @@ void attend_scalar(const float* q, const E* keys, const E* values,
     }
   }
   std::vector<float> inverse_total(group), acc(group * dim, 0.f);
-  softmax_rows(scores, group, length, inverse_total.data());
+  softmax_rows(scores, group, length, inverse_total.data(), sinks);
   for (int64_t p = 0; p < length; ++p) {
     const E* v = values + key_slots[p] * width;
     for (int64_t j = 0; j < group; ++j) {
@@ -159,7 +165,7 @@ void attend_scalar(const float* q, const E* keys, const E* values,
 
 template <typename E>
 using VectorFn = void (*)(const float*, const E*, const E*, const int64_t*, int64_t, float,
-                          float*, bf16*);
+                          float*, bf16*, const float*);
 
 // Query heads go through attend_vector up to this many at a time (4 heads x 8 vectors of
 // queries fill half of AVX-512's registers); heads of 256 go one at a time.
@@ -198,10 +204,14 @@ void attend_item(const Layout& layout, const float* q_p, const E* cache_p,
   const E* keys = cache_p + g * layout.slots * width;
   const E* values = cache_p + (layout.kv_heads + g) * layout.slots * width;
   const int64_t head0 = b * layout.heads + g * group;  // the item's first query head
+  // The sinks of the item's heads (heads g * group .. of the layer), if any.
+  auto sinks_from = [&](int64_t j) {
+    return layout.sinks ? layout.sinks + g * group + j : nullptr;
+  };
   if (pick_vector_fn<E>(dim, 1) == nullptr) {
     scores.resize(group * length);
     attend_scalar(q_p + head0 * dim, keys, values, key_slots, length, group, dim,
-                  layout.scale, scores.data(), out_p + head0 * dim);
+                  layout.scale, scores.data(), out_p + head0 * dim, sinks_from(0));
     return;
   }
   const int64_t most = max_heads_at_once(dim);
@@ -209,7 +219,8 @@ void attend_item(const Layout& layout, const float* q_p, const E* cache_p,
   for (int64_t j0 = 0; j0 < group; j0 += most) {
     const int64_t at_once = std::min(most, group - j0);
     pick_vector_fn<E>(dim, at_once)(q_p + (head0 + j0) * dim, keys, values, key_slots, length,
-                                    layout.scale, scores.data(), out_p + (head0 + j0) * dim);
+                                    layout.scale, scores.data(), out_p + (head0 + j0) * dim,
+                                    sinks_from(j0));
   }
 }
 

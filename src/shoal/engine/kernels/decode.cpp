@@ -352,7 +352,7 @@ at::Tensor gated(const at::Tensor& gate_up, bool gelu) {
 // kernel's arithmetic, so a generated token's result is the fused decoder's.
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& key_slots,
                        const at::Tensor& base, const at::Tensor& position, const at::Tensor& lo,
-                       double scale, bool prompt) {
+                       double scale, bool prompt, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
               "attend_rows: q must be [T, H, D] float32");
   const bool int8_cache = cache.scalar_type() == at::kChar;
@@ -381,12 +381,19 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
                     base_p[r] + position_p[r] < keys.numel(),
                 "attend_rows: a row's keys lie outside key_slots");
   const at::Tensor queries = q.contiguous();
+  at::Tensor sink_logits;  // [heads] float32, or undefined
+  if (sinks.has_value() && sinks->defined()) {
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_logits.dim() == 1 && sink_logits.size(0) == heads,
+                "attend_rows: sinks must be one logit per head");
+  }
+  const float* sink_p = sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, heads * dim}, q.options().dtype(at::kBFloat16));
   const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
   if (prompt) {
     const shoal_prompt_attention::Rows layout{queries.data_ptr<float>(), rows, heads, kv_heads,
                                               dim, key_p, base_p, position_p, lo_p,
-                                              static_cast<float>(scale)};
+                                              static_cast<float>(scale), sink_p};
     if (bf16_cache) {
       shoal_prompt_attention::attend(layout, cache.data_ptr<bf16>(), slots, out.data_ptr<bf16>());
     } else if (int8_cache) {
@@ -400,7 +407,8 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
   }
   const at::Tensor starts = bases + los;
   const at::Tensor lengths = positions + 1 - los;
-  const shoal_attention::Layout layout{heads, kv_heads, dim, slots, static_cast<float>(scale)};
+  const shoal_attention::Layout layout{heads, kv_heads, dim, slots, static_cast<float>(scale),
+                                       sink_p};
   auto nothing = [](int64_t, int64_t) {};
   // Every item is a row's whole key range: always worth a thread.
   if (bf16_cache) {
@@ -431,7 +439,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gated", &gated, "act(gate) * up of a [T, 2F] bf16 gate/up projection",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("attend_rows", &attend_rows, "attention of prompt rows, each over its own keys",
+  m.def("attend_rows", &attend_rows, "attention of rows, each over its own keys",
+        pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("key_slots"),
+        pybind11::arg("base"), pybind11::arg("position"), pybind11::arg("lo"),
+        pybind11::arg("scale"), pybind11::arg("prompt"), pybind11::arg("sinks") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init([](const std::vector<at::Tensor>& norms,

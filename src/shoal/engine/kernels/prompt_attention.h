@@ -50,6 +50,7 @@ struct Rows {
   const int64_t* position;
   const int64_t* lo;
   float scale;
+  const float* sinks = nullptr;  // [heads]: logits joining each softmax's sum (gpt-oss)
 };
 
 // One request's run of rows and the key blocks they need.
@@ -169,8 +170,9 @@ inline Scores pick_scores(int64_t pairs) {
 
 // Scores to weights in place: exp(score - peak) for keys [lo, position] (counted from w's
 // first key), exact zeros elsewhere; returns 1 / their sum (lane sums in key order, then
-// the lanes).
-inline float weights_of(float* w, int64_t blocks, int64_t lo, int64_t position) {
+// the lanes, then the sink's share where the head has a sink logit).
+inline float weights_of(float* w, int64_t blocks, int64_t lo, int64_t position,
+                        const float* sink) {
   const float inf = std::numeric_limits<float>::infinity();
   f32x16 peaks = shoal_vec::splat(-inf);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -179,7 +181,7 @@ inline float weights_of(float* w, int64_t blocks, int64_t lo, int64_t position) 
     const auto inside = (key >= static_cast<float>(lo)) & (key <= static_cast<float>(position));
     peaks = shoal_vec::select(inside & (score > peaks), score, peaks);
   }
-  const float peak = shoal_vec::hmax(peaks);
+  const float peak = sink ? std::max(*sink, shoal_vec::hmax(peaks)) : shoal_vec::hmax(peaks);
   f32x16 totals{};
   for (int64_t b = 0; b < blocks; ++b) {
     const f32x16 key = shoal_vec::iota(static_cast<float>(b * kLanes));
@@ -189,7 +191,8 @@ inline float weights_of(float* w, int64_t blocks, int64_t lo, int64_t position) 
     shoal_vec::store(w + b * kLanes, kept);
     totals += kept;
   }
-  return 1.f / shoal_vec::hsum(totals);
+  const float total = shoal_vec::hsum(totals);
+  return 1.f / (sink ? total + std::exp(*sink - peak) : total);
 }
 
 // The weighted values of P pairs over keys [from, to] for C column vectors (16 values each)
@@ -294,8 +297,9 @@ inline void attend_item(const Rows& rows, const Segment& s, const float* keys_t,
   }
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t r = first + pair / group;
+    const float* sink = rows.sinks ? rows.sinks + g * group + pair % group : nullptr;
     scratch.inverse[pair] = weights_of(weights_at(pair), blocks, rows.lo[r] - item_key,
-                                       rows.position[r] - item_key);
+                                       rows.position[r] - item_key, sink);
   }
   // Values: keys outside [lowest, last] have zero weight in every pair; skipping them
   // adds nothing. Pointers are shifted so w[key] and values[key * dim] are that position's.

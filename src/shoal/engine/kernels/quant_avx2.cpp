@@ -85,7 +85,7 @@ const Avx2Kernels& avx2_kernels(QType type) {
       avx2_kernels_of<QType::kQ2_K>(),   avx2_kernels_of<QType::kQ3_K>(),
       avx2_kernels_of<QType::kQ4_K>(),   avx2_kernels_of<QType::kQ5_K>(),
       avx2_kernels_of<QType::kQ6_K>(),   avx2_kernels_of<QType::kIQ4_NL>(),
-      avx2_kernels_of<QType::kIQ4_XS>(),
+      avx2_kernels_of<QType::kIQ4_XS>(),  avx2_kernels_of<QType::kMXFP4>(),
   };
   return table[static_cast<int>(type)];
 }

@@ -46,7 +46,7 @@ namespace shoal_quant {
 template <QType T>
 struct Avx2 {
   static constexpr Format f = kFormats[static_cast<int>(T)];
-  // Float and IQ4 types take the dequantizing path for every row.
+  // Float and table (IQ4, MXFP4) types take the dequantizing path for every row.
   static constexpr bool kBuffered = is_float(f.planes) || f.lut;
   static constexpr int kTileBytes = plane_bytes(f.planes);
   static constexpr int kMetaBytes = meta_bytes(f);

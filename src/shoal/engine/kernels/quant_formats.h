@@ -6,7 +6,9 @@
 //     w = S * u + O,   S = d * sc,   O = c * S - e * mc
 // with u the weight's unsigned code (2 to 8 bits; Q8_0's is q + 128), d (and e) fp16 per
 // block, sc / mc small integer codes per sub-block (K-quants) and c a constant of the type.
-// IQ4 types map a 4-bit code through a table instead (w = S * table[u]). These products
+// IQ4 types and MXFP4 map a 4-bit code through a table instead (w = S * table[u]); MXFP4's
+// S is a power of two (an E8M0 byte in the file), kept as bf16, which holds every one of
+// them exactly (fp16 does not). These products
 // are exact in float32, so dequantizing with fmaf(S, u + c, -e * mc) rounds once, as the
 // gguf package does.
 //
@@ -43,9 +45,9 @@ enum class QType : int {
   kF32 = 0, kF16 = 1, kBF16 = 2,
   kQ4_0 = 3, kQ4_1 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ8_0 = 7,
   kQ2_K = 8, kQ3_K = 9, kQ4_K = 10, kQ5_K = 11, kQ6_K = 12,
-  kIQ4_NL = 13, kIQ4_XS = 14,
+  kIQ4_NL = 13, kIQ4_XS = 14, kMXFP4 = 15,
 };
-constexpr int kNumTypes = 15;
+constexpr int kNumTypes = 16;
 
 constexpr int kCols = 16;   // output columns per strip: one fp32 lane each
 constexpr int kTileK = 32;  // k per tile
@@ -58,7 +60,8 @@ enum class Planes { kNibbles, kNibblesBits, kNibblesCrumbs, kCrumbs, kCrumbsBits
 // One type's shapes. gguf_*: the file's block; super_k: k per super-block (a block of the
 // file); sub_k: k per scale (16 or 32); has_e: a second fp16 per block (Q4_1 / Q5_1's m,
 // K-quants' dmin); has_sc / has_mc: integer scale / min codes per sub-block; c: the type's
-// code offset; lut: IQ4's table instead of an offset.
+// code offset; lut: a table (lut_values) instead of an offset; bf16_d: d is kept as bf16
+// bits, not fp16 (MXFP4's power-of-two scales).
 struct Format {
   QType type;
   const char* name;
@@ -67,6 +70,7 @@ struct Format {
   Planes planes;
   bool has_e, has_sc, has_mc, mc_in_sc, lut;
   int c;
+  bool bf16_d = false;
 };
 
 // Q2_K packs its 4-bit scale and min codes into one byte (low nibble scale), as the file does.
@@ -94,10 +98,20 @@ inline constexpr Format kFormats[kNumTypes] = {
      0},
     {QType::kIQ4_XS, "IQ4_XS", 256, 136, 256, 32, Planes::kNibbles, false, true, false, false, true,
      0},
+    {QType::kMXFP4, "MXFP4", 32, 17, 32, 32, Planes::kNibbles, false, false, false, false, true, 0,
+     true},
 };
 
 inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                           1,    13,   25,  38,  53,  69,  89,  113};
+// MXFP4's E2M1 values doubled, as ggml keeps them (its scale is halved to match).
+inline constexpr int8_t kMXFP4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                            0, -1, -2, -3, -4, -6, -8, -12};
+
+// The table a lut type's codes index.
+constexpr const int8_t* lut_values(const Format& f) {
+  return f.type == QType::kMXFP4 ? kMXFP4Values : kIQ4Values;
+}
 
 constexpr const Format& format_of(QType type) { return kFormats[static_cast<int>(type)]; }
 
@@ -143,12 +157,24 @@ struct Codes {
   uint8_t u[256];
   int8_t sc[16];   // scale code per sub-block (signed: Q3_K and IQ4_XS subtract 32)
   uint8_t mc[16];  // min code per sub-block
-  uint16_t d, e;   // fp16 bits (e already negated where the file adds it)
+  uint16_t d, e;   // fp16 bits (e already negated where the file adds it); d bf16 if bf16_d
   float raw[256];  // float types: the values themselves
 };
 
 inline float half_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, 4);
+  return v;
+}
+
+// A block's d as float: fp16 bits, or bf16 bits for bf16_d types.
+inline float d_to_float(const Format& f, uint16_t bits) {
+  return f.bf16_d ? bf16_to_float(bits) : half_to_float(bits);
 }
 
 // The K-quants' 6-bit scale and min of sub-block j from their 12 packed bytes.

@@ -111,6 +111,7 @@ inline const Kernels& kernels(QType type) {
       kernels_of<QType::kQ5_1>(),  kernels_of<QType::kQ8_0>(),  kernels_of<QType::kQ2_K>(),
       kernels_of<QType::kQ3_K>(),  kernels_of<QType::kQ4_K>(),  kernels_of<QType::kQ5_K>(),
       kernels_of<QType::kQ6_K>(),  kernels_of<QType::kIQ4_NL>(), kernels_of<QType::kIQ4_XS>(),
+      kernels_of<QType::kMXFP4>(),
   };
   return table[static_cast<int>(type)];
 }

@@ -149,6 +149,19 @@ void read_iq4_xs(const uint8_t* block, Codes& out) {
   }
 }
 
+// MXFP4: an E8M0 byte e, then 16 bytes of nibbles as IQ4_NL's. ggml's scale is 2^(e - 128)
+// (half of E8M0's 2^(e - 127): its table holds doubled values), kept as bf16 bits: exponent
+// field e - 1, or for e < 2 the subnormals 2^-127 and 2^-128.
+void read_mxfp4(const uint8_t* block, Codes& out) {
+  const int e = block[0];
+  out.d = static_cast<uint16_t>(e < 2 ? 0x0020 << e : (e - 1) << 7);
+  const uint8_t* qs = block + 1;
+  for (int j = 0; j < 16; ++j) {
+    out.u[j] = qs[j] & 0xF;
+    out.u[j + 16] = qs[j] >> 4;
+  }
+}
+
 void read_floats(QType type, const uint8_t* data, Codes& out) {
   for (int j = 0; j < 32; ++j) {
     if (type == QType::kF32) {
@@ -224,6 +237,7 @@ void read_block(QType type, const uint8_t* block, Codes& out) {
     case QType::kQ4_K: case QType::kQ5_K: read_q45_k(f, block, out); break;
     case QType::kQ6_K: read_q6_k(block, out); break;
     case QType::kIQ4_XS: read_iq4_xs(block, out); break;
+    case QType::kMXFP4: read_mxfp4(block, out); break;
     default: read_floats(type, block, out); break;
   }
 }

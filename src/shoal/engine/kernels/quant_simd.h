@@ -3,8 +3,8 @@
 // sub-block's scale S and offset O' for the 16 columns of a strip.
 //
 // Codes of 2-6 bits become bf16 128 + u with one OR (0x4300 | u); Q8_0's int8 becomes bf16
-// q; IQ4's nibble indexes its table. O' = O - 128 * S takes the 128 back out through the
-// sums of x, so S, O' and the values are exact and only the float32 sums round.
+// q; IQ4's and MXFP4's nibble indexes its table. O' = O - 128 * S takes the 128 back out
+// through the sums of x, so S, O' and the values are exact and only the float32 sums round.
 
 #pragma once
 
@@ -86,15 +86,20 @@ inline __m512i and_or(__m512i a, __m512i mask, __m512i b) {
 }
 
 struct Constants {
-  __m512i low4, bf16_128, bit4, bits45, low2, bit2, table;
+  __m512i low4, bf16_128, bit4, bits45, low2, bit2, iq4_table, mxfp4_table;
 };
 
-inline Constants constants() {
+// A lut type's 16 values as bf16 (exact: small integers) in the low words of a register.
+inline __m512i bf16_table(const int8_t* values) {
   alignas(64) int16_t table[32] = {};
-  for (int i = 0; i < 16; ++i) table[i] = static_cast<int16_t>(bf16(kIQ4Values[i]).x);
+  for (int i = 0; i < 16; ++i) table[i] = static_cast<int16_t>(bf16(values[i]).x);
+  return _mm512_load_si512(table);
+}
+
+inline Constants constants() {
   return {_mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), _mm512_set1_epi16(0x0010),
           _mm512_set1_epi16(0x0030), _mm512_set1_epi16(0x0003), _mm512_set1_epi16(0x0004),
-          _mm512_load_si512(table)};
+          bf16_table(kIQ4Values), bf16_table(kMXFP4Values)};
 }
 
 inline __m512 bf16_half(__m512i v, int upper) {
@@ -117,7 +122,8 @@ inline void decode_vector(const uint8_t* tile, const Constants& c,
     const __m512i nibbles = shift16<-4 * (P % 4)>(load(tile + 64 * (P / 4)));
     __m512i value;
     if constexpr (f.lut) {
-      value = _mm512_permutexvar_epi16(_mm512_and_si512(nibbles, c.low4), c.table);
+      const __m512i table = T == QType::kMXFP4 ? c.mxfp4_table : c.iq4_table;
+      value = _mm512_permutexvar_epi16(_mm512_and_si512(nibbles, c.low4), table);
     } else {
       value = and_or(nibbles, c.low4, c.bf16_128);
     }
@@ -164,7 +170,13 @@ template <QType T>
 inline void sub_scale_min(const uint8_t* meta, int s, __m512& scale, __m512& minus_min) {
   using Tr = Traits<T>;
   constexpr Format f = Tr::f;
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+  const __m256i d_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta));
+  __m512 d;
+  if constexpr (f.bf16_d) {  // MXFP4: bf16 bits, widened exactly
+    d = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(d_bits), 16));
+  } else {
+    d = _mm512_cvtph_ps(d_bits);
+  }
   __m128i codes = _mm_setzero_si128();
   scale = d;
   if constexpr (f.has_sc) {

@@ -187,7 +187,7 @@ struct SubScale {
 
 inline SubScale sub_scale(const Format& f, const uint8_t* meta, int s, int col) {
   const MetaPos pos = meta_pos(f);
-  const float d = half_to_float(read_u16(meta + pos.d + 2 * col));
+  const float d = d_to_float(f, read_u16(meta + pos.d + 2 * col));
   int sc = 1;
   if (f.has_sc) {
     const int8_t code = static_cast<int8_t>(meta[pos.sc + s * kCols + col]);
@@ -206,9 +206,9 @@ inline SubScale sub_scale(const Format& f, const uint8_t* meta, int s, int col) 
   return out;
 }
 
-// The value a code u stands for before its sub-block's scale: u + c, or the IQ4 table's entry.
+// The value a code u stands for before its sub-block's scale: u + c, or the table's entry.
 inline float code_value(const Format& f, int u) {
-  return f.lut ? static_cast<float>(kIQ4Values[u]) : static_cast<float>(u + f.c);
+  return f.lut ? static_cast<float>(lut_values(f)[u]) : static_cast<float>(u + f.c);
 }
 
 // Column col of tile t of a strip: its 32 weights w, exactly as gguf's dequantization gives

@@ -11,9 +11,12 @@ LayerType = Literal["full", "sliding"]
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """YaRN RoPE scaling (DeepSeek's): frequencies interpolated by factor beyond the
-    original context, and with mscale / mscale_all_dim the attention logits scaled by
-    (0.1 * mscale_all_dim * ln(factor) + 1) ** 2 (transformers' deepseek yarn_apply_mscale)."""
+    """YaRN RoPE scaling (transformers' _compute_yarn_parameters): frequencies blended
+    between interpolated (divided by factor) and original across the dimensions whose
+    rotations over original_max_position lie between beta_slow and beta_fast; cos and sin
+    scaled by attention_factor (None: 0.1 ln(factor) + 1, or with DeepSeek's mscale and
+    mscale_all_dim the ratio of the two magnitudes, which squares into its softmax scale).
+    truncate rounds the blend's bounds to whole dimensions."""
 
     factor: float
     original_max_position: int
@@ -21,6 +24,8 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.factor <= 0 or self.original_max_position < 1:
@@ -115,6 +120,12 @@ class ModelConfig:
     expert_groups: int = 1
     expert_groups_used: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss's experts: the router takes the top k of its logits and a softmax over those k
+    # (layers/experts.py LogitTopKRouter), and each expert's activation is the clamped SwiGLU
+    # (up clamped to +-swiglu_limit, gate to at most it; (up + 1) * gate * sigmoid(alpha gate)).
+    router_softmax_after_topk: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",

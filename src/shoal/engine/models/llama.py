@@ -1,6 +1,8 @@
 """One decoder skeleton for llama / mistral / qwen2 (qkv bias) / qwen3 (q/k norm), and
-their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe, glm4moe: the MLP routed to
-experts, GLM-4.5's after dense leading layers, with partial RoPE).
+their mixture-of-experts kin (mixtral, qwen2moe, qwen3moe, glm4moe, gpt-oss: the MLP routed
+to experts, GLM-4.5's after dense leading layers, with partial RoPE; gpt-oss adds an output
+bias, attention sinks, sliding-window layers and YaRN RoPE, each read from its tensors or
+config).
 
 A model instance holds a half-open layer range [start, end) with original layer indices;
 the first stage embeds token ids, the last stage owns the final norm and output head.
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.attention import (
     AttentionMetadata,
@@ -49,10 +52,17 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
     parts = [weights[prefix + p + ".weight"] for p in "qkv"]
     biases = [weights[prefix + p + ".bias"] for p in "qkv"] if config.qkv_bias else None
     o_raw = weights[prefix + "o.weight"]
+    # gpt-oss: a bias on o too, and a learned logit per head that joins each softmax's
+    # denominator (an "attention sink": the head may attend to nothing).
+    o_bias, sinks_raw = weights.get(prefix + "o.bias"), weights.get(prefix + "sinks.weight")
     num_heads, num_kv_heads = config.num_heads, config.num_kv_heads
     if plan.shard is not None:  # this rank's heads only; o sums over the ranks
+        if o_bias is not None or sinks_raw is not None:
+            raise UnsupportedModel("attention with an output bias or sinks cannot be split "
+                                   "by tensor parallelism yet: split the model by layers")
         parts, biases, o_raw, heads = shard_attention(config, plan.shard, parts, biases, o_raw)
         num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
+    sinks = None if sinks_raw is None else sinks_raw.dequantize().to(plan.device)  # [H] f32
     q_norm = k_norm = None
     if config.qk_norm:  # applied to q / k in the attention dtype
         dtype = plan.backend.attention_dtype
@@ -60,10 +70,12 @@ def make_attention(config: ModelConfig, index: int, weights: Weights,
         k_norm = make_norm(weights[prefix + "k_norm.weight"], config, plan, dtype)
     return SelfAttention(
         qkv=build_linear(parts, biases, plan),
-        o=_row_parallel(build_linear([o_raw], None, plan), plan),
+        o=_row_parallel(build_linear([o_raw], None if o_bias is None else [o_bias], plan),
+                        plan),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=config.head_dim,
         sliding=config.layer_type(index) == "sliding",
-        attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale),
+        attend=plan.backend.attention(num_heads, num_kv_heads, config.head_dim, config.scale,
+                                      sinks),
         q_norm=q_norm, k_norm=k_norm, attention_dtype=_attention_cast(plan),
         rotary_dim=config.rotary_dim)
 

@@ -1,8 +1,8 @@
 """The mixture-of-experts feed-forward of one decoder layer, built from its canonical tensors
 (layers.{i}.router, layers.{i}.experts.{e}.gate/up/down, a shared expert with its gate
-(qwen2moe) or without (GLM-4.5, DeepSeek), and the sigmoid routers' per-expert score bias
-layers.{i}.router_score_bias): all experts, or an expert-parallel rank's range of them
-(parallel/experts.py)."""
+(qwen2moe) or without (GLM-4.5, DeepSeek), the sigmoid routers' per-expert score bias
+layers.{i}.router_score_bias, and gpt-oss's router and expert biases): all experts, or an
+expert-parallel rank's range of them (parallel/experts.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.config import ModelConfig
 from shoal.engine.models.layers.experts import (
+    ClampedSwiGLU,
     GroupedRouter,
+    LogitTopKRouter,
     MixtureOfExperts,
     Router,
     SharedExpert,
@@ -28,7 +30,8 @@ def make_experts(config: ModelConfig, index: int, weights: dict[str, RawTensor],
     prefix = f"layers.{index}."
     router = _router(config, prefix, weights, plan)
     first, end = plan.experts if plan.experts is not None else (0, config.num_experts)
-    experts = [_gated_mlp(weights, f"{prefix}experts.{e}.", config, plan)
+    make_expert = _gated_mlp if config.swiglu_limit is None else _clamped_swiglu
+    experts = [make_expert(weights, f"{prefix}experts.{e}.", config, plan)
                for e in range(first, end)]
     shared = None
     if config.shared_expert_intermediate_size:
@@ -55,8 +58,11 @@ def check_not_tensor_split(config: ModelConfig, plan: WeightPlan) -> None:
 
 
 def _router(config: ModelConfig, prefix: str, weights: dict[str, RawTensor],
-            plan: WeightPlan) -> Router | GroupedRouter:
+            plan: WeightPlan) -> Router | GroupedRouter | LogitTopKRouter:
     weight = _float32(weights[prefix + "router.weight"], plan)
+    if config.router_softmax_after_topk:
+        return LogitTopKRouter(weight, _float32(weights[prefix + "router.bias"], plan),
+                               config.num_experts_per_token)
     bias = weights.get(prefix + "router_score_bias.bias")
     if (config.expert_scoring == "softmax" and config.expert_groups == 1 and bias is None
             and config.routed_scaling_factor == 1.0):
@@ -72,6 +78,16 @@ def _gated_mlp(weights: dict[str, RawTensor], prefix: str, config: ModelConfig,
     gate, up, down = (weights[prefix + p + ".weight"] for p in ("gate", "up", "down"))
     return plan.backend.gated_mlp(build_linear([gate, up], None, plan),
                                   build_linear([down], None, plan), config.hidden_activation)
+
+
+def _clamped_swiglu(weights: dict[str, RawTensor], prefix: str, config: ModelConfig,
+                    plan: WeightPlan) -> ClampedSwiGLU:
+    """gpt-oss's expert: gate, up and down with a bias each."""
+    gate, up, down = (weights[prefix + p + ".weight"] for p in ("gate", "up", "down"))
+    gate_bias, up_bias, down_bias = (weights[prefix + p + ".bias"] for p in ("gate", "up", "down"))
+    return ClampedSwiGLU(build_linear([gate, up], [gate_bias, up_bias], plan),
+                         build_linear([down], [down_bias], plan),
+                         config.swiglu_alpha, config.swiglu_limit)
 
 
 def _float32(raw: RawTensor, plan: WeightPlan) -> torch.Tensor:

@@ -13,6 +13,7 @@ from shoal.engine.models.families.family import ModelFamily
 from shoal.engine.models.families.deepseek2 import DEEPSEEK2
 from shoal.engine.models.families.gemma3 import GEMMA3
 from shoal.engine.models.families.glm4moe import GLM4MOE
+from shoal.engine.models.families.gptoss import GPT_OSS
 from shoal.engine.models.families.llama import LLAMA
 from shoal.engine.models.families.mixtral import MIXTRAL
 from shoal.engine.models.families.qwen2 import QWEN2
@@ -21,7 +22,7 @@ from shoal.engine.models.families.qwen3 import QWEN3
 from shoal.engine.models.families.qwen3moe import QWEN3MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MIXTRAL, QWEN2, QWEN2MOE, QWEN3, QWEN3MOE,
-                                       GLM4MOE, DEEPSEEK2, GEMMA3, BERT)
+                                       GLM4MOE, DEEPSEEK2, GPT_OSS, GEMMA3, BERT)
 
 
 def _by_name(families: tuple[ModelFamily, ...]) -> dict[str, ModelFamily]:

@@ -109,6 +109,12 @@ class GGUFCheckpoint:
                 for expert, matrix in enumerate(_expert_matrices(raw)):
                     yield expert_name(canonical, expert), matrix
                 continue
+            if ".experts." in canonical and canonical.endswith(".bias"):  # [experts, out]
+                values = raw.dequantize()
+                for expert in range(values.shape[0]):
+                    yield expert_name(canonical, expert), RawTensor(
+                        (values.shape[1],), "dense", values[expert].clone())
+                continue
             yield canonical, raw
 
     def _raw(self, info: TensorInfo) -> RawTensor:

@@ -2,12 +2,13 @@
 
 Global: embed.weight, norm.weight, lm_head.weight. Per layer i: layers.{i}.<part>.weight
 (and .bias) with part one of attn_norm, q, k, v, o, q_norm, k_norm, post_attn_norm,
-mlp_norm, post_mlp_norm, gate, up, down. Mixture-of-experts layers have router and, per
+mlp_norm, post_mlp_norm, gate, up, down, sinks. Mixture-of-experts layers have router and, per
 expert e, experts.{e}.gate / .up / .down (a GGUF file stores a layer's experts as one 3-D
 tensor, experts.gate, which its reader splits by expert); qwen2moe's shared expert is
 shared_expert.gate / .up / .down with its gate shared_expert_gate (GLM-4.5's and DeepSeek's
-shared experts have none); sigmoid routers add router_score_bias.bias. A family may say that
-one of its tables' tensor kinds is another part (ModelFamily.tensor_parts).
+shared experts have none); sigmoid routers add router_score_bias.bias. Expert biases
+(gpt-oss) are experts.{e}.gate / .up / .down .bias. A family may say that one of its tables'
+tensor kinds is another part (ModelFamily.tensor_parts).
 
 A family's GGUF and Hugging Face names come from the gguf package's tables for the family's
 architecture (MODEL_TENSORS, TENSOR_NAMES, TensorNameMap); this module only says which of
@@ -64,6 +65,7 @@ _LAYER_PARTS = {
     # The sigmoid routers' per-expert score bias (e_score_correction_bias; its GGUF name
     # ends in .bias).
     MODEL_TENSOR.FFN_EXP_PROBS_B: "router_score_bias",
+    MODEL_TENSOR.ATTN_SINKS: "sinks",  # gpt-oss: one logit per head
 }
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A Hugging Face checkpoint stores each expert's matrices apart: "...experts.5.gate_proj".

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,18 @@ class SafetensorsCheckpoint:
         for file in self.files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    canonical, layer = names.from_hf(name)
-                    if canonical is None or not in_stage(canonical, layer, start, end, config):
-                        continue
-                    tensor = handle.get_tensor(name)
-                    if family.hf_norm_offset and canonical.endswith("norm.weight"):
-                        tensor = tensor.float() + family.hf_norm_offset
-                    yield canonical, RawTensor(tuple(tensor.shape), "dense", tensor)
+                    split = family.hf_tensor_split
+                    parts = None if split is None else split(name, partial(handle.get_tensor, name))
+                    if parts is None:  # read as it is, only if this stage needs it
+                        parts = [(name, partial(handle.get_tensor, name))]
+                    for part, load in parts:
+                        canonical, layer = names.from_hf(part)
+                        if canonical is None or not in_stage(canonical, layer, start, end, config):
+                            continue
+                        tensor = load()
+                        if family.hf_norm_offset and canonical.endswith("norm.weight"):
+                            tensor = tensor.float() + family.hf_norm_offset
+                        yield canonical, RawTensor(tuple(tensor.shape), "dense", tensor)
 
 
 def read_tensors(directory: Path) -> Iterator[tuple[str, RawTensor]]:

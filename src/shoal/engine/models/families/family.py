@@ -8,7 +8,7 @@ cluster's model facts all read these declarations, so a new family is one new mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -53,6 +53,10 @@ HF_CONFIG_KEYS: Mapping[str, str] = MappingProxyType({
 GGUFConfigExtras = Callable[[Callable[[str, Any], Any], dict[str, Any]], dict[str, Any]]
 # (config.json dict, common) -> extra ModelConfig fields.
 HFConfigExtras = Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]]
+# (config.json checkpoint's tensor name, its loader) -> the (name, loader) pairs the gguf
+# tables name in its place (a fused tensor split apart), or None to read it as it is.
+HFTensorSplit = Callable[[str, Callable[[], Any]],
+                         Iterable[tuple[str, Callable[[], Any]]] | None]
 
 
 @dataclass(frozen=True, eq=False)  # one instance per family: compared by identity
@@ -87,6 +91,7 @@ class ModelFamily:
     hf_config_extras: HFConfigExtras | None = None
     # The RoPE scalings this family's readers accept ("yarn": the family's extras read it).
     rope_scalings: tuple[str, ...] = ("none", "linear")
+    hf_tensor_split: HFTensorSplit | None = None
     # Whether a config.json may turn sliding-window attention on (the extras read it).
     supports_sliding_window: bool = False
     # llama.cpp's converter stores this family's q/k rows permuted (rotary halves

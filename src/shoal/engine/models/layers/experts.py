@@ -46,6 +46,50 @@ class Router(Layer):
         return self.weight.numel() * self.weight.element_size()
 
 
+class LogitTopKRouter(Layer):
+    """gpt-oss's routing, in float32: the top k of the router's logits (bias included), then
+    a softmax over those k alone (transformers' GptOssTopKRouter).
+
+    weight: float32 [experts, hidden], bias: float32 [experts]. forward(x [T, hidden]) ->
+    (weights [T, k] float32, experts [T, k] int64), as Router's.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight, self.bias)  # [T, experts]
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+
+    def nbytes(self) -> int:
+        return (self.weight.numel() + self.bias.numel()) * self.weight.element_size()
+
+
+class ClampedSwiGLU(Layer):
+    """gpt-oss's expert: down((up + 1) * gate * sigmoid(alpha * gate)) with gate clamped to
+    at most limit and up to [-limit, limit]; both projections carry biases (in the linears).
+    The activation runs in float32 and rounds once to x's dtype.
+
+    gate_up: [T, hidden] -> [T, 2 * size] (gate, then up); down: [T, size] -> [T, hidden].
+    """
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
+        gate_up = self.gate_up(x, prompt_from)
+        gate, up = gate_up.float().chunk(2, dim=-1)  # each [T, size]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down(((up + 1) * glu).to(x.dtype), prompt_from)
+
+
 class GroupedRouter(Layer):
     """The routing of GLM-4.5 and DeepSeek-V2/V3 in float32, as transformers computes it.
 
@@ -144,7 +188,8 @@ class MixtureOfExperts(Layer):
     form; chosen are indices into experts, any outside them skipped); None runs the loop.
     """
 
-    def __init__(self, router: Router | GroupedRouter, experts: list[GatedMLP],
+    def __init__(self, router: Router | GroupedRouter | LogitTopKRouter,
+                 experts: list[GatedMLP] | list[ClampedSwiGLU],
                  shared: SharedExpert | None = None, first_expert: int = 0,
                  grouped: Callable | None = None) -> None:
         super().__init__()
@@ -200,5 +245,5 @@ class MixtureOfExperts(Layer):
         return held + (self.shared.nbytes() if self.shared is not None else 0)
 
 
-def _mlp_bytes(mlp: GatedMLP) -> int:
+def _mlp_bytes(mlp: GatedMLP | ClampedSwiGLU) -> int:
     return mlp.gate_up.nbytes() + mlp.down.nbytes()

@@ -11,7 +11,8 @@ from shoal.engine.models.config import YarnScaling
 
 
 class RotaryTable(nn.Module):
-    """cos / sin of position * inv_freq for positions 0 .. max_position - 1.
+    """cos / sin of position * inv_freq for positions 0 .. max_position - 1 (YaRN: both
+    scaled by its attention factor, as transformers does).
 
     Computed in float32 exactly as transformers does, so fp32 logits match it bit for bit;
     rows are computed as positions reach them (in steps of GROW), not for the whole context
@@ -58,30 +59,34 @@ class RotaryTable(nn.Module):
                 torch.cat((-sin, sin), dim=-1).unsqueeze(1))
 
 
-def yarn_frequencies(dim: int, theta: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
-    """(inv_freq [dim/2], attention factor) of YaRN scaling, as transformers computes them
-    (modeling_rope_utils._compute_yarn_parameters): each frequency blends its interpolated
-    (divided by factor) and original value by a ramp between the dimensions that turn
-    beta_fast and beta_slow times over the original context."""
+def yarn_frequencies(head_dim: int, theta: float,
+                     yarn: YarnScaling) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention factor) as transformers' _compute_yarn_parameters
+    computes them, step for step (its float32 and float64 roundings included)."""
     factor = yarn.factor
-    if yarn.mscale and yarn.mscale_all_dim:
-        attention_factor = yarn.magnitude(yarn.mscale) / yarn.magnitude(yarn.mscale_all_dim)
-    else:
-        attention_factor = yarn.magnitude()
+    attention_factor = yarn.attention_factor
+    if attention_factor is None:
+        if yarn.mscale and yarn.mscale_all_dim:
+            attention_factor = yarn.magnitude(yarn.mscale) / yarn.magnitude(yarn.mscale_all_dim)
+        else:
+            attention_factor = yarn.magnitude()
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi))) \
-            / (2 * math.log(theta))
+        return (head_dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
 
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) \
-        + (1.0 / pos_freqs) * extrapolation
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_share = 1 - ramp
+    powers = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolated, interpolated = 1.0 / powers, 1.0 / (factor * powers)
+    inv_freq = (interpolated * (1 - extrapolation_share)
+                + extrapolated * extrapolation_share)
     return inv_freq, float(attention_factor)
 
 
