@@ -83,10 +83,12 @@ def test_gguf_experts_stay_packed_in_mxfp4(checkpoint):
 
 def test_bf16_next_tokens_follow_float32(checkpoint):
     """The default precision (MXFP4 experts packed, bf16 activations, float32 routing) read
-    along float32's greedy continuations of the same GGUF: its next token is float32's
-    wherever float32's top two logits are 0.05 apart, and at 90% of all positions (the
-    other mixture-of-experts families hold 95%; MXFP4's 4-bit experts may miss more
-    near-ties)."""
+    along float32's greedy continuations of the same GGUF: its next token is float32's at
+    95% of positions. Measured 140 of 145 (plain torch in bf16: 135). The misses are not
+    near-ties alone: this tiny model's router has near-tied experts, and where bf16 moves
+    a row's hidden state across such a tie the layer picks another expert and the logits
+    jump by 1-2.5 (the same positions jump in plain torch's bf16), where elsewhere they
+    move by ~0.03."""
     exact, fast = load(checkpoint, "gguf"), packed(checkpoint)
     agree = total = 0
     for prompt, tokens in zip(PROMPTS, ours_greedy(exact)):
@@ -94,12 +96,9 @@ def test_bf16_next_tokens_follow_float32(checkpoint):
         reference = all_position_logits(ModelRunner(exact, BLOCKS_PER_REQUEST, BLOCK), ids,
                                         blocks)
         ours = all_position_logits(ModelRunner(fast, BLOCKS_PER_REQUEST, BLOCK), ids, blocks)
-        top_two = reference.topk(2, dim=-1).values
-        decided = top_two[:, 0] - top_two[:, 1] >= 0.05
         same = ours.argmax(-1) == reference.argmax(-1)
-        assert same[decided].all()
         agree, total = agree + int(same.sum()), total + len(ids)
-    assert agree >= 0.9 * total, (agree, total)
+    assert agree >= 0.95 * total, (agree, total)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

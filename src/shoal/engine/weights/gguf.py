@@ -105,15 +105,15 @@ class GGUFCheckpoint:
             if self.family.gguf_permuted_qk and part in ("q", "k"):
                 heads = config.num_heads if ".q." in canonical else config.num_kv_heads
                 raw = raw.rows(_unpermute_order(heads, config.head_dim, raw.shape[0]))
-            if ".experts." in canonical:  # [experts, out, in]
-                for expert, matrix in enumerate(_expert_matrices(raw)):
-                    yield expert_name(canonical, expert), matrix
-                continue
             if ".experts." in canonical and canonical.endswith(".bias"):  # [experts, out]
                 values = raw.dequantize()
                 for expert in range(values.shape[0]):
                     yield expert_name(canonical, expert), RawTensor(
                         (values.shape[1],), "dense", values[expert].clone())
+                continue
+            if ".experts." in canonical:  # [experts, out, in]
+                for expert, matrix in enumerate(_expert_matrices(raw)):
+                    yield expert_name(canonical, expert), matrix
                 continue
             yield canonical, raw
 
