@@ -109,7 +109,9 @@ def test_int8_kv_logits_follow_the_compute_dtypes_cache(checkpoints, family, dty
     then flips a router's top-k choice, which a dense model has none of: measured, rows of
     cosine similarity > 0.995: qwen3moe 96.6% (bf16) / 98.3% (float32), qwen2moe 100 / 100,
     mixtral 98.3 / 99.1 (the dense llama: 100 / 100, worst row 0.9997); worst row 0.972,
-    1.0, 0.905; the same next token at 97.4% or more of positions."""
+    1.0, 0.905; the same next token at 97.4% or more of positions. DeepSeek's caches hold
+    its latent attention's decompressed heads, whose int8 rounding moves more rows:
+    deepseek3 94.0%, deepseek2 94.9% (bf16); the same next token at 94.9% (deepseek2)."""
     runners = {}
     for kv in (dtype, "int8"):
         loaded = load_model(ModelSource("moe", "gguf", checkpoints[family].gguf_path), dtype,
@@ -119,9 +121,10 @@ def test_int8_kv_logits_follow_the_compute_dtypes_cache(checkpoints, family, dty
     ours, theirs = _logits_along_greedy(runners["int8"], runners[dtype], 24)
     assert torch.isfinite(ours).all()
     similarity = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
-    assert (similarity > 0.995).float().mean() >= 0.95
+    close_share = 0.92 if family.startswith("deepseek") else 0.95
+    assert (similarity > 0.995).float().mean() >= close_share
     assert similarity.min() > 0.8
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= close_share
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -289,9 +292,11 @@ def pipeline_requests(engine: Engine) -> dict[str, list[int]]:
     return token_ids(run_requests(engine, requests))
 
 
-def pipeline_rank(rank: int, world: int, port: int, path: str):
-    config = split_config(rank, world, port, path, "pipeline", [(0, 1), (1, 2)],
-                          block_size=BLOCK)
+def pipeline_rank(rank: int, world: int, port: int, path: str, layers: int):
+    # The last layer on the second stage, the rest (GLM's and DeepSeek's dense first layer
+    # among them) on the first.
+    config = split_config(rank, world, port, path, "pipeline",
+                          [(0, layers - 1), (layers - 1, layers)], block_size=BLOCK)
     if rank:
         return follow(config)
     engine = Engine(config)
@@ -304,10 +309,12 @@ def pipeline_rank(rank: int, world: int, port: int, path: str):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_a_moe_model_split_in_two_pipeline_stages_answers_as_one_engine(checkpoints, family,
                                                                         tmp_path):
-    """Each stage a process holding one of the two layers (its experts with it), in
-    float32: the same tokens as one engine, the sampled request's too."""
+    """Each stage a process holding its layers (their experts with them), in float32: the
+    same tokens as one engine, the sampled request's too."""
     path = str(checkpoints[family].gguf_path)
-    expected = pipeline_requests(engine_of(checkpoints[family], tmp_path, threads=1))
-    results = run_ranks(pipeline_rank, 2, path, timeout_s=240)
+    engine = engine_of(checkpoints[family], tmp_path, threads=1)
+    expected = pipeline_requests(engine)
+    layers = engine.loaded.config.num_layers
+    results = run_ranks(pipeline_rank, 2, path, layers, timeout_s=240)
     assert isinstance(results[1], int) and results[1] > 0  # the second stage served steps
     assert results[0] == expected

@@ -139,7 +139,7 @@ def hf_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
         for name, param in model.named_parameters():
             # Random norms and biases too, so a misplaced norm or bias shows in the logits.
             std = 0.3 if "norm" in name or "bias" in name else 0.08
-            if name.endswith(("sinks", "experts.gate_up_proj")):
+            if family == "gpt-oss" and name.endswith(("sinks", "experts.gate_up_proj")):
                 # Sinks that matter; gate/up large enough that the clamps of gpt-oss's
                 # SwiGLU (at +-7) take part.
                 std = 2.0 if name.endswith("sinks") else 0.6
