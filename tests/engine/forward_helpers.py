@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
+from shoal.engine.config import ModelSource
 from shoal.engine.model_runner import ModelRunner
+from shoal.engine.models.loader import load_model
 from shoal.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
@@ -63,3 +66,25 @@ def greedy_batch(runner: ModelRunner, prompts: list[list[int]], steps: int,
                                 for i, t in enumerate(tokens)))
         lengths = [n + 1 for n in lengths]
     return outputs
+
+
+def load_checkpoint(checkpoint, fmt: str, dtype: str = "float32"):
+    """A tiny_models checkpoint loaded from its safetensors or its GGUF."""
+    path = checkpoint.gguf_path if fmt == "gguf" else checkpoint.safetensors_dir
+    return load_model(ModelSource(checkpoint.family, fmt, path), dtype)
+
+
+def load_packed(checkpoint):
+    """The checkpoint's GGUF in bf16 with weights kept packed (skipped where no packed-weight
+    kernel runs on this CPU)."""
+    loaded = load_checkpoint(checkpoint, "gguf", "bfloat16")
+    if not loaded.module.plan.backend.packs_weights:
+        pytest.skip("no packed-weight kernel on this CPU")
+    return loaded
+
+
+def loaded_greedy(loaded, prompts: list[list[int]], steps: int, block: int = 4,
+                  blocks_per_request: int = 16) -> list[list[int]]:
+    """Greedy tokens of prompts through a fresh ModelRunner over a loaded model."""
+    runner = ModelRunner(loaded, blocks_per_request * len(prompts), block)
+    return greedy_batch(runner, prompts, steps, blocks_per_request)

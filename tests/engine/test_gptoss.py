@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import tiny_models
 import torch
-from forward_helpers import all_position_logits, chunk, greedy_batch, step
+from forward_helpers import all_position_logits, chunk, loaded_greedy, step
+from forward_helpers import load_checkpoint as load
+from forward_helpers import load_packed as packed
 from tokenizer_fixtures import tiny_byte_level_metadata
 from transformers_refs import transformers_greedy
 
@@ -19,7 +21,6 @@ from shoal.engine.models.config import YarnScaling
 from shoal.engine.models.layers.experts import ClampedSwiGLU, LogitTopKRouter
 from shoal.engine.models.layers.linear import DenseLinear
 from shoal.engine.models.layers.rotary import yarn_frequencies
-from shoal.engine.models.loader import load_model
 from shoal.engine.sampling import SamplingParams
 
 # ~20-token prompts: past the sliding window of 8, so sliding layers drop keys.
@@ -38,21 +39,8 @@ def checkpoint(tmp_path_factory):
     return tiny_models.build("gpt-oss", tmp_path_factory.mktemp("gpt-oss"))
 
 
-def load(checkpoint, fmt: str, dtype: str = "float32"):
-    path = checkpoint.gguf_path if fmt == "gguf" else checkpoint.safetensors_dir
-    return load_model(ModelSource("gpt-oss", fmt, path), dtype)
-
-
-def packed(checkpoint):
-    loaded = load(checkpoint, "gguf", "bfloat16")
-    if not loaded.module.plan.backend.packs_weights:
-        pytest.skip("no packed-weight kernel on this CPU")
-    return loaded
-
-
 def ours_greedy(loaded, prompts=PROMPTS, steps=NEW_TOKENS) -> list[list[int]]:
-    runner = ModelRunner(loaded, BLOCKS_PER_REQUEST * len(prompts), BLOCK)
-    return greedy_batch(runner, prompts, steps, BLOCKS_PER_REQUEST)
+    return loaded_greedy(loaded, prompts, steps, BLOCK, BLOCKS_PER_REQUEST)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])

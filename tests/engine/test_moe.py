@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import tiny_models
 import torch
-from forward_helpers import all_position_logits, chunk, greedy_batch, step
+from forward_helpers import all_position_logits, chunk, loaded_greedy, step
+from forward_helpers import load_checkpoint as load
+from forward_helpers import load_packed as packed
 from tiny_models import MOE_FAMILIES, ExpertTypes
 from tokenizer_fixtures import tiny_byte_level_metadata
 from transformers_refs import transformers_greedy
@@ -32,22 +34,8 @@ BLOCK = 4
 BLOCKS_PER_REQUEST = 16  # 64 tokens: any prompt here plus NEW_TOKENS
 
 
-def load(checkpoint, fmt: str, dtype: str = "float32"):
-    path = checkpoint.gguf_path if fmt == "gguf" else checkpoint.safetensors_dir
-    return load_model(ModelSource(checkpoint.family, fmt, path), dtype)
-
-
-def packed(checkpoint):
-    loaded = load(checkpoint, "gguf", "bfloat16")
-    if not loaded.module.plan.backend.packs_weights:
-        pytest.skip("no packed-weight kernel on this CPU")
-    return loaded
-
-
-
 def ours_greedy(loaded, prompts=PROMPTS, steps=NEW_TOKENS) -> list[list[int]]:
-    runner = ModelRunner(loaded, BLOCKS_PER_REQUEST * len(prompts), BLOCK)
-    return greedy_batch(runner, prompts, steps, BLOCKS_PER_REQUEST)
+    return loaded_greedy(loaded, prompts, steps, BLOCK, BLOCKS_PER_REQUEST)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from shoal.protocol import ToolCall
-from shoal.runner.tool_parser import new_call_id
+from shoal.runner.tool_parser import earliest_marker, new_call_id, partial_marker_length
 
 START, MESSAGE, END = "<|start|>", "<|message|>", "<|end|>"
 # Tokens that close a message's content (<|call|> and <|return|> only if the engine shows them).
@@ -89,9 +89,9 @@ class HarmonyParser:
             self._begin_content(self._buffer[:at])
             self._buffer = self._buffer[at + len(MESSAGE):]
             return True
-        at, token = _earliest(self._buffer, CONTENT_ENDS)
+        at, token = earliest_marker(self._buffer, CONTENT_ENDS)
         if token is None:
-            keep = 0 if final else _partial_length(self._buffer, CONTENT_ENDS)
+            keep = 0 if final else partial_marker_length(self._buffer, CONTENT_ENDS)
             self._content(events, self._buffer[:len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -160,23 +160,3 @@ class HarmonyParser:
         """The reply's first header was written into the prompt (a forced call or answer);
         what the model writes next is that message's content."""
         self._begin_content(header)
-
-
-def _earliest(text: str, tokens: tuple[str, ...]) -> tuple[int, str | None]:
-    best_at, best = len(text), None
-    for token in tokens:
-        at = text.find(token)
-        if at != -1 and at < best_at:
-            best_at, best = at, token
-    return best_at, best
-
-
-def _partial_length(text: str, tokens: tuple[str, ...]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of one of tokens."""
-    longest = 0
-    for token in tokens:
-        for length in range(min(len(token) - 1, len(text)), longest, -1):
-            if token.startswith(text[len(text) - length:]):
-                longest = length
-                break
-    return longest

@@ -94,12 +94,12 @@ class ToolCallParser:
         return True  # not a call: it is text (released by _in_text)
 
     def _in_text(self, events: list[Event], final: bool) -> bool:
-        at, marker = _earliest_marker(self._buffer)
+        at, marker = earliest_marker(self._buffer, MARKERS)
         if marker is not None:
             self._release(events, at)
             self._marker = marker
             return True
-        keep = 0 if final else _partial_marker_length(self._buffer)
+        keep = 0 if final else partial_marker_length(self._buffer, MARKERS)
         self._release(events, len(self._buffer) - keep)
         return False
 
@@ -180,19 +180,21 @@ def _arguments_text(arguments: Any) -> str | None:
     return None
 
 
-def _earliest_marker(text: str) -> tuple[int, str | None]:
+def earliest_marker(text: str, markers: Collection[str]) -> tuple[int, str | None]:
+    """Where the first of markers starts in text, and which (len(text), None if none)."""
     best_at, best = len(text), None
-    for marker in MARKERS:
+    for marker in markers:
         at = text.find(marker)
         if at != -1 and at < best_at:
             best_at, best = at, marker
     return best_at, best
 
 
-def _partial_marker_length(text: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some marker."""
+def partial_marker_length(text: str, markers: Collection[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of one of markers: text
+    a stream must hold back until the next piece says whether a marker begins there."""
     longest = 0
-    for marker in MARKERS:
+    for marker in markers:
         for length in range(min(len(marker) - 1, len(text)), longest, -1):
             if marker.startswith(text[len(text) - length:]):
                 longest = length
