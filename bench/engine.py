@@ -9,11 +9,9 @@ before versus cold, and memory: the weights the model holds against its file, an
 serving runner's RSS, KV in use and the runtime floor (RSS - weights - KV). With --peer
 llama-cpp the same GGUF and prompts run through llama-cpp-python and ratios are reported.
 
-The peer must be a llama.cpp build that runs here: on CPUs with AMX, llama.cpp's own AMX
-path crashes at batches above one (ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36), so
-build it without: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
--DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF
--DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python.
+The peer is llama-cpp-python built from source for this CPU by bench/install_peer.sh (`make
+install-bench`), which mends the one line of llama.cpp's AMX path that GCC 12 miscompiles, and
+runs in a process of its own.
 
 This machine's speed drifts by ~30% within a minute, so the prefill and batch-1 decode
 comparisons (turn about with the peer) and the HTTP stream counts run --rounds turns each
@@ -25,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import resource
 import socket
@@ -261,28 +260,63 @@ def bench_http(model: str, threads: int, rounds: int) -> dict:
 # ---- the peer -------------------------------------------------------------------------------
 
 class LlamaCppPeer:
-    """llama-cpp-python on the same GGUF file, prompts built from the same text."""
+    """llama-cpp-python on the same GGUF file, prompts built from the same text, in a process
+    of its own (as a llama.cpp server would be): ggml and torch both run on OpenMP's thread
+    pool, and in one process each one's AMX tile state is the other's to clobber. Timings are
+    taken inside that process."""
 
     def __init__(self, model: str, threads: int) -> None:
-        from llama_cpp import Llama
-
         path = str(resolve_model(model).path)
-        self.llm = Llama(model_path=path, n_ctx=2048, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, verbose=False)
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        self._process = context.Process(target=_peer_process, args=(child, path, threads),
+                                        daemon=True)
+        self._process.start()
+        self._call("ready")
+
+    def _call(self, method: str, *args):
+        self._pipe.send((method, args))
+        if not self._pipe.poll(PEER_TIMEOUT_S):
+            raise TimeoutError(f"llama.cpp peer: no answer to {method} in {PEER_TIMEOUT_S} s")
+        ok, value = self._pipe.recv()
+        if not ok:
+            raise RuntimeError(f"llama.cpp peer: {value}")
+        return value
 
     def prefill_tokens_per_s(self, salt: int) -> float:
-        prompt = self.llm.tokenize(synthetic_text(1000, salt).encode(),
-                                   add_bos=False)[:PREFILL_TOKENS]
-        self.llm.reset()
-        start = time.perf_counter()
-        self.llm.eval(prompt)
-        return len(prompt) / (time.perf_counter() - start)
+        return self._call("prefill_tokens_per_s", salt)
 
     def decode_tokens_per_s(self, sample: bool) -> float:
+        return self._call("decode_tokens_per_s", sample)
+
+    def close(self) -> None:
+        self._pipe.send(("stop", ()))
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+PEER_TIMEOUT_S = 600
+
+
+def _peer_process(pipe, path: str, threads: int) -> None:
+    """The peer's process: answers (method, args) from the pipe with (ok, value)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+
+    def prefill_tokens_per_s(salt: int) -> float:
+        prompt = llm.tokenize(synthetic_text(1000, salt).encode(), add_bos=False)[:PREFILL_TOKENS]
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode_tokens_per_s(sample: bool) -> float:
         """128 tokens after a 200-token prompt. sample=False times llama.cpp's forward alone
         (feeding back the same token): the C engine's speed without llama-cpp-python's
         per-token sampling call, which its users do pay."""
-        llm = self.llm
         llm.reset()
         llm.eval(llm.tokenize(synthetic_text(400, 2).encode(), add_bos=False)[:200])
         token = llm.sample(temp=0.0)
@@ -292,6 +326,17 @@ class LlamaCppPeer:
             if sample:
                 token = llm.sample(temp=0.0)
         return 128 / (time.perf_counter() - start)
+
+    methods = {"ready": lambda: True, "prefill_tokens_per_s": prefill_tokens_per_s,
+               "decode_tokens_per_s": decode_tokens_per_s}
+    while True:
+        method, args = pipe.recv()
+        if method == "stop":
+            return
+        try:
+            pipe.send((True, methods[method](*args)))
+        except Exception as error:  # the bench reports it and stops
+            pipe.send((False, f"{type(error).__name__}: {error}"))
 
 
 def interleaved_turns(engine: Engine, peer: LlamaCppPeer, rounds: int) -> dict:
@@ -335,7 +380,7 @@ def main() -> None:
     if args.peer == "llama-cpp":
         peer = LlamaCppPeer(args.model, args.threads)
         result["peer_llama_cpp"] = interleaved_turns(engine, peer, args.rounds)
-        del peer
+        peer.close()
     del engine
     if not args.skip_http:
         result["http"] = bench_http(args.model, args.threads, args.rounds)

@@ -87,7 +87,7 @@ def main() -> None:
         turns = interleaved_turns(engine, peer, args.rounds)
         result["peer_llama_cpp"] = turns
         decode = turns["decode"]["shoal_tokens_per_s"]
-        del peer
+        peer.close()
     bandwidth.append(read_bandwidth(args.threads))
     del engine
     gc.collect()
