@@ -35,13 +35,13 @@ def listed_models(state: Any) -> list[ListedModel]:
         if model_id not in served:
             entry = entries.get(model_id)
             listed.append(ListedModel(id=model_id, state=status,
-                                      max_model_len=entry.context_length if entry else None,
+                                      max_model_len=(entry.context_length or None) if entry else None,
                                       entry=entry, supervisor=None))
             served.add(model_id)
     for entry in available:
         if entry.id not in served:
             listed.append(ListedModel(id=entry.id, state="available",
-                                      max_model_len=entry.context_length, entry=entry,
+                                      max_model_len=entry.context_length or None, entry=entry,
                                       supervisor=None))
     return listed
 

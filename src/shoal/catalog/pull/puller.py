@@ -1,0 +1,271 @@
+"""Pull a model into the node's store: plan it at its source, make room, fetch its files
+(resumable, verified), then install it in one rename.
+
+One pull of a model at a time: a second caller in this process waits for the first and sees
+its progress; another process waits on a file lock and then finds the model installed.
+Catalogue models are not downloaded here: their packages are pip-installed, then resolved
+(joined from parts) as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shoal.catalog.cards import ModelCard, load_builtin_catalog
+from shoal.catalog.pull import packages
+from shoal.catalog.pull.download import PARTIAL_SUFFIX, fetch_file
+from shoal.catalog.pull.errors import NotEnoughDisk, PullError
+from shoal.catalog.pull.huggingface import plan_huggingface
+from shoal.catalog.pull.names import HuggingFaceName, PullName, parse_pull_name
+from shoal.catalog.pull.ollama_registry import plan_ollama, registry
+from shoal.catalog.pull.plan import PullPlan
+from shoal.catalog.pull.progress import Progress, PullEvent, ignore
+from shoal.catalog.resolve import ModelNotFound, find_card, missing_packages, resolve_model
+from shoal.catalog.store import ModelStore, StoredModel, choose_victims
+
+FreeBytes = Callable[[Path], int]
+Install = Callable[[Sequence[str], str], None]
+
+
+@dataclass(frozen=True)
+class PullSettings:
+    ollama_registry: str | None = None  # None: $SHOAL_OLLAMA_REGISTRY, else Ollama's own
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0  # between bytes, not for a whole file
+    models_disk: int | None = None  # --models-disk: the store's bound in bytes
+    disk_margin_bytes: int = 64 * 1024 * 1024  # left free beyond the model itself
+
+    def __post_init__(self) -> None:
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("pull timeouts must be positive")
+        if self.models_disk is not None and self.models_disk <= 0:
+            raise ValueError("--models-disk must be a positive size")
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A model ready on this machine, under the name a request can use."""
+
+    name: str
+    path: Path
+    size: int
+    source: str  # "store" (pulled now or before), "catalogue", or "local"
+
+
+@dataclass
+class _Job:
+    listeners: list[Progress] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Pulled | None = None
+    error: BaseException | None = None
+
+    def emit(self, event: PullEvent) -> None:
+        for listener in list(self.listeners):
+            listener(event)
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds path (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+class Puller:
+    """Pulls models into data_dir's store. keep(entry) protects a stored model from
+    eviction (pinned or loaded); observers see every pull's events (metrics)."""
+
+    def __init__(self, data_dir: Path, settings: PullSettings | None = None, *,
+                 catalog: Sequence[ModelCard] | None = None,
+                 free_bytes: FreeBytes = free_disk_bytes,
+                 keep: Callable[[StoredModel], bool] = lambda entry: False,
+                 install: Install = packages.pip_install) -> None:
+        self.data_dir = Path(data_dir)
+        self.settings = settings or PullSettings()
+        self.store = ModelStore.of_data_dir(self.data_dir)
+        self.catalog = load_builtin_catalog() if catalog is None else tuple(catalog)
+        self.observers: list[Progress] = []
+        self._free_bytes = free_bytes
+        self._keep = keep
+        self._install = install
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+
+    def pull(self, name: str, progress: Progress = ignore) -> Pulled:
+        """Make name's weights ready here. BadModelName (a ValueError) for a name in no
+        pullable form; PullError (its subclasses say why) when the pull fails."""
+        name = name.strip() if isinstance(name, str) else ""
+        if not name:
+            raise ValueError("model name must not be empty")
+        card = find_card(name, self.catalog)
+        key = f"catalogue:{card.id}" if card is not None else _dedup_key(name)
+        return self._once(key, progress, lambda report: self._pull(name, card, report))
+
+    def _once(self, key: str, progress: Progress,
+              work: Callable[[Progress], Pulled]) -> Pulled:
+        with self._lock:
+            job = self._jobs.get(key)
+            owner = job is None
+            if job is None:
+                job = self._jobs[key] = _Job(listeners=list(self.observers))
+            job.listeners.append(progress)
+        if not owner:
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            assert job.result is not None
+            progress(PullEvent("success"))
+            return job.result
+        try:
+            job.result = work(job.emit)
+            return job.result
+        except BaseException as error:
+            job.error = error
+            raise
+        finally:
+            with self._lock:
+                del self._jobs[key]
+            job.done.set()
+
+    def _pull(self, name: str, card: ModelCard | None, report: Progress) -> Pulled:
+        report(PullEvent("pulling manifest"))
+        pulled = self._already_here(name) if card is None else self._pull_card(card, report)
+        if pulled is None:
+            pulled = self._download(parse_pull_name(name), name, report)
+        report(PullEvent("success"))
+        return pulled
+
+    def _already_here(self, name: str) -> Pulled | None:
+        """name as the store, a local path or the Hugging Face cache already holds it."""
+        try:
+            source = resolve_model(name, catalog=self.catalog, data_dir=self.data_dir)
+        except ModelNotFound:
+            return None
+        where = "store" if self.store.root in source.path.parents else "local"
+        return Pulled(source.model_id, source.path, _size(source.path), where)
+
+    def _pull_card(self, card: ModelCard, report: Progress) -> Pulled:
+        missing = missing_packages(card)
+        if missing:
+            report(PullEvent(f"installing {' '.join(missing)}"))
+            self._install(missing, card.id)
+        try:
+            source = resolve_model(card.id, catalog=self.catalog, data_dir=self.data_dir)
+        except ModelNotFound as error:
+            raise PullError(f"pull {card.id!r}: {error}") from error
+        size = _size(source.path)
+        report(PullEvent(f"pulling {card.id}", total=size, completed=size))
+        return Pulled(card.id, source.path, size, "catalogue")
+
+    def _download(self, parsed: PullName, name: str, report: Progress) -> Pulled:
+        timeout = httpx.Timeout(self.settings.read_timeout_s,
+                                connect=self.settings.connect_timeout_s)
+        with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+            plan = self._plan(parsed, client)
+            with _file_lock(self.store.downloads, self.store.staging_for(plan.key).name):
+                entry = self.store.find(plan.key)  # another process may have finished it
+                if entry is None:
+                    entry = self._fetch(plan, client, report)
+        entry = self.store.add_name(entry, name)
+        self.store.touch(entry)
+        return Pulled(entry.name, entry.weights, entry.size, "store")
+
+    def _plan(self, parsed: PullName, client: httpx.Client) -> PullPlan:
+        timeout_s = self.settings.connect_timeout_s + self.settings.read_timeout_s
+        if isinstance(parsed, HuggingFaceName):
+            return plan_huggingface(parsed, timeout_s)
+        return plan_ollama(parsed, client, registry(self.settings.ollama_registry))
+
+    def _fetch(self, plan: PullPlan, client: httpx.Client, report: Progress) -> StoredModel:
+        staging = self.store.staging_for(plan.key)
+        self._make_room(plan, staging)
+        for remote in plan.files:
+            fetch_file(client, remote, staging / remote.path, plan.headers, report, plan.label,
+                       plan.source)
+        report(PullEvent("writing manifest"))
+        manifest = {"name": plan.key, "names": [plan.key], "source": plan.source,
+                    "format": plan.format, "weights": plan.weights, "size": plan.size,
+                    "pulled_at": time.time(), "origin": plan.origin,
+                    "files": [{"path": f.path, "size": f.size, "digest": f.digest}
+                              for f in plan.files],
+                    "card": _card(staging, plan.card_files)}
+        return self.store.install(staging, manifest)
+
+    def _make_room(self, plan: PullPlan, staging: Path) -> None:
+        """Evict for --models-disk, then check the disk has room for what is still missing."""
+        limit = self.settings.models_disk
+        if limit is not None:
+            try:
+                victims = choose_victims(self.store.entries(), plan.size, limit, self._keep)
+            except ValueError as error:
+                raise NotEnoughDisk(f"{plan.label}: the model needs {plan.size:,} bytes; "
+                                    f"{error}") from None
+            for victim in victims:
+                self.store.remove(victim)
+        needed = sum(f.size - _have(staging / f.path) for f in plan.files)
+        free = self._free_bytes(self.store.models_dir)
+        if needed + self.settings.disk_margin_bytes > free:
+            raise NotEnoughDisk(f"{plan.label}: not enough free disk: the model needs "
+                                f"{_gb(needed)} more in {self.store.models_dir}, and "
+                                f"{_gb(free)} are free")
+
+
+def _dedup_key(name: str) -> str:
+    try:
+        return parse_pull_name(name).key.lower()
+    except ValueError:
+        return name.lower()
+
+
+def _card(staging: Path, card_files: dict[str, str]) -> dict[str, Any]:
+    """Ollama's template, system prompt and parameters, as the model's card keeps them."""
+    card: dict[str, Any] = {}
+    for kind, path in card_files.items():
+        text = (staging / path).read_text(errors="replace")
+        if kind == "params":
+            with contextlib.suppress(ValueError):
+                card["params"] = json.loads(text)
+        else:
+            card[kind] = text
+    return card
+
+
+def _have(path: Path) -> int:
+    """Bytes of path already on disk: the finished file, else its partial download."""
+    for candidate in (path, path.with_name(path.name + PARTIAL_SUFFIX)):
+        if candidate.is_file():
+            return candidate.stat().st_size
+    return 0
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+@contextlib.contextmanager
+def _file_lock(directory: Path, name: str) -> Iterator[None]:
+    """One pull of a model at a time across processes (released if the holder dies)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{name}.lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
