@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-# hub_servers.py sits next to the tests that use it.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/ holds hub_servers.py (shared with the API tests).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hub_servers import HubServer
 

@@ -82,7 +82,9 @@ def details_json(model: ListedModel) -> dict[str, Any]:
 def model_json(model: ListedModel) -> dict[str, Any]:
     """One model as /api/tags and /api/ps describe it."""
     path = _weights_path(model)
-    size = _size(path)
+    entry = model.entry
+    # A pulled model's size is all of its files (a split GGUF's parts, a checkpoint's).
+    size = entry.size_bytes if getattr(entry, "source", "") == "store" else _size(path)
     modified = path.stat().st_mtime if path is not None and path.exists() else 0.0
     fingerprint = f"{model.id}\0{path}\0{size}\0{modified}".encode()
     return {"name": model.id, "model": model.id,

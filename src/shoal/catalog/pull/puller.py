@@ -26,21 +26,31 @@ from shoal.catalog.cards import ModelCard, load_builtin_catalog
 from shoal.catalog.pull import packages
 from shoal.catalog.pull.download import PARTIAL_SUFFIX, fetch_file
 from shoal.catalog.pull.errors import NotEnoughDisk, PullError
-from shoal.catalog.pull.huggingface import plan_huggingface
 from shoal.catalog.pull.names import HuggingFaceName, PullName, parse_pull_name
 from shoal.catalog.pull.ollama_registry import plan_ollama, registry
 from shoal.catalog.pull.plan import PullPlan
 from shoal.catalog.pull.progress import Progress, PullEvent, ignore
-from shoal.catalog.resolve import ModelNotFound, find_card, missing_packages, resolve_model
+from shoal.catalog.resolve import (
+    ModelNotFound,
+    find_card,
+    find_stored,
+    missing_packages,
+    resolve_model,
+)
 from shoal.catalog.store import ModelStore, StoredModel, choose_victims
 
 FreeBytes = Callable[[Path], int]
 Install = Callable[[Sequence[str], str], None]
 
 
+ON_DEMAND = ("off", "catalog", "all")
+
+
 @dataclass(frozen=True)
 class PullSettings:
     ollama_registry: str | None = None  # None: $SHOAL_OLLAMA_REGISTRY, else Ollama's own
+    # --pull-on-demand: which models a request may pull when they are not on disk
+    on_demand: str = "catalog"
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0  # between bytes, not for a whole file
     models_disk: int | None = None  # --models-disk: the store's bound in bytes
@@ -51,6 +61,9 @@ class PullSettings:
             raise ValueError("pull timeouts must be positive")
         if self.models_disk is not None and self.models_disk <= 0:
             raise ValueError("--models-disk must be a positive size")
+        if self.on_demand not in ON_DEMAND:
+            raise ValueError(f"--pull-on-demand must be one of {', '.join(ON_DEMAND)}, not "
+                             f"{self.on_demand!r}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +110,7 @@ class Puller:
         self.catalog = load_builtin_catalog() if catalog is None else tuple(catalog)
         self.observers: list[Progress] = []
         self._free_bytes = free_bytes
-        self._keep = keep
+        self.keep = keep  # the node sets it once its router exists
         self._install = install
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
@@ -111,6 +124,29 @@ class Puller:
         card = find_card(name, self.catalog)
         key = f"catalogue:{card.id}" if card is not None else _dedup_key(name)
         return self._once(key, progress, lambda report: self._pull(name, card, report))
+
+    def may_pull_on_demand(self, name: str) -> bool:
+        """Whether a request naming a model that is not on disk pulls it (--pull-on-demand)."""
+        if self.settings.on_demand == "off":
+            return False
+        if find_card(name, self.catalog) is not None:
+            return True
+        if self.settings.on_demand != "all":
+            return False
+        try:
+            parse_pull_name(name)
+        except ValueError:
+            return False
+        return True
+
+    def remove(self, name: str) -> StoredModel:
+        """Delete a pulled model by any name it answers to; ModelNotFound if none."""
+        entry = find_stored(name, self.store)
+        if entry is None:
+            raise ModelNotFound(f"model {name!r} is not in the model store "
+                                f"({self.store.root}); only pulled models can be removed")
+        self.store.remove(entry)
+        return entry
 
     def _once(self, key: str, progress: Progress,
               work: Callable[[Progress], Pulled]) -> Pulled:
@@ -129,6 +165,7 @@ class Puller:
             return job.result
         try:
             job.result = work(job.emit)
+            progress(PullEvent("success"))  # each caller's own: a waiter may come late
             return job.result
         except BaseException as error:
             job.error = error
@@ -140,20 +177,26 @@ class Puller:
 
     def _pull(self, name: str, card: ModelCard | None, report: Progress) -> Pulled:
         report(PullEvent("pulling manifest"))
-        pulled = self._already_here(name) if card is None else self._pull_card(card, report)
+        pulled = self._already_here(name, report) if card is None else self._pull_card(card, report)
         if pulled is None:
             pulled = self._download(parse_pull_name(name), name, report)
-        report(PullEvent("success"))
         return pulled
 
-    def _already_here(self, name: str) -> Pulled | None:
+    def _already_here(self, name: str, report: Progress) -> Pulled | None:
         """name as the store, a local path or the Hugging Face cache already holds it."""
         try:
             source = resolve_model(name, catalog=self.catalog, data_dir=self.data_dir)
         except ModelNotFound:
             return None
-        where = "store" if self.store.root in source.path.parents else "local"
-        return Pulled(source.model_id, source.path, _size(source.path), where)
+        stored = find_stored(name, self.store)
+        if stored is not None:
+            for file in stored.files:
+                report(PullEvent(f"pulling {_short(file['digest'])}", file["digest"],
+                                 file["size"], file["size"]))
+            return Pulled(stored.name, stored.weights, stored.size, "store")
+        size = _size(source.path)
+        report(PullEvent(f"pulling {source.model_id}", total=size, completed=size))
+        return Pulled(source.model_id, source.path, size, "local")
 
     def _pull_card(self, card: ModelCard, report: Progress) -> Pulled:
         missing = missing_packages(card)
@@ -184,6 +227,9 @@ class Puller:
     def _plan(self, parsed: PullName, client: httpx.Client) -> PullPlan:
         timeout_s = self.settings.connect_timeout_s + self.settings.read_timeout_s
         if isinstance(parsed, HuggingFaceName):
+            # huggingface_hub costs ~0.15 s to import: only pulls from the Hub pay for it.
+            from shoal.catalog.pull.huggingface import plan_huggingface
+
             return plan_huggingface(parsed, timeout_s)
         return plan_ollama(parsed, client, registry(self.settings.ollama_registry))
 
@@ -207,7 +253,7 @@ class Puller:
         limit = self.settings.models_disk
         if limit is not None:
             try:
-                victims = choose_victims(self.store.entries(), plan.size, limit, self._keep)
+                victims = choose_victims(self.store.entries(), plan.size, limit, self.keep)
             except ValueError as error:
                 raise NotEnoughDisk(f"{plan.label}: the model needs {plan.size:,} bytes; "
                                     f"{error}") from None
@@ -239,6 +285,10 @@ def _card(staging: Path, card_files: dict[str, str]) -> dict[str, Any]:
         else:
             card[kind] = text
     return card
+
+
+def _short(digest: str) -> str:
+    return digest.removeprefix("sha256:")[:12]
 
 
 def _have(path: Path) -> int:

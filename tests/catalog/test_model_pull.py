@@ -114,8 +114,10 @@ def test_ollama_library_model_lands_with_its_card_and_resolves(hub_env, tmp_path
                           "params": {"stop": ["<|im_end|>"], "temperature": 0.2}}
     # A second pull finds it on disk: nothing is fetched again.
     hub_env.log.clear()
-    assert [e.status for e in events_of(puller, "smollm2:135m")] == ["pulling manifest",
-                                                                     "success"]
+    again = events_of(puller, "smollm2:135m")
+    assert again[0].status == "pulling manifest" and again[-1].status == "success"
+    assert [(e.total, e.completed) for e in again if e.digest == digest] == [
+        (len(smollm2), len(smollm2))]
     assert hub_env.log == []
 
 

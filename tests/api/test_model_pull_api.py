@@ -1,0 +1,107 @@
+"""The model store over the API: POST /api/pull streaming Ollama's status lines (through the
+ollama client), GET /api/tags with sizes, DELETE /api/delete, pulled bytes in /metrics, a
+request for a model not on disk pulling it first, and every failure in Ollama's dialect."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import ollama
+import pytest
+from fakes import ScriptedRouter, fake_engine_config, fake_supervisor_options, write_fake_gguf
+from fastapi.testclient import TestClient
+from hub_servers import HubServer
+
+from shoal.api.app import create_app
+from shoal.catalog.pull.puller import Puller, PullSettings
+from shoal.config import ClusterSettings, NodeConfig, ServerConfig
+from shoal.node import BackgroundNode
+from shoal.runner.supervisor import RunnerSupervisor
+
+MIB = 1024 * 1024
+WEIGHTS = b"GGUF" + bytes(range(256)) * (3 * MIB // 256)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    fake = tmp_path_factory.mktemp("hub") / "fake.gguf"
+    write_fake_gguf(fake)  # a GGUF the fake engine serves
+    server = HubServer()
+    server.add_ollama_model("tiny", "latest", {"model": WEIGHTS, "template": b"{{ .Prompt }}"})
+    server.add_ollama_model("other", "latest", {"model": fake.read_bytes()})
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def node(hub, tmp_path_factory):
+    """A node whose store is empty, pulling from hub; requests may pull any name."""
+    tmp = tmp_path_factory.mktemp("pull-node")
+    options = fake_supervisor_options()
+    config = NodeConfig(server=ServerConfig(port=0), preload=False, data_dir=tmp / "data",
+                        cluster=ClusterSettings(standalone=True),
+                        pull=PullSettings(ollama_registry=hub.url, on_demand="all",
+                                          connect_timeout_s=2, read_timeout_s=5))
+    background = BackgroundNode(config, make_supervisor=lambda source, _parallel:
+                                RunnerSupervisor(fake_engine_config(tmp, source.model_id),
+                                                 options))
+    background.start()
+    yield background
+    background.stop()
+
+
+def test_pull_streams_ollama_status_lines_then_lists_and_deletes(node, hub):
+    client = ollama.Client(host=node.url)
+    digest = "sha256:" + hashlib.sha256(WEIGHTS).hexdigest()
+    progress = list(client.pull("tiny", stream=True))
+    statuses = [p.status for p in progress]
+    assert statuses[0] == "pulling manifest" and statuses[-2:] == ["writing manifest", "success"]
+    assert "verifying sha256 digest" in statuses
+    weights = [p for p in progress if p.digest == digest]
+    assert weights[0].status == f"pulling {digest[7:19]}"
+    assert weights[-1].total == weights[-1].completed == len(WEIGHTS)
+
+    listed = {m.model: m for m in client.list().models}
+    assert listed["tiny:latest"].size == len(WEIGHTS) + len(b"{{ .Prompt }}")
+    assert client.pull("tiny:latest", stream=False).status == "success"
+    metrics = httpx.get(node.url + "/metrics").text
+    (pulled,) = [line for line in metrics.splitlines()
+                 if line.startswith('shoal_pulled_bytes_total{source="ollama"}')]
+    assert float(pulled.split()[-1]) == len(WEIGHTS) + len(b"{{ .Prompt }}")
+
+    client.delete("tiny")
+    assert "tiny:latest" not in [m.model for m in client.list().models]
+    with pytest.raises(ollama.ResponseError) as error:
+        client.delete("tiny")
+    assert error.value.status_code == 404
+
+
+def test_a_request_for_a_model_not_on_disk_pulls_it_first(node, hub):
+    reply = httpx.post(node.url + "/api/generate", timeout=60, json={
+        "model": "other", "prompt": "hi", "stream": False, "options": {"num_predict": 2}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] in ("other", "other:latest")
+    assert "other:latest" in [m["model"] for m in httpx.get(node.url + "/api/tags").json()[
+        "models"]]
+
+
+def test_failures_answer_in_ollamas_dialect(node, hub):
+    client = ollama.Client(host=node.url)
+    with pytest.raises(ollama.ResponseError) as error:
+        client.pull("missing")
+    assert error.value.status_code == 404 and "no such model" in error.value.error
+    with pytest.raises(ollama.ResponseError) as error:
+        client.pull("not a name")
+    assert error.value.status_code == 400
+    bad = httpx.post(node.url + "/api/pull", json={})
+    assert bad.status_code == 400 and bad.json() == {"error": "model is required"}
+
+
+def test_a_full_disk_is_a_507_and_nothing_is_listed(hub, tmp_path):
+    puller = Puller(tmp_path, PullSettings(ollama_registry=hub.url), catalog=(),
+                    free_bytes=lambda _path: 1024)
+    app = TestClient(create_app(ScriptedRouter(), list_available=list, puller=puller))
+    answer = app.post("/api/pull", json={"model": "tiny"})
+    assert answer.status_code == 507 and "not enough free disk" in answer.json()["error"]
+    assert puller.store.entries() == []
