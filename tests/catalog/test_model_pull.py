@@ -121,8 +121,42 @@ def test_ollama_library_model_lands_with_its_card_and_resolves(hub_env, tmp_path
     assert hub_env.log == []
 
 
+def tiny_gguf(directory: Path, parts: int = 1) -> list[bytes]:
+    """A small GGUF model (metadata of several types; F32 and F16 tensors), whole or split
+    into parts as llama.cpp's gguf-split writes them (split.* keys, metadata in the first)."""
+    import gguf
+    import numpy as np
+
+    tensors = {f"blk.{i}.ffn_up.weight": np.arange(256 * i, 256 * (i + 1), dtype=np.float32)
+               .reshape(16, 16) for i in range(4)}
+    tensors["token_embd.weight"] = np.full((8, 32), 0.5, dtype=np.float16)
+    names = list(tensors)
+    written = []
+    for index in range(parts):
+        path = directory / f"part{parts}-{index}.gguf"
+        writer = gguf.GGUFWriter(path, "llama")
+        if index == 0:
+            writer.add_name("tiny")
+            writer.add_context_length(128)
+            writer.add_token_list(["<s>", "a", "b"])
+            writer.add_float32("tiny.scale", 0.25)
+        if parts > 1:
+            writer.add_uint16("split.no", index)
+            writer.add_uint16("split.count", parts)
+            writer.add_int32("split.tensors.count", len(names))
+        for name in names[index * len(names) // parts:(index + 1) * len(names) // parts]:
+            writer.add_tensor(name, tensors[name])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        written.append(path.read_bytes())
+    return written
+
+
 def test_hugging_face_gguf_by_quant_tag_and_split_files(hub_env, tmp_path):
-    q8, q4_parts = blob(2 * MIB, 1), [blob(MIB + 5, 2), blob(MIB, 3)]
+    (whole,) = tiny_gguf(tmp_path, 1)
+    q8, q4_parts = blob(2 * MIB, 1), tiny_gguf(tmp_path, 2)
     hub_env.add_hf_repo("org/Tiny-GGUF", {
         "README.md": b"# tiny", "tiny-Q8_0.gguf": q8,
         "tiny-Q4_K_M-00001-of-00002.gguf": q4_parts[0],
@@ -133,11 +167,11 @@ def test_hugging_face_gguf_by_quant_tag_and_split_files(hub_env, tmp_path):
     assert pulled.name == "org/Tiny-GGUF:q8_0" and pulled.path.read_bytes() == q8
     assert resolve_model("org/Tiny-GGUF:Q8_0", catalog=(), data_dir=data).path == pulled.path
 
-    split = puller.pull("org/Tiny-GGUF")  # no tag: Q4_K_M, both of its parts
-    assert split.name == "org/Tiny-GGUF:Q4_K_M"
-    assert split.path.name == "tiny-Q4_K_M-00001-of-00002.gguf"
-    assert split.path.read_bytes() == q4_parts[0]
-    assert (split.path.parent / "tiny-Q4_K_M-00002-of-00002.gguf").read_bytes() == q4_parts[1]
+    split = puller.pull("org/Tiny-GGUF")  # no tag: Q4_K_M, both of its parts, joined
+    assert split.name == "org/Tiny-GGUF:Q4_K_M" and split.path.name == "tiny-Q4_K_M.gguf"
+    assert split.path.read_bytes() == whole  # as if it had never been split
+    assert not list(split.path.parent.glob("*-of-*"))
+    assert split.size == split.path.stat().st_size
     assert resolve_model("org/Tiny-GGUF", catalog=(), data_dir=data).path == split.path
     assert hub_env.requests_for("README.md") == []
     # Only the chosen files were fetched, each once.
@@ -148,6 +182,18 @@ def test_hugging_face_gguf_by_quant_tag_and_split_files(hub_env, tmp_path):
         puller.pull("org/Tiny-GGUF:IQ1_S")
     with pytest.raises(NotOnSource, match="no such repository"):
         puller.pull("org/missing-repo")
+
+
+def test_split_parts_out_of_order_are_refused(tmp_path):
+    from shoal.catalog.pull.gguf_merge import SplitError, merge_split_gguf
+
+    parts = []
+    for index, data in enumerate(tiny_gguf(tmp_path, 2)):
+        parts.append(tmp_path / f"p{index}.gguf")
+        parts[-1].write_bytes(data)
+    with pytest.raises(SplitError, match="p1.gguf says it is part 2 of 2, not 1 of 2"):
+        merge_split_gguf(parts[::-1], tmp_path / "joined.gguf")
+    assert not list(tmp_path.glob("*joined*"))
 
 
 @pytest.mark.slow  # builds a transformers model

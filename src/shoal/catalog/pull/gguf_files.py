@@ -29,6 +29,16 @@ def split_parts(file: str, files: Iterable[str]) -> list[str]:
     return parts
 
 
+def is_split(file: str) -> bool:
+    return _SPLIT.match(file) is not None
+
+
+def merged_name(first_part: str) -> str:
+    """The joined file's name: the first part's without -00001-of-0000M."""
+    match = _SPLIT.match(first_part)
+    return (f"{match['stem']}.gguf" if match else first_part).rsplit("/", 1)[-1]
+
+
 def choose_gguf(files: Iterable[str], quant: str | None, repo: str) -> list[str]:
     """The parts of the GGUF model in files that quant (default Q4_K_M) names."""
     names = sorted(files)

@@ -19,7 +19,7 @@ from huggingface_hub.utils import build_hf_headers
 
 from shoal.catalog.pull.download import RemoteFile
 from shoal.catalog.pull.errors import NotOnSource, PullError, SourceUnreachable
-from shoal.catalog.pull.gguf_files import choose_gguf, split_parts
+from shoal.catalog.pull.gguf_files import choose_gguf, is_split, split_parts
 from shoal.catalog.pull.names import DEFAULT_QUANT, HuggingFaceName
 from shoal.catalog.pull.plan import PullPlan
 
@@ -58,9 +58,10 @@ def plan_huggingface(name: HuggingFaceName, timeout_s: float) -> PullPlan:
     headers = build_hf_headers(token=token)
     files = tuple(_remote(base, name.repo, info.sha or "main", siblings[f], label)
                   for f in chosen)
+    split = tuple(chosen) if gguf_format and len(chosen) > 1 and is_split(chosen[0]) else ()
     return PullPlan(key=key, source="huggingface", format="gguf" if gguf_format else
                     "safetensors", weights=chosen[0] if gguf_format else ".", files=files,
-                    headers=headers, label=label,
+                    headers=headers, label=label, split_parts=split,
                     origin={"repo": name.repo, "revision": info.sha, "endpoint": base})
 
 

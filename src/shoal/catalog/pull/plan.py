@@ -20,6 +20,8 @@ class PullPlan:
     origin: dict[str, Any] = field(default_factory=dict)  # repo and revision, or registry
     # Ollama's layers other than the model, by kind: file path in the model's directory.
     card_files: dict[str, str] = field(default_factory=dict)
+    # A GGUF split into -0000N-of-0000M files: its parts in order, joined after the pull.
+    split_parts: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:

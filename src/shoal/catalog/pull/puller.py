@@ -26,6 +26,8 @@ from shoal.catalog.cards import ModelCard, load_builtin_catalog
 from shoal.catalog.pull import packages
 from shoal.catalog.pull.download import PARTIAL_SUFFIX, fetch_file
 from shoal.catalog.pull.errors import NotEnoughDisk, PullError
+from shoal.catalog.pull.gguf_files import merged_name
+from shoal.catalog.pull.gguf_merge import SplitError, merge_split_gguf
 from shoal.catalog.pull.names import HuggingFaceName, PullName, parse_pull_name
 from shoal.catalog.pull.ollama_registry import plan_ollama, registry
 from shoal.catalog.pull.plan import PullPlan
@@ -239,14 +241,32 @@ class Puller:
         for remote in plan.files:
             fetch_file(client, remote, staging / remote.path, plan.headers, report, plan.label,
                        plan.source)
+        weights = plan.weights
+        if plan.split_parts:
+            weights = self._merge(plan, staging, report)
         report(PullEvent("writing manifest"))
         manifest = {"name": plan.key, "names": [plan.key], "source": plan.source,
-                    "format": plan.format, "weights": plan.weights, "size": plan.size,
+                    "format": plan.format, "weights": weights,
+                    "size": _size(staging) if plan.split_parts else plan.size,
                     "pulled_at": time.time(), "origin": plan.origin,
                     "files": [{"path": f.path, "size": f.size, "digest": f.digest}
                               for f in plan.files],
                     "card": _card(staging, plan.card_files)}
         return self.store.install(staging, manifest)
+
+    def _merge(self, plan: PullPlan, staging: Path, report: Progress) -> str:
+        """Join a split GGUF's parts into one file (the parts are then deleted)."""
+        parts = [staging / part for part in plan.split_parts]
+        merged = merged_name(plan.split_parts[0])
+        report(PullEvent(f"joining {len(parts)} parts into {merged}"))
+        try:
+            merge_split_gguf(parts, staging / merged)
+        except (SplitError, ValueError, OSError) as error:
+            raise PullError(f"{plan.label}: cannot join the {len(parts)} parts of "
+                            f"{plan.split_parts[0]}: {error}") from error
+        for part in parts:
+            part.unlink()
+        return merged
 
     def _make_room(self, plan: PullPlan, staging: Path) -> None:
         """Evict for --models-disk, then check the disk has room for what is still missing."""
@@ -260,6 +280,8 @@ class Puller:
             for victim in victims:
                 self.store.remove(victim)
         needed = sum(f.size - _have(staging / f.path) for f in plan.files)
+        if plan.split_parts:  # the parts and the joined file, for a moment
+            needed += plan.size
         free = self._free_bytes(self.store.models_dir)
         if needed + self.settings.disk_margin_bytes > free:
             raise NotEnoughDisk(f"{plan.label}: not enough free disk: the model needs "
