@@ -21,6 +21,8 @@ from shoal.runner.supervisor import RunnerSupervisor
 
 MIB = 1024 * 1024
 WEIGHTS = b"GGUF" + bytes(range(256)) * (3 * MIB // 256)
+LAYERS = {"model": WEIGHTS, "template": b"{{ .Prompt }}", "system": b"Be brief.",
+          "params": b'{"stop": ["<|im_end|>", "<|endoftext|>"], "temperature": 0.2}'}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def hub(tmp_path_factory):
     fake = tmp_path_factory.mktemp("hub") / "fake.gguf"
     write_fake_gguf(fake)  # a GGUF the fake engine serves
     server = HubServer()
-    server.add_ollama_model("tiny", "latest", {"model": WEIGHTS, "template": b"{{ .Prompt }}"})
+    server.add_ollama_model("tiny", "latest", LAYERS)
     server.add_ollama_model("other", "latest", {"model": fake.read_bytes()})
     yield server
     server.close()
@@ -63,12 +65,17 @@ def test_pull_streams_ollama_status_lines_then_lists_and_deletes(node, hub):
     assert weights[-1].total == weights[-1].completed == len(WEIGHTS)
 
     listed = {m.model: m for m in client.list().models}
-    assert listed["tiny:latest"].size == len(WEIGHTS) + len(b"{{ .Prompt }}")
+    assert listed["tiny:latest"].size == sum(len(layer) for layer in LAYERS.values())
+    shown = client.show("tiny")  # Ollama's template, system and parameters layers
+    assert shown.template == "{{ .Prompt }}"
+    assert httpx.post(node.url + "/api/show", json={"model": "tiny"}).json()["system"] == \
+        "Be brief."
+    assert shown.parameters == 'stop "<|im_end|>"\nstop "<|endoftext|>"\ntemperature 0.2'
     assert client.pull("tiny:latest", stream=False).status == "success"
     metrics = httpx.get(node.url + "/metrics").text
     (pulled,) = [line for line in metrics.splitlines()
                  if line.startswith('shoal_pulled_bytes_total{source="ollama"}')]
-    assert float(pulled.split()[-1]) == len(WEIGHTS) + len(b"{{ .Prompt }}")
+    assert float(pulled.split()[-1]) == sum(len(layer) for layer in LAYERS.values())
 
     client.delete("tiny")
     assert "tiny:latest" not in [m.model for m in client.list().models]

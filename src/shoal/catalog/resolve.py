@@ -15,9 +15,10 @@ import importlib
 import importlib.util
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shoal.catalog import parts
 from shoal.catalog.cards import ModelCard, load_builtin_catalog
@@ -50,6 +51,8 @@ class CatalogEntry:
     path: Path | None
     install_hint: str | None
     source: str = "catalogue"  # or "store": pulled by name (shoal pull)
+    # A pulled model's card from its source: Ollama's template, system prompt and params.
+    card: Mapping[str, Any] | None = None
 
 
 def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
@@ -157,7 +160,7 @@ def _stored_entry(stored: StoredModel) -> CatalogEntry:
         kind="embedding" if task == "embed" else "chat", family="", format=stored.format,
         context_length=0, size_bytes=stored.size, description=f"pulled from {stored.source}",
         available=stored.weights.exists(), path=stored.weights, install_hint=None,
-        source="store")
+        source="store", card=stored.card)
 
 
 def data_dir_or_default(data_dir: Path | None) -> Path:

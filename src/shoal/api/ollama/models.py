@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,23 @@ async def show(body: ModelNameRequest, request: Request) -> dict[str, Any]:
         info[f"{family}.context_length"] = model.max_model_len
     kind = card.kind if card else "chat"
     described = model_json(model)
-    return {"modelfile": f"# served by shoal\nFROM {_weights_path(model) or model.id}\n",
-            "parameters": "", "template": "", "details": details, "model_info": info,
-            "capabilities": ["embedding"] if kind == "embedding" else ["completion"],
-            "modified_at": described["modified_at"]}
+    pulled = getattr(model.entry, "card", None) or {}  # a model pulled from Ollama's library
+    shown = {"modelfile": f"# served by shoal\nFROM {_weights_path(model) or model.id}\n",
+             "parameters": parameters_text(pulled.get("params")),
+             "template": pulled.get("template", ""), "details": details, "model_info": info,
+             "capabilities": ["embedding"] if kind == "embedding" else ["completion"],
+             "modified_at": described["modified_at"]}
+    if pulled.get("system"):
+        shown["system"] = pulled["system"]
+    return shown
+
+
+def parameters_text(params: Any) -> str:
+    """Ollama's params layer as /api/show prints it: one "name value" line per value."""
+    if not isinstance(params, dict):
+        return ""
+    lines = []
+    for name, value in params.items():
+        for item in value if isinstance(value, list) else [value]:
+            lines.append(f"{name} {json.dumps(item) if isinstance(item, str) else item}")
+    return "\n".join(lines)
