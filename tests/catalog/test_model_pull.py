@@ -24,6 +24,24 @@ from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.catalog.store import ModelStore
 
 MIB = 1024 * 1024
+PACKAGED_CARD = """
+[[model]]
+id = "packaged"
+aliases = []
+description = "weights in a package"
+family = "llama"
+format = "gguf"
+kind = "chat"
+quantization = "Q4_0"
+parameters = 1
+context_length = 128
+size_bytes = 10
+package = "shoal-test-packaged-weights"
+[model.locate]
+kind = "package_file"
+module = "shoal_test_packaged_weights"
+file = "w.gguf"
+"""
 
 
 def blob(size: int, seed: int = 0) -> bytes:
@@ -164,7 +182,7 @@ def test_hugging_face_gguf_by_quant_tag_and_split_files(hub_env, tmp_path):
     puller = make_puller(tmp_path)
     data = tmp_path / "data"
     pulled = puller.pull("hf.co/org/Tiny-GGUF:q8_0")
-    assert pulled.name == "org/Tiny-GGUF:q8_0" and pulled.path.read_bytes() == q8
+    assert pulled.name == "org/Tiny-GGUF:Q8_0" and pulled.path.read_bytes() == q8
     assert resolve_model("org/Tiny-GGUF:Q8_0", catalog=(), data_dir=data).path == pulled.path
 
     split = puller.pull("org/Tiny-GGUF")  # no tag: Q4_K_M, both of its parts, joined
@@ -344,25 +362,19 @@ def test_models_disk_evicts_the_least_recently_used_unprotected_model(hub_env, t
     assert [e.name for e in puller.store.entries()] == ["second:latest", "third:latest"]
 
 
+def test_pull_on_demand_follows_its_setting(tmp_path):
+    card, = parse_catalog(PACKAGED_CARD)
+    for setting, allowed in (("off", set()), ("catalog", {"packaged"}),
+                             ("all", {"packaged", "llama3.2", "org/repo:Q8_0"})):
+        puller = Puller(tmp_path, PullSettings(on_demand=setting), catalog=(card,))
+        names = ("packaged", "llama3.2", "org/repo:Q8_0", "not a name")
+        assert {name for name in names if puller.may_pull_on_demand(name)} == allowed
+    with pytest.raises(ValueError, match="--pull-on-demand must be one of off, catalog, all"):
+        PullSettings(on_demand="sometimes")
+
+
 def test_a_catalogue_model_gets_its_missing_packages_installed(tmp_path, monkeypatch):
-    card, = parse_catalog("""
-[[model]]
-id = "packaged"
-aliases = []
-description = "weights in a package"
-family = "llama"
-format = "gguf"
-kind = "chat"
-quantization = "Q4_0"
-parameters = 1
-context_length = 128
-size_bytes = 10
-package = "shoal-test-packaged-weights"
-[model.locate]
-kind = "package_file"
-module = "shoal_test_packaged_weights"
-file = "w.gguf"
-""")
+    card, = parse_catalog(PACKAGED_CARD)
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))

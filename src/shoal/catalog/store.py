@@ -96,7 +96,8 @@ class ModelStore:
         os.replace(staging, target)
         (target / _LAST_USED).touch()
         entry = read_entry(target)
-        assert entry is not None  # its manifest was just written
+        if entry is None:
+            raise OSError(f"the model store could not read back {target / MANIFEST}")
         return entry
 
     def add_name(self, entry: StoredModel, name: str) -> StoredModel:
@@ -121,8 +122,10 @@ class ModelStore:
 
 
 def directory_name(key: str) -> str:
-    """A file-system-safe, collision-free directory name for a store key."""
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", key).strip("-.")[:80] or "model"
+    """A file-system-safe, collision-free directory name for a store key (names are
+    matched in any letter case, so the directory is too)."""
+    key = key.lower()
+    slug = re.sub(r"[^a-z0-9._-]+", "--", key).strip("-.")[:80] or "model"
     return f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 

@@ -50,7 +50,7 @@ class HuggingFaceName:
         """The store's name for what this pulls (quant resolved later for a bare repo)."""
         if self.file:
             return f"{self.repo}/{self.file}"
-        return f"{self.repo}:{self.quant}" if self.quant else self.repo
+        return f"{self.repo}:{self.quant.upper()}" if self.quant else self.repo
 
 
 @dataclass(frozen=True)
