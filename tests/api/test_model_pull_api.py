@@ -5,6 +5,8 @@ request for a model not on disk pulling it first, and every failure in Ollama's 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 
 import httpx
 import ollama
@@ -31,6 +33,7 @@ def hub(tmp_path_factory):
     write_fake_gguf(fake)  # a GGUF the fake engine serves
     server = HubServer()
     server.add_ollama_model("tiny", "latest", LAYERS)
+    server.add_ollama_model("slow", "latest", {"model": WEIGHTS})
     server.add_ollama_model("other", "latest", {"model": fake.read_bytes()})
     yield server
     server.close()
@@ -91,6 +94,24 @@ def test_a_request_for_a_model_not_on_disk_pulls_it_first(node, hub):
     assert reply.json()["model"] in ("other", "other:latest")
     assert "other:latest" in [m["model"] for m in httpx.get(node.url + "/api/tags").json()[
         "models"]]
+
+
+def test_health_shows_a_pull_in_progress_for_the_dashboard(node, hub):
+    hub.delay_s = 0.01  # ~0.1 s per MiB: the pull is seen under way
+    seen = []
+    try:
+        pulling = threading.Thread(target=lambda: ollama.Client(host=node.url).pull("slow"))
+        pulling.start()
+        deadline = time.monotonic() + 20
+        while pulling.is_alive() and time.monotonic() < deadline:
+            seen += httpx.get(node.url + "/health").json()["pulls"]
+            time.sleep(0.02)
+        pulling.join(20)
+    finally:
+        hub.delay_s = 0.0
+    assert seen and all(p["model"] == "slow" for p in seen)
+    assert any(0 < p["completed"] < p["total"] == len(WEIGHTS) for p in seen)
+    assert httpx.get(node.url + "/health").json()["pulls"] == []
 
 
 def test_failures_answer_in_ollamas_dialect(node, hub):

@@ -91,6 +91,8 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
         body: dict[str, Any] = {"status": status, "models": states}
         queue = request.app.state.router.queue  # this node's admission queue
         body["queue"] = {"waiting": queue.depth(), "running": queue.running()}
+        puller = request.app.state.puller
+        body["pulls"] = puller.in_progress() if puller is not None else []
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return app

@@ -80,14 +80,25 @@ class Pulled:
 
 @dataclass
 class _Job:
+    name: str
     listeners: list[Progress] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     result: Pulled | None = None
     error: BaseException | None = None
+    status: str = "pulling manifest"
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # digest: done, total
 
     def emit(self, event: PullEvent) -> None:
+        self.status = event.status
+        if event.digest is not None and event.total is not None:
+            self.files[event.digest] = (event.completed or 0, event.total)
         for listener in list(self.listeners):
             listener(event)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.name, "status": self.status,
+                "completed": sum(done for done, _ in self.files.values()),
+                "total": sum(total for _, total in self.files.values())}
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -125,7 +136,13 @@ class Puller:
             raise ValueError("model name must not be empty")
         card = find_card(name, self.catalog)
         key = f"catalogue:{card.id}" if card is not None else _dedup_key(name)
-        return self._once(key, progress, lambda report: self._pull(name, card, report))
+        return self._once(key, name, progress, lambda report: self._pull(name, card, report))
+
+    def in_progress(self) -> list[dict[str, Any]]:
+        """The pulls running now: model, last status, bytes done and known so far (files are
+        counted as the pull reaches them)."""
+        with self._lock:
+            return [job.describe() for job in self._jobs.values()]
 
     def may_pull_on_demand(self, name: str) -> bool:
         """Whether a request naming a model that is not on disk pulls it (--pull-on-demand)."""
@@ -150,13 +167,13 @@ class Puller:
         self.store.remove(entry)
         return entry
 
-    def _once(self, key: str, progress: Progress,
+    def _once(self, key: str, name: str, progress: Progress,
               work: Callable[[Progress], Pulled]) -> Pulled:
         with self._lock:
             job = self._jobs.get(key)
             owner = job is None
             if job is None:
-                job = self._jobs[key] = _Job(listeners=list(self.observers))
+                job = self._jobs[key] = _Job(name, listeners=list(self.observers))
             job.listeners.append(progress)
         if not owner:
             job.done.wait()
