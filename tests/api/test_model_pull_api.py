@@ -133,3 +133,24 @@ def test_a_full_disk_is_a_507_and_nothing_is_listed(hub, tmp_path):
     answer = app.post("/api/pull", json={"model": "tiny"})
     assert answer.status_code == 507 and "not enough free disk" in answer.json()["error"]
     assert puller.store.entries() == []
+
+
+def test_models_disk_never_evicts_a_loaded_model(hub, tmp_path):
+    options = fake_supervisor_options()
+    config = NodeConfig(server=ServerConfig(port=0), preload=False, data_dir=tmp_path / "data",
+                        cluster=ClusterSettings(standalone=True),
+                        pull=PullSettings(ollama_registry=hub.url, on_demand="all",
+                                          models_disk=5 * MIB))
+    bounded = BackgroundNode(config, make_supervisor=lambda source, _parallel:
+                             RunnerSupervisor(fake_engine_config(tmp_path, source.model_id),
+                                              options))
+    bounded.start()
+    try:
+        client = ollama.Client(host=bounded.url)
+        client.generate(model="other", prompt="hi", options={"num_predict": 1})  # loaded
+        client.pull("tiny")
+        client.pull("slow")  # 3 MiB more than 5 MiB allow: "tiny" goes, "other" is in use
+        pulled = sorted(m.model for m in client.list().models if m.model.endswith(":latest"))
+        assert pulled == ["other:latest", "slow:latest"]
+    finally:
+        bounded.stop()
