@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shoal.api.auth import read_keys_file
 from shoal.catalog.cards import load_builtin_catalog
-from shoal.catalog.pull.puller import PullSettings
+from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import find_card, resolve_model
 from shoal.cluster.settings import ClusterSettings
 from shoal.cluster.tls import read_cluster_tls

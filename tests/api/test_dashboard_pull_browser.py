@@ -12,7 +12,7 @@ from fakes import fake_engine_config, fake_supervisor_options
 from hub_servers import HubServer
 from playwright.sync_api import sync_playwright
 
-from shoal.catalog.pull.puller import PullSettings
+from shoal.catalog.pull.settings import PullSettings
 from shoal.config import ClusterSettings, NodeConfig, ServerConfig
 from shoal.node import BackgroundNode
 from shoal.runner.supervisor import RunnerSupervisor

@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from hub_servers import HubServer
 
 from shoal.api.app import create_app
-from shoal.catalog.pull.puller import Puller, PullSettings
+from shoal.catalog.pull.puller import Puller
+from shoal.catalog.pull.settings import PullSettings
 from shoal.config import ClusterSettings, NodeConfig, ServerConfig
 from shoal.node import BackgroundNode
 from shoal.runner.supervisor import RunnerSupervisor

@@ -19,7 +19,8 @@ from shoal.catalog.pull import packages
 from shoal.catalog.pull.errors import CorruptDownload, NotEnoughDisk, NotOnSource, SourceUnreachable
 from shoal.catalog.pull.gguf_files import choose_gguf
 from shoal.catalog.pull.names import BadModelName, HuggingFaceName, OllamaName, parse_pull_name
-from shoal.catalog.pull.puller import Puller, PullSettings
+from shoal.catalog.pull.puller import Puller
+from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.catalog.store import ModelStore
 

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 
 from shoal.catalog.pull import errors as pull_errors
-from shoal.catalog.pull.puller import Puller, PullSettings
+from shoal.catalog.pull.puller import Puller
+from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import data_dir_or_default
 from shoal.cli.errors import CommandFailed, node_failed
 from shoal.cli.progress_bar import ProgressBar, describe

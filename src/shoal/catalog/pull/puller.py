@@ -32,6 +32,7 @@ from shoal.catalog.pull.names import HuggingFaceName, PullName, parse_pull_name
 from shoal.catalog.pull.ollama_registry import plan_ollama, registry
 from shoal.catalog.pull.plan import PullPlan
 from shoal.catalog.pull.progress import Progress, PullEvent, ignore
+from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import (
     ModelNotFound,
     find_card,
@@ -43,29 +44,6 @@ from shoal.catalog.store import ModelStore, StoredModel, choose_victims
 
 FreeBytes = Callable[[Path], int]
 Install = Callable[[Sequence[str], str], None]
-
-
-ON_DEMAND = ("off", "catalog", "all")
-
-
-@dataclass(frozen=True)
-class PullSettings:
-    ollama_registry: str | None = None  # None: $SHOAL_OLLAMA_REGISTRY, else Ollama's own
-    # --pull-on-demand: which models a request may pull when they are not on disk
-    on_demand: str = "catalog"
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0  # between bytes, not for a whole file
-    models_disk: int | None = None  # --models-disk: the store's bound in bytes
-    disk_margin_bytes: int = 64 * 1024 * 1024  # left free beyond the model itself
-
-    def __post_init__(self) -> None:
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("pull timeouts must be positive")
-        if self.models_disk is not None and self.models_disk <= 0:
-            raise ValueError("--models-disk must be a positive size")
-        if self.on_demand not in ON_DEMAND:
-            raise ValueError(f"--pull-on-demand must be one of {', '.join(ON_DEMAND)}, not "
-                             f"{self.on_demand!r}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +74,10 @@ class _Job:
             listener(event)
 
     def describe(self) -> dict[str, Any]:
+        files = list(self.files.values())  # one copy: the pull's thread adds files meanwhile
         return {"model": self.name, "status": self.status,
-                "completed": sum(done for done, _ in self.files.values()),
-                "total": sum(total for _, total in self.files.values())}
+                "completed": sum(done for done, _ in files),
+                "total": sum(total for _, total in files)}
 
 
 def free_disk_bytes(path: Path) -> int:
