@@ -85,8 +85,10 @@ async def pull(body: ModelNameRequest, request: Request) -> Response:
             raise as_api_error(error, name) from None
         return JSONResponse({"status": "success"})
     early = await _until_planned(queue)
-    if early[-1] is _DONE and task.done() and task.exception() is not None:
-        raise as_api_error(task.exception(), name)
+    if early[-1] is _DONE:  # over before it counted a byte: a failure keeps its status
+        await asyncio.wait([task])
+        if task.exception() is not None:
+            raise as_api_error(task.exception(), name)
     return StreamingResponse(_lines(early, queue, task, name),
                              media_type="application/x-ndjson")
 

@@ -69,4 +69,8 @@ def quantisations(files: Iterable[str]) -> list[str]:
 
 def _models(files: list[str]) -> set[str]:
     """Distinct models among GGUF files (a split model's parts count once)."""
-    return {(_SPLIT.match(f)["stem"] if _SPLIT.match(f) else f) for f in files}  # type: ignore[index]
+    stems = set()
+    for name in files:
+        match = _SPLIT.match(name)
+        stems.add(match["stem"] if match else name)
+    return stems

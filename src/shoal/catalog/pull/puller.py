@@ -175,7 +175,9 @@ class Puller:
 
     def _pull(self, name: str, card: ModelCard | None, report: Progress) -> Pulled:
         report(PullEvent("pulling manifest"))
-        pulled = self._already_here(name, report) if card is None else self._pull_card(card, report)
+        if card is not None:
+            return self._pull_card(card, report)
+        pulled = self._already_here(name, report)
         if pulled is None:
             pulled = self._download(parse_pull_name(name), name, report)
         return pulled
