@@ -47,6 +47,8 @@ class HubServer:
         self.drop_after: dict[str, int] = {}  # URL path -> bytes, then the connection drops
         self.corrupt: set[str] = set()  # URL paths served with one byte flipped
         self.delay_s = 0.0  # pause after each chunk (lets concurrent pulls overlap)
+        self.tokens: dict[str, str] = {}  # URL path prefix -> the token it wants (private)
+        self.authorizations: list[str | None] = []  # the Authorization header of each request
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -120,7 +122,15 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self, body: bool) -> None:
             path = self.path.split("?", 1)[0]
-            if path in hub.json:
+            authorization = self.headers.get("Authorization")
+            hub.authorizations.append(authorization)
+            wanted = [token for prefix, token in hub.tokens.items() if prefix in path]
+            if wanted and authorization != f"Bearer {wanted[0]}":
+                # What the Hub answers for a private repository without the right token.
+                self._send(401, {"Content-Type": "application/json",
+                                 "X-Error-Code": "RepoNotFound"},
+                           b'{"error":"Repository not found"}', body)
+            elif path in hub.json:
                 data = json.dumps(hub.json[path]).encode()
                 self._send(200, {"Content-Type": "application/json"}, data, body)
             elif path in hub.files:

@@ -215,6 +215,19 @@ def test_split_parts_out_of_order_are_refused(tmp_path):
     assert not list(tmp_path.glob("*joined*"))
 
 
+def test_a_private_repository_is_pulled_with_hf_token(hub_env, tmp_path, monkeypatch):
+    data = blob(MIB, 20)
+    hub_env.add_hf_repo("org/private-GGUF", {"p-Q4_K_M.gguf": data})
+    hub_env.tokens["org/private-GGUF"] = "hf_secret"
+    puller = make_puller(tmp_path)
+    with pytest.raises(NotOnSource, match="no such repository .a private one needs HF_TOKEN"):
+        puller.pull("org/private-GGUF")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    hub_env.authorizations.clear()
+    assert puller.pull("org/private-GGUF").path.read_bytes() == data
+    assert hub_env.authorizations and set(hub_env.authorizations) == {"Bearer hf_secret"}
+
+
 @pytest.mark.slow  # builds a transformers model
 def test_hugging_face_safetensors_checkpoint(hub_env, tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
