@@ -116,3 +116,39 @@ def test_pull_without_a_node_fills_the_store_that_models_and_rm_use(hub, tmp_pat
     assert "is not in the model store" in capsys.readouterr().err
     assert main(["pull", "org/absent", "--data-dir", data]) == 1
     assert "no such repository" in capsys.readouterr().err
+
+
+def test_run_pulls_a_missing_model_before_it_starts_its_node(hub, tmp_path, monkeypatch):
+    from shoal.cli import local_pull
+
+    pulled = []
+    monkeypatch.setattr(local_pull, "pull_here",
+                        lambda model, data_dir, out=None: pulled.append((model, data_dir)))
+    data = str(tmp_path / "data")
+    local_pull.pull_if_missing("llama3.2", data)
+    local_pull.pull_if_missing("./no/such/file.gguf", data)  # not pullable: the node says so
+    assert pulled == [("llama3.2", data)]
+
+
+def test_the_bar_redraws_one_line_per_file_on_a_terminal():
+    import io
+
+    from shoal.cli.progress_bar import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    bar = ProgressBar(out)
+    for event in ({"status": "pulling manifest"},
+                  {"status": "pulling abc", "total": 4 * 2**20, "completed": 2**20},
+                  {"status": "pulling abc", "total": 4 * 2**20, "completed": 4 * 2**20},
+                  {"status": "success"}):
+        bar.show(event)
+    bar.close()
+    lines = out.getvalue().split("\n")
+    assert lines[0] == "pulling manifest" and lines[-2:] == ["success", ""]
+    assert lines[1].startswith("\rpulling abc [#######.") and " 25% 1.0/4.0 MiB " in lines[1]
+    assert lines[1].endswith("\rpulling abc [" + "#" * 30 + "] 100% 4.0/4.0 MiB " +
+                             lines[1].rsplit(" ", 2)[-2] + " MiB/s\033[K")

@@ -18,11 +18,8 @@ from typing import Any
 
 import httpx
 
-from shoal.catalog.pull import errors as pull_errors
-from shoal.catalog.pull.puller import Puller
-from shoal.catalog.pull.settings import PullSettings
-from shoal.catalog.resolve import data_dir_or_default
 from shoal.cli.errors import CommandFailed, node_failed
+from shoal.cli.local_pull import pull_here
 from shoal.cli.progress_bar import ProgressBar, describe
 from shoal.cli.run import api_headers, server_answers, server_url
 
@@ -111,14 +108,6 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def _pull_here(args: argparse.Namespace) -> int:
     """No node answers: pull into this machine's data dir in this process."""
-    data_dir = data_dir_or_default(args.data_dir)
-    bar = ProgressBar()
-    try:
-        pulled = Puller(data_dir, PullSettings()).pull(
-            args.model, lambda event: bar.show(event.to_json()))
-    except (pull_errors.PullError, ValueError) as error:
-        raise CommandFailed(str(error)) from error
-    finally:
-        bar.close()
+    pulled = pull_here(args.model, args.data_dir)
     print(f"{pulled.name}: {pulled.path}")
     return 0
