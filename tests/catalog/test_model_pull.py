@@ -201,6 +201,9 @@ def test_hugging_face_gguf_by_quant_tag_and_split_files(hub_env, tmp_path):
         puller.pull("org/Tiny-GGUF:IQ1_S")
     with pytest.raises(NotOnSource, match="no such repository"):
         puller.pull("org/missing-repo")
+    hub_env.add_hf_repo("org/pytorch-only", {"config.json": b"{}", "pytorch_model.bin": b"x"})
+    with pytest.raises(NotOnSource, match="neither a safetensors checkpoint .* nor a GGUF"):
+        puller.pull("org/pytorch-only")
 
 
 def test_split_parts_out_of_order_are_refused(tmp_path):

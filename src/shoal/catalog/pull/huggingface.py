@@ -78,6 +78,9 @@ def _choose(name: HuggingFaceName, siblings: dict, label: str) -> tuple[str, boo
                             if "/" not in f and f.endswith(_CHECKPOINT_SUFFIXES))
         if "config.json" in checkpoint and any(f.endswith(".safetensors") for f in checkpoint):
             return name.key, False, checkpoint
+        if not any(f.lower().endswith(".gguf") for f in siblings):
+            raise NotOnSource("it holds neither a safetensors checkpoint (config.json and "
+                              "*.safetensors) nor a GGUF file; shoal reads no other weights")
         parts = choose_gguf(siblings, None, name.repo)
         quant = DEFAULT_QUANT if DEFAULT_QUANT.lower() in parts[0].lower() else None
         return (f"{name.repo}:{quant}" if quant else f"{name.repo}/{parts[0]}"), True, parts
