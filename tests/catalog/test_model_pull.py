@@ -289,6 +289,22 @@ def test_an_interrupted_pull_resumes_from_its_partial_file(hub_env, tmp_path):
     assert not list(puller.store.downloads.rglob("*.partial"))
 
 
+def test_a_file_changed_at_its_source_is_fetched_afresh_not_resumed(hub_env, tmp_path):
+    old, new = blob(3 * MIB, 30), blob(3 * MIB, 31)
+    hub_env.add_ollama_model("retagged", "latest", {"model": old})
+    puller = make_puller(tmp_path)
+
+    def stop_after_first_mebibyte(event):
+        if event.completed and event.completed >= MIB:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        puller.pull("retagged", stop_after_first_mebibyte)
+    hub_env.add_ollama_model("retagged", "latest", {"model": new})  # the tag moves on
+    assert puller.pull("retagged").path.read_bytes() == new
+    assert hub_env.requests_for(hashlib.sha256(new).hexdigest())[0].start == 0
+
+
 def test_a_corrupted_byte_is_refused_and_nothing_is_kept(hub_env, tmp_path):
     data = blob(2 * MIB, 6)
     manifest = hub_env.add_ollama_model("corrupt", "latest", {"model": data})

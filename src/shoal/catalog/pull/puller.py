@@ -40,8 +40,9 @@ from shoal.catalog.resolve import (
     missing_packages,
     resolve_model,
 )
-from shoal.catalog.store import ModelStore, StoredModel, choose_victims
+from shoal.catalog.store import ModelStore, StoredModel, choose_victims, write_json_atomically
 
+_STAGED_PLAN = ".staged.json"  # in a staging directory: each file's digest, as planned
 FreeBytes = Callable[[Path], int]
 Install = Callable[[Sequence[str], str], None]
 
@@ -235,6 +236,7 @@ class Puller:
 
     def _fetch(self, plan: PullPlan, client: httpx.Client, report: Progress) -> StoredModel:
         staging = self.store.staging_for(plan.key)
+        _forget_stale_files(staging, plan)
         self._make_room(plan, staging)
         for remote in plan.files:
             fetch_file(client, remote, staging / remote.path, plan.headers, report, plan.label,
@@ -242,6 +244,7 @@ class Puller:
         weights = plan.weights
         if plan.split_parts:
             weights = self._merge(plan, staging, report)
+        (staging / _STAGED_PLAN).unlink()  # all fetched: the directory is the model now
         report(PullEvent("writing manifest"))
         manifest = {"name": plan.key, "names": [plan.key], "source": plan.source,
                     "format": plan.format, "weights": weights,
@@ -285,6 +288,23 @@ class Puller:
             raise NotEnoughDisk(f"{plan.label}: not enough free disk: the model needs "
                                 f"{_gb(needed)} more in {self.store.models_dir}, and "
                                 f"{_gb(free)} are free")
+
+
+def _forget_stale_files(staging: Path, plan: PullPlan) -> None:
+    """Drop what an earlier pull of this name left that the source has since changed (a
+    new revision, a retagged model): resuming it would mix two files' bytes."""
+    record = staging / _STAGED_PLAN
+    wanted = {remote.path: remote.digest for remote in plan.files}
+    try:
+        staged = json.loads(record.read_text())
+    except (OSError, ValueError):
+        staged = {}
+    for path, digest in staged.items() if isinstance(staged, dict) else ():
+        if wanted.get(path) != digest:
+            (staging / path).unlink(missing_ok=True)
+            (staging / f"{path}{PARTIAL_SUFFIX}").unlink(missing_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(record, wanted)
 
 
 def _dedup_key(name: str) -> str:
