@@ -96,7 +96,8 @@ def _download(client: httpx.Client, remote: RemoteFile, partial: Path,
         have = 0
     if have == remote.size:
         return
-    request_headers = dict(headers)
+    # The file's own bytes: a compressed answer would not match its size, hash or ranges.
+    request_headers = {**headers, "Accept-Encoding": "identity"}
     if have:
         request_headers["Range"] = f"bytes={have}-"
     status = f"pulling {_short(remote.digest)}"
