@@ -36,6 +36,9 @@ def hub(tmp_path_factory):
     server.add_ollama_model("tiny", "latest", LAYERS)
     server.add_ollama_model("slow", "latest", {"model": WEIGHTS})
     server.add_ollama_model("other", "latest", {"model": fake.read_bytes()})
+    server.add_ollama_model("carded", "latest", {
+        "model": fake.read_bytes(), "system": b"Be brief.",
+        "params": b'{"stop": ["w3"], "num_predict": 8}'})
     yield server
     server.close()
 
@@ -97,6 +100,16 @@ def test_a_request_for_a_model_not_on_disk_pulls_it_first(node, hub):
         "models"]]
 
 
+def test_a_models_params_layer_gives_defaults_the_request_overrides(node, hub):
+    client = ollama.Client(host=node.url)
+    client.pull("carded")
+    assert client.generate(model="carded", prompt="hi").response == "w1 w2 "  # its stop
+    overridden = client.generate(model="carded", prompt="hi", options={"stop": ["w2"]})
+    assert overridden.response == "w1 "
+    assert client.generate(model="other", prompt="hi", options={"num_predict": 4}).response == \
+        "w1 w2 w3 w4 "  # a model without params: nothing added
+
+
 def test_health_shows_a_pull_in_progress_for_the_dashboard(node, hub):
     hub.delay_s = 0.01  # ~0.1 s per MiB: the pull is seen under way
     seen = []
@@ -155,3 +168,28 @@ def test_models_disk_never_evicts_a_loaded_model(hub, tmp_path):
         assert pulled == ["other:latest", "slow:latest"]
     finally:
         bounded.stop()
+
+
+def test_a_models_system_layer_is_the_system_prompt_unless_the_request_has_one():
+    from types import SimpleNamespace
+
+    from shoal.api.ollama.model_defaults import with_model_defaults
+    from shoal.api.ollama.schemas import ChatRequest, GenerateRequest
+
+    class Cards:
+        def card_of(self, name):
+            return {"system": "Be brief.", "params": {"top_k": 5}} if name == "carded" else {}
+
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(puller=Cards())))
+    chat = with_model_defaults(ChatRequest(model="carded:latest", messages=[
+        {"role": "user", "content": "hi"}], options={"top_k": 9}), request)
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief."),
+                                                            ("user", "hi")]
+    assert chat.options == {"top_k": 9}
+    own = with_model_defaults(ChatRequest(model="carded", messages=[
+        {"role": "system", "content": "Be long."}, {"role": "user", "content": "hi"}]), request)
+    assert [m.content for m in own.messages] == ["Be long.", "hi"] and own.options == {"top_k": 5}
+    assert with_model_defaults(GenerateRequest(model="carded", prompt="x"), request).system == \
+        "Be brief."
+    plain = GenerateRequest(model="other", prompt="x")
+    assert with_model_defaults(plain, request) is plain

@@ -138,6 +138,12 @@ class Puller:
             return False
         return True
 
+    def card_of(self, name: str) -> dict[str, Any]:
+        """The card a pulled model came with (Ollama's template, system, params); {} for any
+        other model."""
+        entry = find_stored(name, self.store)
+        return dict(entry.card) if entry is not None else {}
+
     def remove(self, name: str) -> StoredModel:
         """Delete a pulled model by any name it answers to; ModelNotFound if none."""
         entry = find_stored(name, self.store)
