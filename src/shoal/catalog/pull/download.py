@@ -106,7 +106,7 @@ def _download(client: httpx.Client, remote: RemoteFile, partial: Path,
             if response.status_code == 200:
                 have = 0  # the server ignored the range: start over
             elif response.status_code != 206:
-                _raise_for_status(response, remote, label)
+                _raise_for_status(response, remote, label, source)
             with partial.open("r+b" if have else "wb") as out:
                 out.seek(have)
                 out.truncate()
@@ -150,11 +150,12 @@ def _verify(remote: RemoteFile, partial: Path, label: str) -> None:
                               f"({problem}); it was discarded")
 
 
-def _raise_for_status(response: httpx.Response, remote: RemoteFile, label: str) -> None:
+def _raise_for_status(response: httpx.Response, remote: RemoteFile, label: str,
+                      source: str) -> None:
     if response.status_code in (401, 403, 404):
+        hint = "; a gated or private repository needs HF_TOKEN" if source == "huggingface" else ""
         raise PullError(f"{label}: {_host(remote.url)} refused {remote.path} "
-                        f"(HTTP {response.status_code}; a gated or private repository needs "
-                        f"HF_TOKEN)")
+                        f"(HTTP {response.status_code}{hint})")
     raise SourceUnreachable(f"{label}: {_host(remote.url)} answered HTTP "
                             f"{response.status_code} for {remote.path}")
 
