@@ -16,7 +16,13 @@ import pytest
 
 from shoal.catalog.cards import parse_catalog
 from shoal.catalog.pull import packages
-from shoal.catalog.pull.errors import CorruptDownload, NotEnoughDisk, NotOnSource, SourceUnreachable
+from shoal.catalog.pull.errors import (
+    CorruptDownload,
+    NotEnoughDisk,
+    NotOnSource,
+    PullError,
+    SourceUnreachable,
+)
 from shoal.catalog.pull.gguf_files import choose_gguf
 from shoal.catalog.pull.names import BadModelName, HuggingFaceName, OllamaName, parse_pull_name
 from shoal.catalog.pull.puller import Puller
@@ -320,6 +326,14 @@ def test_a_corrupted_byte_is_refused_and_nothing_is_kept(hub_env, tmp_path):
     with pytest.raises(CorruptDownload, match="sha256"):
         puller.pull("org/corrupt-GGUF")
     assert puller.store.entries() == []
+
+
+def test_a_blob_the_registry_lacks_is_a_clear_error(hub_env, tmp_path):
+    manifest = hub_env.add_ollama_model("holey", "latest", {"model": blob(MIB, 40)})
+    del hub_env.files[f"/v2/library/holey/blobs/{manifest['layers'][0]['digest']}"]
+    with pytest.raises(PullError, match=r"pull 'holey:latest' from Ollama's registry .*: "
+                                        r"127.0.0.1 refused model.gguf \(HTTP 404\)$"):
+        make_puller(tmp_path).pull("holey")
 
 
 def test_two_concurrent_pulls_of_one_model_are_one_download(hub_env, tmp_path):
