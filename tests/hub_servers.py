@@ -2,7 +2,8 @@
 Ollama's registry do, for the files a test gives them.
 
 Hugging Face: GET /api/models/<repo>[/revision/<rev>] (model_info with blobs: siblings with
-size, blobId and lfs.sha256) and GET/HEAD /<repo>/resolve/<rev>/<file> with X-Repo-Commit,
+size, blobId and lfs.sha256), GET /api/models/<repo>/tree/<rev> (the file listing
+snapshot_download reads) and GET/HEAD /<repo>/resolve/<rev>/<file> with X-Repo-Commit,
 ETag / X-Linked-Etag / X-Linked-Size, Content-Length and Range. Ollama: GET
 /v2/<ns>/<model>/manifests/<tag> and /v2/<ns>/<model>/blobs/<digest>, with Range.
 
@@ -65,17 +66,20 @@ class HubServer:
     # -- Hugging Face ---------------------------------------------------------------------
 
     def add_hf_repo(self, repo: str, files: dict[str, bytes]) -> None:
-        siblings = []
+        siblings, tree = [], []
         for name, data in sorted(files.items()):
             sha256 = hashlib.sha256(data).hexdigest()
             blob_id = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
             sibling = {"rfilename": name, "size": len(data), "blobId": blob_id}
+            entry = {"type": "file", "path": name, "size": len(data), "oid": blob_id}
             headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{blob_id}"'}
             if name.endswith(_LFS_SUFFIXES):
                 sibling["lfs"] = {"size": len(data), "sha256": sha256, "pointerSize": 134}
+                entry["lfs"] = {"oid": sha256, "size": len(data), "pointerSize": 134}
                 headers.update({"X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": str(len(data)),
                                 "ETag": f'"{sha256}"'})
             siblings.append(sibling)
+            tree.append(entry)
             for revision in ("main", COMMIT):
                 self.files[f"/{repo}/resolve/{revision}/{name}"] = Served(data, headers)
         info = {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
@@ -83,6 +87,8 @@ class HubServer:
         self.json[f"/api/models/{repo}"] = info
         for revision in ("main", COMMIT):
             self.json[f"/api/models/{repo}/revision/{revision}"] = info
+            # list_repo_tree (snapshot_download), recursive: every file of the repository
+            self.json[f"/api/models/{repo}/tree/{revision}"] = tree
 
     # -- Ollama ---------------------------------------------------------------------------
 

@@ -116,6 +116,22 @@ def test_gguf_chosen_by_tag_as_llama_cpp_does():
 # -- pulling ------------------------------------------------------------------------------
 
 
+def test_the_fake_hub_answers_huggingface_hubs_own_downloads(hub_env, tmp_path):
+    """The test server is the Hub as huggingface_hub sees it (HEAD metadata, resolve URLs,
+    snapshots), so the pulls below meet what a real pull meets."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    files = {"a-Q4_K_M.gguf": blob(100_000, 50), "config.json": b"{}"}
+    hub_env.add_hf_repo("org/fidelity-GGUF", files)
+    cache = tmp_path / "hf"
+    path = hf_hub_download("org/fidelity-GGUF", "a-Q4_K_M.gguf", cache_dir=cache,
+                           endpoint=hub_env.url)
+    assert Path(path).read_bytes() == files["a-Q4_K_M.gguf"]
+    snapshot = Path(snapshot_download("org/fidelity-GGUF", cache_dir=cache,
+                                      endpoint=hub_env.url))
+    assert {p.name: p.read_bytes() for p in snapshot.iterdir()} == files
+
+
 def test_ollama_library_model_lands_with_its_card_and_resolves(hub_env, tmp_path, smollm2):
     hub_env.add_ollama_model("smollm2", "135m", {
         "model": smollm2, "template": b"{{ .System }} {{ .Prompt }}",
