@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shoal.api.auth import read_keys_file
 from shoal.catalog.cards import load_builtin_catalog
+from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import find_card, resolve_model
 from shoal.cluster.settings import ClusterSettings
 from shoal.cluster.tls import read_cluster_tls
@@ -139,6 +140,8 @@ class NodeConfig:
     # False: load nothing at start (not even the default model); models load on first use.
     preload: bool = True
     pool: PoolSettings = field(default_factory=PoolSettings)
+    # shoal pull / POST /api/pull: the store's bound, pull-on-demand, the Ollama registry.
+    pull: PullSettings = field(default_factory=PullSettings)
 
     def __post_init__(self) -> None:
         if any(not m.strip() for m in self.models):
@@ -228,6 +231,7 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       api_keys: Sequence[str] = (), api_keys_file: str | None = None,
                       speculative: Sequence[str] = (),
                       kv_disk: str | None = None, kv_disk_ttl: str | None = None,
+                      pull: PullSettings | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment.
     ValueError when a value is invalid or the API keys file cannot be read."""
@@ -267,7 +271,20 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       keep_alive_s=None if keep_alive_s < 0 else keep_alive_s,
                       cluster=cluster or build_cluster_settings(env=env),
                       preload=True if preload_value is None else preload_value,
-                      pool=pool or build_pool_settings(env=env))
+                      pool=pool or build_pool_settings(env=env),
+                      pull=pull or build_pull_settings(env=env))
+
+
+def build_pull_settings(*, models_disk: str | None = None, on_demand: str | None = None,
+                        ollama_registry: str | None = None,
+                        env: Mapping[str, str] | None = None) -> PullSettings:
+    """Pull settings from flags (None = not given) and SHOAL_* variables."""
+    env = os.environ if env is None else env
+    bound = pick(models_disk, env, "SHOAL_MODELS_DISK")
+    return PullSettings(
+        models_disk=None if bound in (None, "off", "0") else parse_size(bound),
+        on_demand=pick(on_demand, env, "SHOAL_PULL_ON_DEMAND") or "catalog",
+        ollama_registry=pick(ollama_registry, env, "SHOAL_OLLAMA_REGISTRY"))
 
 
 def _speculative(flags: Sequence[str], env: Mapping[str, str]

@@ -48,6 +48,15 @@ class NodeMetrics:
             "shoal_inter_token_latency_seconds", "Between consecutive generated tokens of a "
             "request", ["model"], buckets=INTER_TOKEN_BUCKETS, registry=self.registry)
 
+        self.pulled_bytes = Counter(
+            "shoal_pulled_bytes", "Bytes of model files pulls downloaded (resumed bytes "
+            "already on disk not counted), by source", ["source"], registry=self.registry)
+
+    def count_pulled(self, event: Any) -> None:
+        """A pull's progress event (shoal.catalog.pull.progress.PullEvent): its new bytes."""
+        if event.new_bytes:
+            self.pulled_bytes.labels(event.source or "unknown").inc(event.new_bytes)
+
     def watch(self, router: Any) -> None:
         """Add the figures read at scrape time from router (its pool, queue and cluster)."""
         self.registry.register(NodeCollector(router))

@@ -26,7 +26,9 @@ import uvicorn
 from shoal import logs
 from shoal.api.app import create_app
 from shoal.api.auth import ApiKeys
-from shoal.catalog.resolve import DEFAULT_MODEL_ID, ModelNotFound, resolve_model
+from shoal.catalog.pull.errors import PullError
+from shoal.catalog.pull.puller import Puller
+from shoal.catalog.resolve import DEFAULT_MODEL_ID, ModelNotFound, list_models, resolve_model
 from shoal.cluster.setup import open_cluster
 from shoal.cluster.transport.base import TransportError
 from shoal.config import NodeConfig
@@ -87,14 +89,15 @@ def runner_factory(config: NodeConfig,
 
 
 def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = None,
-              resolve: Callable[[str], Any] | None = None) -> ModelPool:
+              resolve: Callable[[str], Any] | None = None,
+              puller: Puller | None = None) -> ModelPool:
     """This node's runner registry, the pool over it and its admission queue; a malformed
     --clients file is a NodeStartError naming file, line and reason."""
     settings = config.pool
     tiers = _read_file(load_clients, settings.clients_file)
     queue = AdmissionQueue(settings.queue, tiers)
     registry = RunnerRegistry(make_supervisor or runner_factory(config))
-    return ModelPool(registry, resolve=resolve or node_resolver(config),
+    return ModelPool(registry, resolve=resolve or node_resolver(config, puller),
                      keep_alive_s=config.keep_alive_s, queue=queue)
 
 
@@ -107,9 +110,44 @@ def _read_file(load: Callable[[Any], Any], path: Any) -> Any:
         raise NodeStartError(str(error)) from error
 
 
-def node_resolver(config: NodeConfig) -> Callable[[str], Any]:
-    """resolve_model with this node's data dir (where models from part packages are joined)."""
-    return functools.partial(resolve_model, data_dir=config.data_dir)
+def node_resolver(config: NodeConfig, puller: Puller | None = None) -> Callable[[str], Any]:
+    """resolve_model with this node's data dir (where models from part packages are joined
+    and pulled models are stored); with a puller, a model that is not on disk is pulled
+    first when --pull-on-demand allows it."""
+    resolve = functools.partial(resolve_model, data_dir=config.data_dir)
+    if puller is None:
+        return resolve
+
+    def resolve_or_pull(name: str) -> Any:
+        try:
+            return resolve(name)
+        except ModelNotFound:
+            if not puller.may_pull_on_demand(name):
+                raise
+        log.info("model %s is not on disk: pulling it (--pull-on-demand)", name)
+        try:
+            puller.pull(name)
+        except (PullError, ValueError) as error:
+            raise ModelNotFound(f"model {name!r} is not on disk, and pulling it failed: "
+                                f"{error}") from error
+        return resolve(name)
+
+    return resolve_or_pull
+
+
+def make_puller(config: NodeConfig) -> Puller:
+    """This node's puller into its data dir's model store."""
+    return Puller(config.data_dir, config.pull)
+
+
+def _protect_in_use(puller: Puller, router: Router, config: NodeConfig) -> None:
+    """--models-disk never evicts a model this node has loaded or pins."""
+    def keep(entry: Any) -> bool:
+        names = [s.model_id for s in router.supervisors] + list(config.pool.pinned)
+        return any(entry.answers_to(name) for name in names)
+
+    puller.keep = keep
+    puller.observers.append(router.metrics.count_pulled)
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:
@@ -149,7 +187,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     stop = stop or asyncio.Event()
     _install_signal_handlers(stop)
     addresses: list[str] = []
-    pool = make_pool(config, make_supervisor, resolve)
+    puller = make_puller(config)
+    pool = make_pool(config, make_supervisor, resolve, puller)
     cluster = await _join_cluster(config, pool, addresses)
     try:
         router = make_router(config, pool, cluster)
@@ -157,6 +196,7 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         await cluster.stop()
         await pool.shutdown()
         raise
+    _protect_in_use(puller, router, config)
     pool.spans.exporter = exporter = OtlpExporter.from_env(
         {"shoal.role": "node", "shoal.node_id": cluster.node_id, "process.pid": os.getpid()})
     errors = RecentErrors()
@@ -173,8 +213,9 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
                         "can use every route (set --api-key or --api-keys-file)",
                         config.server.host)
         app = create_app(router, keepalive_s=config.server.keepalive_s,
-                         list_available=list_available, cluster=cluster, api_keys=api_keys,
-                         diagnose=diagnose)
+                         list_available=list_available or functools.partial(
+                             list_models, data_dir=config.data_dir),
+                         cluster=cluster, api_keys=api_keys, diagnose=diagnose, puller=puller)
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                         log_level="warning", lifespan="off",
                                         # its records go to our handler (--log-format)

@@ -173,8 +173,16 @@ def test_pull_resolves_locally_or_says_why_not(fake_node):
     assert lines[1]["total"] == lines[1]["completed"] > 1_000_000
     quiet = post(fake_node, "/api/pull", {"name": "smollm2", "stream": False})
     assert quiet.json() == {"status": "success"}
-    unknown = post(fake_node, "/api/pull", {"model": "no-such-model"})
-    assert unknown.status_code == 404 and "pip install" in unknown.json()["error"]
+    # Tests send pulls to a closed port (tests/conftest.py): a clear 502 naming the source.
+    unreachable = post(fake_node, "/api/pull", {"model": "no-such-model"})
+    assert unreachable.status_code == 502
+    assert unreachable.json()["error"].startswith(
+        "pull 'no-such-model:latest' from Ollama's registry (http://127.0.0.1:")
+    bad = post(fake_node, "/api/pull", {"model": "a/b/c:d"})
+    assert bad.status_code == 400 and "not a model name shoal can pull" in bad.json()["error"]
+    missing = httpx.request("DELETE", fake_node.url + "/api/delete",
+                            json={"model": "no-such-model"})
+    assert missing.status_code == 404 and "not in the model store" in missing.json()["error"]
 
 
 # ---- the official client --------------------------------------------------------------------

@@ -23,7 +23,9 @@ def no_node_here(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("model, message", [
-    ("no-such-model", "model 'no-such-model' not found"),
+    # A name that could be pulled is pulled first (tests send pulls to a closed port).
+    ("no-such-model", "pull 'no-such-model:latest' from Ollama's registry"),
+    ("no/such/model", "model 'no/such/model' not found"),
     ("broken.gguf", "is not a GGUF file"),
 ])
 def test_a_model_that_cannot_load_is_one_line_and_exit_1(no_node_here, capsys, model, message):

@@ -33,11 +33,14 @@ from shoal.catalog.resolve import list_models
 def create_app(router: RouterView, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
                lifespan: Any = None, cluster: Any = None,
-               api_keys: ApiKeys | None = None, diagnose: Any = None) -> FastAPI:
+               api_keys: ApiKeys | None = None, diagnose: Any = None,
+               puller: Any = None) -> FastAPI:
     """The HTTP app over router (shoal.router.Router, or a fake with the same view), with
     the cluster routes when cluster (shoal.cluster.service.ClusterService) is given and the
-    diagnostics routes' answers from diagnose (node_diagnostics.NodeDiagnostics); every
-    route but /health and / wants one of api_keys when there are any."""
+    diagnostics routes' answers from diagnose (node_diagnostics.NodeDiagnostics); pulls
+    (POST /api/pull, DELETE /api/delete) go through puller (shoal.catalog.pull.puller.Puller;
+    None: one into the default data dir); every route but /health and / wants one of
+    api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys)
@@ -54,6 +57,7 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
     app.state.cluster = cluster
     app.state.keepalive_s = keepalive_s
     app.state.list_available = list_available or list_models
+    app.state.puller = puller
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(dashboard.router)
@@ -87,6 +91,8 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
         body: dict[str, Any] = {"status": status, "models": states}
         queue = request.app.state.router.queue  # this node's admission queue
         body["queue"] = {"waiting": queue.depth(), "running": queue.running()}
+        puller = request.app.state.puller
+        body["pulls"] = puller.in_progress() if puller is not None else []
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return app

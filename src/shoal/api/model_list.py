@@ -34,14 +34,14 @@ def listed_models(state: Any) -> list[ListedModel]:
     for model_id, status in _cluster_models(state).items():
         if model_id not in served:
             entry = entries.get(model_id)
-            listed.append(ListedModel(id=model_id, state=status,
-                                      max_model_len=entry.context_length if entry else None,
+            context = (entry.context_length or None) if entry else None  # 0: not known
+            listed.append(ListedModel(id=model_id, state=status, max_model_len=context,
                                       entry=entry, supervisor=None))
             served.add(model_id)
     for entry in available:
         if entry.id not in served:
             listed.append(ListedModel(id=entry.id, state="available",
-                                      max_model_len=entry.context_length, entry=entry,
+                                      max_model_len=entry.context_length or None, entry=entry,
                                       supervisor=None))
     return listed
 

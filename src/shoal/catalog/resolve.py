@@ -1,10 +1,12 @@
 """Resolve a model name to local weight files. Never touches the network.
 
-Tried in order: a catalogue id or alias; a local .gguf file or Hugging Face style directory;
-a hub-style "org/name" id in the local Hugging Face cache.
+Tried in order: a catalogue id or alias; a model pulled into the data dir's store (by any
+name it was pulled under); a local .gguf file or Hugging Face style directory; a hub-style
+"org/name" id in the local Hugging Face cache.
 
-Catalogue models shipped as part packages are joined once into <data dir>/models/; the data
-dir is the caller's (the node's), else SHOAL_DATA_DIR, else shoal's default.
+Catalogue models shipped as part packages are joined once into <data dir>/models/, and
+pulled models live in <data dir>/models/store/ (shoal.catalog.store); the data dir is the
+caller's (the node's), else SHOAL_DATA_DIR, else shoal's default.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import importlib
 import importlib.util
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shoal.catalog import parts
 from shoal.catalog.cards import ModelCard, load_builtin_catalog
+from shoal.catalog.pull.names import parse_pull_name
+from shoal.catalog.store import ModelStore, StoredModel
 from shoal.paths import default_data_dir
 from shoal.engine.config import ModelSource, ModelTask
 from shoal.engine.models.registry import task_of_hf_config
@@ -45,6 +50,9 @@ class CatalogEntry:
     available: bool
     path: Path | None
     install_hint: str | None
+    source: str = "catalogue"  # or "store": pulled by name (shoal pull)
+    # A pulled model's card from its source: Ollama's template, system prompt and params.
+    card: Mapping[str, Any] | None = None
 
 
 def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
@@ -60,6 +68,12 @@ def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
     if card is not None:
         return _resolve_card(card, data_dir_or_default(data_dir))
     tried = [f"catalogue ids and aliases ({', '.join(c.id for c in cards)})"]
+    store = ModelStore.of_data_dir(data_dir_or_default(data_dir))
+    stored = find_stored(name, store)
+    if stored is not None:
+        store.touch(stored)
+        return stored_source(stored)
+    tried.append(f"models pulled into {store.root}")
     path = Path(name).expanduser()
     if path.exists():
         return _resolve_path(name, path)
@@ -89,9 +103,40 @@ def find_card(name: str, catalog: Sequence[ModelCard]) -> ModelCard | None:
     return None
 
 
+def find_stored(name: str, store: ModelStore) -> StoredModel | None:
+    """The pulled model name means: a name it was pulled under, or the same model spelt
+    another way (llama3.2 for llama3.2:latest, hf.co/org/repo:Q4_K_M for org/repo:Q4_K_M)."""
+    entries = store.entries()
+    for entry in entries:
+        if entry.answers_to(name):
+            return entry
+    try:
+        key = parse_pull_name(name).key
+    except ValueError:
+        return None
+    return next((entry for entry in entries if entry.answers_to(key)), None)
+
+
+def stored_source(entry: StoredModel) -> ModelSource:
+    if entry.format == "safetensors":
+        return ModelSource(model_id=entry.name, format="safetensors", path=entry.weights,
+                           task=_directory_task(entry.weights))
+    return ModelSource(model_id=entry.name, format="gguf", path=entry.weights)
+
+
+def missing_packages(card: ModelCard) -> list[str]:
+    """The distributions pip must install before card's weights can be found (none when
+    they are all installed)."""
+    if card.locate.kind == "joined_parts":
+        return parts.missing_parts(card.locate)
+    return [] if _package_dir(card.locate.module) is not None else [card.package]
+
+
 def list_models(catalog: Sequence[ModelCard] | None = None,
-                data_dir: Path | None = None) -> list[CatalogEntry]:
-    """Every catalogue model, with whether its weights are on this machine (nothing is built)."""
+                data_dir: Path | None = None, include_store: bool = True
+                ) -> list[CatalogEntry]:
+    """Every catalogue model, with whether its weights are on this machine (nothing is built),
+    then every model pulled into the store."""
     cards = load_builtin_catalog() if catalog is None else catalog
     directory = data_dir_or_default(data_dir)
     entries = []
@@ -103,7 +148,19 @@ def list_models(catalog: Sequence[ModelCard] | None = None,
             format=card.format, context_length=card.context_length, size_bytes=card.size_bytes,
             description=card.description, available=available, path=path,
             install_hint=None if available else _install_hint(card)))
+    if include_store:
+        entries += [_stored_entry(stored) for stored in ModelStore.of_data_dir(directory).entries()]
     return entries
+
+
+def _stored_entry(stored: StoredModel) -> CatalogEntry:
+    task = stored_source(stored).task if stored.weights.exists() else "generate"
+    return CatalogEntry(
+        id=stored.name, aliases=tuple(n for n in stored.names if n != stored.name),
+        kind="embedding" if task == "embed" else "chat", family="", format=stored.format,
+        context_length=0, size_bytes=stored.size, description=f"pulled from {stored.source}",
+        available=stored.weights.exists(), path=stored.weights, install_hint=None,
+        source="store", card=stored.card)
 
 
 def data_dir_or_default(data_dir: Path | None) -> Path:
@@ -317,4 +374,6 @@ def _not_found_message(name: str, tried: list[str], cards: Sequence[ModelCard]) 
     known = "; ".join(f"{card.id} ({_install_hint(card)})" for card in cards)
     return (f"model {name!r} not found. Tried: " + "; ".join(tried) + ". "
             f"Known models and the packages that carry them: {known}. "
-            "A local .gguf file or a directory with config.json and *.safetensors also works.")
+            "A local .gguf file or a directory with config.json and *.safetensors also works, "
+            "and `shoal pull` fetches Hugging Face repositories (org/repo, org/repo:Q4_K_M) "
+            "and Ollama library models (llama3.2).")

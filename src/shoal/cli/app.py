@@ -1,4 +1,4 @@
-"""The `shoal` command: argparse front door for serve, run, pull, models, cluster, ps
+"""The `shoal` command: argparse front door for serve, run, pull, models, rm, cluster, ps
 and diagnose."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(commands)
     run.add_parser(commands)
     pull.add_parser(commands)
-    models.add_parser(commands)
+    models.add_parser(commands)  # and rm
     cluster.add_parsers(commands)
     diagnose.add_parser(commands)
     for command in _commands(parser):

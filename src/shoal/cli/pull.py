@@ -1,8 +1,12 @@
-"""shoal pull MODEL: have a running node make a model's weights ready (POST /api/pull, the
-verb and route Ollama's clients use), printing its progress lines as they come.
+"""shoal pull MODEL: fetch a model's weights, with a progress bar.
 
-Exits 0 once the node reports success; 1 with the node's message when it refuses (an
-unknown model, a bad name, a missing API key) or the stream ends otherwise.
+Through a running node when one answers (POST /api/pull, the verb and route Ollama's clients
+use; --url names it), else straight into this machine's data dir (--data-dir). Names: a
+catalogue id, org/repo, org/repo:QUANT, org/repo/file.gguf, hf.co/org/repo:QUANT, an Ollama
+library name (llama3.2, qwen3:8b) or ns/name:tag.
+
+Exits 0 once the pull reports success; 1 with the reason when it fails (a bad name, an
+unknown model, no network, a full disk, a missing API key) or the node's stream ends early.
 """
 
 from __future__ import annotations
@@ -15,10 +19,15 @@ from typing import Any
 import httpx
 
 from shoal.cli.errors import CommandFailed, node_failed
-from shoal.cli.run import api_headers, server_url
+from shoal.cli.local_pull import pull_here
+from shoal.cli.progress_bar import ProgressBar, describe
+from shoal.cli.run import api_headers, server_answers, server_url
 
-# The node bounds a pull at 600 s (api/ollama/pull.py); wait a little longer for its answer.
-_TIMEOUT = httpx.Timeout(connect=5.0, read=630.0, write=30.0, pool=5.0)
+# A node's pull has no overall bound (read timeouts bound a stalled source); a long quiet
+# spell without a progress line (pip installing a catalogue model's packages) is allowed.
+_TIMEOUT = httpx.Timeout(connect=5.0, read=1800.0, write=30.0, pool=5.0)
+
+__all__ = ["describe", "progress_events", "pull", "run_pull"]
 
 
 class PullError(RuntimeError):
@@ -26,10 +35,16 @@ class PullError(RuntimeError):
 
 
 def add_parser(commands) -> None:
-    parser = commands.add_parser("pull", help="make a model's weights ready on the node")
-    parser.add_argument("model", help="model id, alias or path")
+    parser = commands.add_parser("pull", help="download a model (Hugging Face, Ollama's "
+                                              "library, the catalogue)")
+    parser.add_argument("model", help="org/repo[:QUANT], hf.co/org/repo:QUANT, llama3.2, "
+                                      "ns/name:tag, or a catalogue id")
     parser.add_argument("--url", default=None,
-                        help="a running shoal node (SHOAL_HOST / SHOAL_PORT)")
+                        help="pull through this running shoal node (default: the node at "
+                             "SHOAL_HOST / SHOAL_PORT if one answers, else into --data-dir)")
+    parser.add_argument("--data-dir", default=None,
+                        help="where to store the model when no node answers "
+                             "(SHOAL_DATA_DIR)")
     parser.set_defaults(handler=run_pull)
 
 
@@ -59,16 +74,6 @@ def progress_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         yield event
 
 
-def describe(event: dict[str, Any]) -> str:
-    """One progress line: the status, with a percentage when the event counts bytes."""
-    status = str(event.get("status", ""))
-    total, completed = event.get("total"), event.get("completed")
-    if isinstance(total, int) and isinstance(completed, int) and total > 0:
-        return (f"{status} {100 * completed / total:.0f}% "
-                f"({completed / 2**20:.1f} / {total / 2**20:.1f} MiB)")
-    return status
-
-
 def pull(url: str, model: str, headers: dict[str, str]) -> Iterator[dict[str, Any]]:
     """POST /api/pull, streamed; the progress events as they arrive."""
     with httpx.stream("POST", url + "/api/pull", json={"model": model, "stream": True},
@@ -80,17 +85,29 @@ def pull(url: str, model: str, headers: dict[str, str]) -> Iterator[dict[str, An
 
 
 def run_pull(args: argparse.Namespace) -> int:
+    if args.url is None and not server_answers(server_url(None)):
+        return _pull_here(args)
     url = server_url(args.url)
+    bar = ProgressBar()
     last: dict[str, Any] | None = None
     try:
         for event in pull(url, args.model, api_headers()):
-            print(describe(event), flush=True)
+            bar.show(event)
             last = event
     except PullError as error:
         raise CommandFailed(f"pull {args.model}: {error}") from error
     except httpx.HTTPError as error:
         raise node_failed(url, error) from error
+    finally:
+        bar.close()
     if last is None or last.get("status") != "success":
         raise CommandFailed(f"pull {args.model}: the node's answer ended before it reported "
                             "success")
+    return 0
+
+
+def _pull_here(args: argparse.Namespace) -> int:
+    """No node answers: pull into this machine's data dir in this process."""
+    pulled = pull_here(args.model, args.data_dir)
+    print(f"{pulled.name}: {pulled.path}")
     return 0

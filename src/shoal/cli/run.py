@@ -16,6 +16,7 @@ import httpx
 
 from shoal.catalog.resolve import DEFAULT_MODEL_ID
 from shoal.cli.errors import CommandFailed, node_failed
+from shoal.cli.local_pull import pull_if_missing
 from shoal.cli.serve import add_engine_flags
 from shoal.config import (
     DEFAULT_HOST,
@@ -135,6 +136,7 @@ def run_run(args: argparse.Namespace) -> int:
     url = server_url(args.url)
     node = None
     if args.url is None and not server_answers(url):
+        pull_if_missing(model, args.data_dir, out=sys.stderr)
         node = _start_local_node(args, model)
         url = node.start()
     body: dict = {"model": model}

@@ -16,6 +16,7 @@ from shoal.config import (
     build_cluster_settings,
     build_node_config,
     build_pool_settings,
+    build_pull_settings,
 )
 from shoal.engine.config import KV_CACHE_DTYPES
 from shoal.node import serve
@@ -70,8 +71,24 @@ def add_parser(commands) -> None:
                              "(SHOAL_LOG_FORMAT; text)")
     add_engine_flags(parser)
     add_pool_flags(parser)
+    add_pull_flags(parser)
     add_cluster_flags(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def add_pull_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("pulling models")
+    group.add_argument("--pull-on-demand", choices=("off", "catalog", "all"), default=None,
+                       help="a request naming a model that is not on disk pulls it first: "
+                            "catalogue models only, any pullable name, or never "
+                            "(SHOAL_PULL_ON_DEMAND; catalog)")
+    group.add_argument("--models-disk", default=None, metavar="SIZE",
+                       help="bound the pulled-model store, e.g. 50GB; models neither pinned "
+                            "nor loaded are removed least recently used first to make room "
+                            "(SHOAL_MODELS_DISK; no bound)")
+    group.add_argument("--ollama-registry", default=None, metavar="URL",
+                       help="Ollama registry to pull library models from "
+                            "(SHOAL_OLLAMA_REGISTRY; https://registry.ollama.ai)")
 
 
 def add_pool_flags(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +193,11 @@ def run_serve(args: argparse.Namespace) -> int:
                                    max_loaded_models=args.max_loaded_models, pin=args.pin,
                                    max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                                    parallel=args.parallel, clients=args.clients,
-                                   tasks=args.tasks))
+                                   tasks=args.tasks),
+                               pull=build_pull_settings(
+                                   models_disk=args.models_disk,
+                                   on_demand=args.pull_on_demand,
+                                   ollama_registry=args.ollama_registry))
     try:
         check_draft_models(config)
     except (ValueError, LookupError) as error:

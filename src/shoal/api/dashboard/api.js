@@ -57,3 +57,22 @@ export async function get(path, { json = true, timeoutMs = REQUEST_TIMEOUT_MS, a
   }
   return json ? JSON.parse(text) : text;
 }
+
+// POST a JSON body to path; resolves to the JSON answer, throws as get() does. timeoutMs
+// null waits as long as the node works (a pull: the node bounds each read of its source).
+export async function post(path, body, { timeoutMs = REQUEST_TIMEOUT_MS } = {}) {
+  let response, text;
+  try {
+    response = await fetch(path, {
+      method: "POST", body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+      signal: timeoutMs === null ? undefined : AbortSignal.timeout(timeoutMs),
+    });
+    text = await response.text();
+  } catch (error) {
+    throw new Error(`${path}: ${describeFailure(error, timeoutMs)}`);
+  }
+  if (response.status === 401) throw new Unauthorized(`${path}: ${errorMessage(401, text)}`);
+  if (!response.ok) throw new Error(errorMessage(response.status, text));
+  return JSON.parse(text);
+}

@@ -129,10 +129,16 @@ export function renderModels(table, ps, cluster) {
   fillTable(table, rows, "no models loaded");
 }
 
-// Loads in progress: this node's runners with their reported stage, and instances of the
-// cluster that are not ready yet.
+// Loads in progress: this node's pulls (bytes fetched so far), its runners with their
+// reported stage, and instances of the cluster that are not ready yet.
 export function renderLoads(list, health, cluster) {
   const items = [];
+  for (const pull of (health && health.pulls) || []) {
+    const fraction = pull.total ? pull.completed / pull.total : 0;
+    items.push(el("li", {}, `${pull.model} pulling: ${pull.status} `,
+      el("progress", { max: 1, value: fraction.toFixed(3) }),
+      ` ${formatBytes(pull.completed)} / ${formatBytes(pull.total)}`));
+  }
   for (const model of (health && health.models) || []) {
     if (!["starting", "restarting"].includes(model.state)) continue;
     const load = model.load || {};

@@ -2,7 +2,7 @@
 // node knows (GET /cluster, /api/ps, /health, /metrics, /v1/models), each request bounded
 // by api.js's timeout, the next refresh starting only once the last has finished.
 
-import { Unauthorized, apiKey, get, saveApiKey } from "./api.js";
+import { Unauthorized, apiKey, get, post, saveApiKey } from "./api.js";
 import { ChatPane } from "./chat.js";
 import {
   counterTotal, renderInstances, renderLoads, renderModels, renderNodes,
@@ -96,6 +96,25 @@ function setUpKeyForm(chat) {
   });
 }
 
+// A pull runs on the node: its progress shows under Loading (/health's pulls); this form
+// starts one and says how it ended.
+function setUpPullForm() {
+  byId("pull-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const model = byId("pull-model").value.trim();
+    if (!model) return;
+    const status = byId("pull-status");
+    status.textContent = `pulling ${model}…`;
+    try {
+      await post("/api/pull", { model, stream: false }, { timeoutMs: null });
+      status.textContent = `${model} is on disk`;
+    } catch (error) {
+      if (error instanceof Unauthorized) showAuthPrompt(true);
+      status.textContent = `pull ${model}: ${error.message}`;
+    }
+  });
+}
+
 async function loop(chat) {
   try {
     await refresh(chat);
@@ -107,4 +126,5 @@ async function loop(chat) {
 
 const chat = new ChatPane(() => showAuthPrompt(true));
 setUpKeyForm(chat);
+setUpPullForm();
 loop(chat);

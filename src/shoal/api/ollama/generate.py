@@ -28,6 +28,7 @@ from shoal.api.ollama.adapter import (
     new_request_id,
     timestamp,
 )
+from shoal.api.ollama.model_defaults import with_model_defaults
 from shoal.api.ollama.schemas import ChatRequest, GenerateRequest
 from shoal.api.sse import ndjson_line
 from shoal.catalog.resolve import ModelNotFound
@@ -39,6 +40,7 @@ router = APIRouter()
 
 @router.post("/api/chat")
 async def chat(body: ChatRequest, request: Request) -> Response:
+    body = with_model_defaults(body, request)
     internal = admitted(chat_to_internal(body, new_request_id()), request, body)
     if not internal.messages:
         return await _load(request, internal, "chat")
@@ -47,6 +49,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 
 @router.post("/api/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
+    body = with_model_defaults(body, request)
     internal = admitted(generate_to_internal(body, new_request_id()), request, body)
     if not body.prompt and not body.system:
         return await _load(request, internal, "generate")

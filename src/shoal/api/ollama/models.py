@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,9 @@ def details_json(model: ListedModel) -> dict[str, Any]:
 def model_json(model: ListedModel) -> dict[str, Any]:
     """One model as /api/tags and /api/ps describe it."""
     path = _weights_path(model)
-    size = _size(path)
+    entry = model.entry
+    # A pulled model's size is all of its files (a split GGUF's parts, a checkpoint's).
+    size = entry.size_bytes if getattr(entry, "source", "") == "store" else _size(path)
     modified = path.stat().st_mtime if path is not None and path.exists() else 0.0
     fingerprint = f"{model.id}\0{path}\0{size}\0{modified}".encode()
     return {"name": model.id, "model": model.id,
@@ -186,7 +189,23 @@ async def show(body: ModelNameRequest, request: Request) -> dict[str, Any]:
         info[f"{family}.context_length"] = model.max_model_len
     kind = card.kind if card else "chat"
     described = model_json(model)
-    return {"modelfile": f"# served by shoal\nFROM {_weights_path(model) or model.id}\n",
-            "parameters": "", "template": "", "details": details, "model_info": info,
-            "capabilities": ["embedding"] if kind == "embedding" else ["completion"],
-            "modified_at": described["modified_at"]}
+    pulled = getattr(model.entry, "card", None) or {}  # a model pulled from Ollama's library
+    shown = {"modelfile": f"# served by shoal\nFROM {_weights_path(model) or model.id}\n",
+             "parameters": parameters_text(pulled.get("params")),
+             "template": pulled.get("template", ""), "details": details, "model_info": info,
+             "capabilities": ["embedding"] if kind == "embedding" else ["completion"],
+             "modified_at": described["modified_at"]}
+    if pulled.get("system"):
+        shown["system"] = pulled["system"]
+    return shown
+
+
+def parameters_text(params: Any) -> str:
+    """Ollama's params layer as /api/show prints it: one "name value" line per value."""
+    if not isinstance(params, dict):
+        return ""
+    lines = []
+    for name, value in params.items():
+        for item in value if isinstance(value, list) else [value]:
+            lines.append(f"{name} {json.dumps(item) if isinstance(item, str) else item}")
+    return "\n".join(lines)
