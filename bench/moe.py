@@ -14,8 +14,10 @@ Measures, in one run, 2 threads, the same file: batch-1 decode (shoal and llama.
 about, medians) and its bound: the bytes a token reads (the chosen experts of each layer,
 attention, router, norms, head, one embedding row) over the read bandwidth measured in this
 run (a float32 sum over 1 GiB); a 500-token prefill; 16 concurrent HTTP streams through
-`shoal serve` against llama.cpp's batch-1 decode. The engine, peer and HTTP parts are
-bench/engine.py's.
+`shoal serve` against llama.cpp's batch-1 decode; and one MoE layer's experts for one row
+with their weights from memory (each call another layer) against the same layer again (in
+cache): how much of a layer's time is the arithmetic's own. The engine, peer and HTTP parts
+are bench/engine.py's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,32 @@ def read_bandwidth(threads: int, turns: int = 5) -> float:
     return best
 
 
+def expert_layer_ms(engine, turns: int = 200) -> dict:
+    """One generated row through a MoE layer's experts (router, grouped experts, shared
+    expert), ms per call: "cold", every call another layer and other experts (their weights
+    come from memory, as in a decode step), and "warm", the same layer and row again (the
+    same experts, their weights in cache): the arithmetic's own time, which no memory speed
+    lowers."""
+    layers = [block.mlp for block in engine.loaded.module.blocks
+              if hasattr(block.mlp, "router")]
+    hidden = layers[0].router.weight.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randn(1, hidden, generator=generator).to(torch.bfloat16)
+            for _ in range(turns)]
+
+    def per_call(pick) -> float:
+        with torch.inference_mode():
+            pick(0)
+            start = time.perf_counter()
+            for i in range(turns):
+                pick(i)
+        return (time.perf_counter() - start) / turns * 1e3
+
+    return {"cold_ms": per_call(lambda i: layers[i % len(layers)](rows[i], 1)),
+            "warm_ms": per_call(lambda i: layers[0](rows[0], 1)),
+            "layers": len(layers)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(SHAPES), default="qwen3moe")
@@ -81,6 +109,7 @@ def main() -> None:
     engine_result, engine = bench_engine(str(path), args.threads)
     result["engine"] = engine_result
     result["weight_bytes"] = engine.loaded.weight_bytes
+    result["expert_layer_one_row"] = expert_layer_ms(engine)
     decode = engine_result["decode_batch1_tokens_per_s"]
     if not args.skip_peer:
         peer = LlamaCppPeer(str(path), args.threads)

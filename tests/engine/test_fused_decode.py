@@ -70,6 +70,15 @@ def test_kernel_decode_matches_the_python_path(kernel, tiny_checkpoints, family,
     assert_decode_matches(tiny_checkpoints[family], PROMPTS[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, len(PROMPTS)])
+# Mixture-of-experts blocks: their experts in one compiled call (qwen2moe: a gated shared
+# expert beside them).
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_kernel_decode_of_expert_models_matches_the_python_path(kernel, tiny_checkpoints,
+                                                                family, rows):
+    assert_decode_matches(tiny_checkpoints[family], PROMPTS[:rows])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_decode_matches_for_other_head_shapes(kernel, shaped_checkpoints, shape):
     assert_decode_matches(shaped_checkpoints[shape], PROMPTS)

@@ -88,7 +88,10 @@ DECIDED_MARGIN = {"glm4moe": 0.1}
 def _expert_calls(model) -> list[tuple[int, int, int]]:
     """Records (layer, expert, rows) for every expert call of the model's MoE layers (run
     by the per-expert loop: the compiled grouped form gives its bits, as
-    test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit checks)."""
+    test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit checks, and so does the
+    fused decoder's, as test_the_decoders_compiled_layer_is_the_python_layer_bit_for_bit
+    does: both are turned off here)."""
+    model.fused_decode_allowed = False
     calls: list[tuple[int, int, int]] = []
     for layer, block in enumerate(model.blocks):
         assert isinstance(block.mlp, MixtureOfExperts) == model.config.has_experts(layer)
@@ -199,6 +202,23 @@ def test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit(tiny_checkpoints,
                 loop = experts(x[:rows], prompt_from)
                 experts.grouped = compiled
                 assert torch.equal(grouped, loop), (rows, prompt_from)
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_the_decoders_compiled_layer_is_the_python_layer_bit_for_bit(tiny_checkpoints, family):
+    # The fused decoder's mixture-of-experts MLP (kernels' RoutedFeedForward: router, experts
+    # and qwen2moe's gated shared expert in one call) on generated rows, against the layer.
+    from shoal.engine.backends.fused_decode import _experts
+
+    loaded = packed(tiny_checkpoints[family])
+    block = loaded.module.blocks[0]
+    compiled = _experts(block, loaded.module.plan.backend.kernel)
+    assert compiled is not None and (family != "qwen2moe" or block.mlp.shared.gate is not None)
+    torch.manual_seed(1)
+    x = torch.randn(64, block.mlp.router.weight.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 5, 64):  # up to 4 rows an expert: one parallel region
+            assert torch.equal(compiled.forward(x[:rows]), block.mlp(x[:rows], rows)), rows
 
 
 def test_an_expert_share_runs_compiled_as_its_loop(tiny_checkpoints):

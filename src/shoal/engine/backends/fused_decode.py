@@ -1,9 +1,10 @@
 """The fused decode path: a model's blocks run by the compiled kernel (decode.cpp).
 
-Applies to steps of single-token decodes of llama-family and Gemma 3 models on the compiled
-CPU kernels' backend (packed weights, bf16 activations), a float32, bf16 or int8 KV cache,
-and no tensor-parallel shards. Everything else (prefill, other backends) stays on the
-Python path.
+Applies to steps of single-token decodes of llama-family and Gemma 3 models, and of the
+mixture-of-experts ones among them with top-k softmax routing (qwen3moe, qwen2moe, mixtral:
+their experts in the kernel's RoutedFeedForward), on the compiled CPU kernels' backend
+(packed weights, bf16 activations), a float32, bf16 or int8 KV cache, and no tensor- or
+expert-parallel shards. Everything else (prefill, other backends) stays on the Python path.
 SHOAL_FUSED_DECODE=0 turns it off.
 """
 
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.engine.models.layers.attention import DecodeRows
+from shoal.engine.models.layers.experts import MixtureOfExperts, Router
+from shoal.engine.models.layers.mlp import GatedMLP
 from shoal.engine.backends.packing import QuantLinear
 
 if TYPE_CHECKING:
@@ -36,13 +39,53 @@ def fusable(model: LlamaModel) -> bool:
         return False
     if config.hidden_activation not in ("silu", "gelu_tanh") or config.head_dim > 512:
         return False
-    if config.num_experts:  # the kernel's blocks have one dense MLP each
+    return all(_fusable_block(block) for block in model.blocks)
+
+
+def _fusable_block(block) -> bool:
+    attn, mlp = block.attn, block.mlp
+    if not (type(attn.qkv) is QuantLinear and type(attn.o) is QuantLinear):
         return False
-    return all(type(layer) is QuantLinear for block in model.blocks for layer in _linears(block))
+    if type(mlp) is MixtureOfExperts:
+        return _fusable_experts(mlp)
+    return _packed_gated_mlp(mlp)
 
 
-def _linears(block) -> tuple:
-    return block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down
+def _packed_gated_mlp(mlp) -> bool:
+    return (type(mlp) is GatedMLP and mlp.gated is not None
+            and type(mlp.gate_up) is QuantLinear and type(mlp.down) is QuantLinear)
+
+
+def _fusable_experts(mlp: MixtureOfExperts) -> bool:
+    """Softmax top-k routing over every expert of the layer (no expert-parallel share), the
+    experts in the kernel's GroupedExperts, a shared expert (if any) a packed gated MLP."""
+    router = mlp.router
+    return (type(router) is Router and mlp.grouped is not None and mlp.first_expert == 0
+            and len(mlp.experts) == router.weight.shape[0]
+            and (mlp.shared is None or _packed_gated_mlp(mlp.shared.mlp)))
+
+
+def _linears(block) -> list:
+    """qkv, o, gate_up, down: the last two None in a mixture-of-experts block."""
+    attn, mlp = block.attn, block.mlp
+    if type(mlp) is MixtureOfExperts:
+        return [attn.qkv.op, attn.o.op, None, None]
+    return [attn.qkv.op, attn.o.op, mlp.gate_up.op, mlp.down.op]
+
+
+def _experts(block, kernel):
+    """The kernel's RoutedFeedForward for a mixture-of-experts block, else None."""
+    mlp = block.mlp
+    if type(mlp) is not MixtureOfExperts:
+        return None
+    router, shared = mlp.router, mlp.shared
+    # grouped is the bound forward of the kernel's GroupedExperts (cpu_kernels.experts).
+    experts = mlp.grouped.__self__
+    if shared is None:
+        return kernel.RoutedFeedForward(router.weight, router.top_k, router.normalize, experts)
+    return kernel.RoutedFeedForward(router.weight, router.top_k, router.normalize, experts,
+                                    shared.mlp.gate_up.op, shared.mlp.down.op, shared.gate,
+                                    shared.mlp.gelu)
 
 
 def _norms(block) -> list[torch.Tensor]:
@@ -66,14 +109,15 @@ class FusedDecoder:
 
     def __init__(self, model: LlamaModel, kernel) -> None:
         config = model.config
-        norms, linears, sliding = [], [], []
+        norms, linears, experts, sliding = [], [], [], []
         for offset, block in enumerate(model.blocks):
             norms += _norms(block)
-            linears += [layer.op for layer in _linears(block)]
+            linears += _linears(block)
+            experts.append(_experts(block, kernel))
             sliding.append(config.layer_type(model.start + offset) == "sliding")
         window = config.sliding_window if any(sliding) else 0
         self._decoder = kernel.Decoder(
-            norms, linears, sliding, config.num_heads, config.num_kv_heads, config.head_dim,
+            norms, linears, experts, sliding, config.num_heads, config.num_kv_heads, config.head_dim,
             config.scale, config.rms_eps, window or 0,
             config.hidden_activation == "gelu_tanh")
 

@@ -25,11 +25,13 @@
 #include "kv_layout.h"
 #include "prompt_attention.h"
 #include "quant.h"
+#include "quant_experts.h"
 
 namespace {
 
 using shoal_decode::bf16;
 using shoal_quant::QuantLinear;
+using shoal_quant::RoutedFeedForward;
 
 // Attention runs on several threads from this many (key, KV head) pairs per layer; below
 // it a parallel region costs more than it saves.
@@ -44,7 +46,8 @@ struct Norms {
 
 struct Block {
   Norms norms;
-  std::shared_ptr<QuantLinear> qkv, o, gate_up, down;
+  std::shared_ptr<QuantLinear> qkv, o, gate_up, down;  // gate_up, down: null where moe is set
+  std::shared_ptr<RoutedFeedForward> moe;               // a mixture-of-experts block's MLP
   bool sliding;
 };
 
@@ -57,17 +60,20 @@ const bf16* bf16_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<
 class Decoder {
  public:
   // norms: per block attn, mlp, post_attn, post_mlp, q, k (empty tensors where absent);
-  // linears: per block qkv, o, gate_up, down; sliding: per block.
+  // linears: per block qkv, o, gate_up, down (gate_up and down null in a mixture-of-experts
+  // block); moe: per block its experts, or null (a dense block); sliding: per block.
   Decoder(const std::vector<at::Tensor>& norms,
           const std::vector<std::shared_ptr<QuantLinear>>& linears,
+          const std::vector<std::shared_ptr<RoutedFeedForward>>& moe,
           const std::vector<bool>& sliding, int64_t heads, int64_t kv_heads, int64_t head_dim,
           double scale, double eps, int64_t window, bool gelu)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
         scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)), window_(window),
         gelu_(gelu) {
     const size_t blocks = sliding.size();
-    TORCH_CHECK(norms.size() == 6 * blocks && linears.size() == 4 * blocks,
-                "Decoder: 6 norms and 4 linears per block");
+    TORCH_CHECK(norms.size() == 6 * blocks && linears.size() == 4 * blocks &&
+                    moe.size() == blocks,
+                "Decoder: 6 norms, 4 linears and one experts entry per block");
     TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
                 "Decoder: heads must be a multiple of kv heads");
     for (size_t i = 0; i < blocks; ++i) {
@@ -75,13 +81,13 @@ class Decoder {
       Block block{{given(n[0]), given(n[1]), given(n[2]), given(n[3]), given(n[4]),
                    given(n[5])},
                   linears[4 * i], linears[4 * i + 1], linears[4 * i + 2], linears[4 * i + 3],
-                  sliding[i]};
+                  moe[i], sliding[i]};
       TORCH_CHECK(block.norms.attn.scalar_type() == at::kBFloat16 &&
                       block.norms.mlp.scalar_type() == at::kBFloat16,
                   "Decoder: norm weights must be bfloat16");
       TORCH_CHECK(!block.norms.q.defined() || block.norms.q.scalar_type() == at::kFloat,
                   "Decoder: q / k norm weights must be float32");
-      TORCH_CHECK(block.qkv && block.o && block.gate_up && block.down,
+      TORCH_CHECK(block.qkv && block.o && (block.moe || (block.gate_up && block.down)),
                   "Decoder: a block lacks a projection");
       blocks_.push_back(std::move(block));
     }
@@ -189,6 +195,11 @@ class Decoder {
       at::Tensor o = block.o->forward(attn, false);  // [B, hidden]
       post_norm(block.norms.post_attn, o, width);
       norm_rows(h, o, block.norms.mlp, x, width);
+      if (block.moe) {
+        pending = block.moe->forward(x);  // [B, hidden]
+        post_norm(block.norms.post_mlp, pending, width);
+        continue;
+      }
       const at::Tensor gate_up = block.gate_up->forward(x, false);  // [B, 2 F]: gate, then up
       const int64_t ffn = gate_up.size(1) / 2;
       at::Tensor act = at::empty({rows, ffn}, h.options());
@@ -447,11 +458,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init([](const std::vector<at::Tensor>& norms,
                              const std::vector<std::shared_ptr<QuantLinear>>& linears,
+                             const std::vector<std::shared_ptr<RoutedFeedForward>>& moe,
                              const std::vector<bool>& sliding, int64_t heads, int64_t kv_heads,
                              int64_t head_dim, double scale, double eps, int64_t window,
                              bool gelu) {
              TORCH_CHECK(head_dim >= 1 && head_dim <= 512, "Decoder: head_dim must be <= 512");
-             return Decoder(norms, linears, sliding, heads, kv_heads, head_dim, scale, eps,
+             return Decoder(norms, linears, moe, sliding, heads, kv_heads, head_dim, scale, eps,
                             window, gelu);
            }))
       .def("forward", &Decoder::forward, pybind11::arg("hidden"), pybind11::arg("caches"),

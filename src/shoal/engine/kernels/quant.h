@@ -72,6 +72,13 @@ class QuantLinear {
   // (decode) always take the vector path. Each kind of row gets one arithmetic, whatever
   // else is in x, so a token's result depends on its role, never on its batch.
   at::Tensor forward(const at::Tensor& x, bool float_out, bool prompt = false) const;
+  // Several linears' forward(inputs[i], false, false) (bf16 out, generated rows), in one
+  // parallel region over all their strips where each has at most kDirectRows rows on the
+  // AVX512 or AMX path (else one forward after another): a mixture-of-experts decode step
+  // runs its chosen experts' small projections so, not one thread handoff per expert. The
+  // bits are each forward's.
+  static std::vector<at::Tensor> forward_generated(
+      const std::vector<const QuantLinear*>& linears, const std::vector<at::Tensor>& inputs);
   // Float32 [M, C]: row r's outputs at columns[r] ([M, C] int64), each exactly as forward
   // computes it for a generated row (the output head's rescored candidates).
   at::Tensor forward_columns(const at::Tensor& x, const at::Tensor& columns) const;

@@ -60,7 +60,7 @@ void bind(pybind11::module& m) {
       .def_property_readonly("out_features", &QuantLinear::out_features)
       .def("nbytes", &QuantLinear::nbytes)
       .def_property_readonly("backend", &QuantLinear::backend);
-  pybind11::class_<GroupedExperts>(m, "GroupedExperts")
+  pybind11::class_<GroupedExperts, std::shared_ptr<GroupedExperts>>(m, "GroupedExperts")
       .def(pybind11::init<std::vector<std::shared_ptr<QuantLinear>>,
                           std::vector<std::shared_ptr<QuantLinear>>, bool>(),
            pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("gelu"))
@@ -68,6 +68,16 @@ void bind(pybind11::module& m) {
            pybind11::arg("chosen"), pybind11::arg("prompt_from"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("experts", &GroupedExperts::experts);
+  pybind11::class_<RoutedFeedForward, std::shared_ptr<RoutedFeedForward>>(m, "RoutedFeedForward")
+      .def(pybind11::init<at::Tensor, int64_t, bool, std::shared_ptr<GroupedExperts>,
+                          std::shared_ptr<QuantLinear>, std::shared_ptr<QuantLinear>,
+                          std::optional<at::Tensor>, bool>(),
+           pybind11::arg("router"), pybind11::arg("top_k"), pybind11::arg("normalize"),
+           pybind11::arg("experts"), pybind11::arg("shared_gate_up") = pybind11::none(),
+           pybind11::arg("shared_down") = pybind11::none(),
+           pybind11::arg("shared_gate") = pybind11::none(), pybind11::arg("shared_gelu") = false)
+      .def("forward", &RoutedFeedForward::forward, pybind11::arg("x"),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace shoal_quant

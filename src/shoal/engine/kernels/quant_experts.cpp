@@ -1,5 +1,6 @@
-// GroupedExperts (quant_experts.h): a step's experts run one after another, each over its
-// rows gathered together; each matmul splits over torch's threads as QuantLinear does.
+// GroupedExperts and RoutedFeedForward (quant_experts.h): a step's experts each over its rows
+// gathered together; a decode step's projections in one parallel region per kind (gate/up,
+// then down), other steps' one expert after another, each split over torch's threads.
 
 #include "quant_experts.h"
 
@@ -24,6 +25,23 @@ at::Tensor linear(const QuantLinear& op, const at::Tensor& x, int64_t local_prom
   return at::cat({op.forward(x.narrow(0, 0, local_prompt_from), false, false),
                   op.forward(x.narrow(0, local_prompt_from, rows - local_prompt_from), false,
                              true)});
+}
+
+// act(gate) * up of each row of a [rows, 2F] bf16 projection -> [rows, F] bf16 (the
+// decoder's own pass: decode_rows.h).
+at::Tensor gated_rows(const at::Tensor& gate_up, bool gelu) {
+  const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, ffn}, gate_up.options());
+  const bf16* gu = gate_up.data_ptr<bf16>();
+  bf16* act_p = act.data_ptr<bf16>();
+  for (int64_t j = 0; j < rows; ++j) {
+    if (gelu) {
+      shoal_decode::gated<true>(gu + j * 2 * ffn, gu + j * 2 * ffn + ffn, act_p + j * ffn, ffn);
+    } else {
+      shoal_decode::gated<false>(gu + j * 2 * ffn, gu + j * 2 * ffn + ffn, act_p + j * ffn, ffn);
+    }
+  }
+  return act;
 }
 
 }  // namespace
@@ -69,37 +87,51 @@ at::Tensor GroupedExperts::forward(const at::Tensor& input, const at::Tensor& we
   for (int64_t i = 0; i < t * k; ++i)
     if (held(chosen_p[i])) pairs[next[chosen_p[i]]++] = i;
 
-  at::Tensor out = at::zeros({t, hidden_}, x.options().dtype(at::kFloat));
-  float* out_p = out.data_ptr<float>();
+  // Each chosen expert's rows gathered ([count, H] bf16), in ascending expert order.
+  struct Group {
+    int64_t expert, begin, count, local_prompt_from;  // rows before it are generated ones
+    at::Tensor x;
+  };
+  std::vector<Group> groups;
   const bf16* x_p = x.data_ptr<bf16>();
   for (int64_t e = 0; e < n; ++e) {
     const int64_t begin = counts[e], count = counts[e + 1] - begin;
     if (count == 0) continue;
-    at::Tensor rows_x = at::empty({count, hidden_}, x.options());
-    bf16* gathered = rows_x.data_ptr<bf16>();
-    int64_t local_prompt_from = count;  // rows before it are generated ones
+    Group group{e, begin, count, count, at::empty({count, hidden_}, x.options())};
+    bf16* gathered = group.x.data_ptr<bf16>();
     for (int64_t j = 0; j < count; ++j) {
       const int64_t row = pairs[begin + j] / k;
-      if (row >= prompt_from && local_prompt_from == count) local_prompt_from = j;
+      if (row >= prompt_from && group.local_prompt_from == count) group.local_prompt_from = j;
       std::memcpy(gathered + j * hidden_, x_p + row * hidden_, hidden_ * sizeof(bf16));
     }
-    const at::Tensor gate_up = linear(*gate_up_[e], rows_x, local_prompt_from);  // [count, 2F]
-    at::Tensor act = at::empty({count, ffn_}, x.options());
-    const bf16* gu = gate_up.data_ptr<bf16>();
-    bf16* act_p = act.data_ptr<bf16>();
-    for (int64_t j = 0; j < count; ++j) {
-      if (gelu_) {
-        shoal_decode::gated<true>(gu + j * 2 * ffn_, gu + j * 2 * ffn_ + ffn_, act_p + j * ffn_,
-                                  ffn_);
-      } else {
-        shoal_decode::gated<false>(gu + j * 2 * ffn_, gu + j * 2 * ffn_ + ffn_, act_p + j * ffn_,
-                                   ffn_);
-      }
+    groups.push_back(std::move(group));
+  }
+  // Generated rows only (a decode step): every expert's projection in one parallel region.
+  const bool generated = prompt_from >= t;
+  const auto project = [&](const std::vector<std::shared_ptr<QuantLinear>>& ops,
+                           const std::vector<at::Tensor>& inputs) {
+    std::vector<at::Tensor> outs;
+    if (generated) {
+      std::vector<const QuantLinear*> chosen_ops;
+      for (const Group& g : groups) chosen_ops.push_back(ops[g.expert].get());
+      return QuantLinear::forward_generated(chosen_ops, inputs);
     }
-    const at::Tensor y = linear(*down_[e], act, local_prompt_from);  // [count, H] bf16
-    const bf16* y_p = y.data_ptr<bf16>();
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t pair = pairs[begin + j], row = pair / k;
+    for (size_t i = 0; i < groups.size(); ++i)
+      outs.push_back(linear(*ops[groups[i].expert], inputs[i], groups[i].local_prompt_from));
+    return outs;
+  };
+  std::vector<at::Tensor> inputs;
+  for (const Group& g : groups) inputs.push_back(g.x);
+  const std::vector<at::Tensor> gate_up = project(gate_up_, inputs);  // each [count, 2F]
+  for (size_t i = 0; i < groups.size(); ++i) inputs[i] = gated_rows(gate_up[i], gelu_);
+  const std::vector<at::Tensor> ys = project(down_, inputs);  // each [count, H] bf16
+
+  at::Tensor out = at::zeros({t, hidden_}, x.options().dtype(at::kFloat));
+  float* out_p = out.data_ptr<float>();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const bf16* y_p = ys[i].data_ptr<bf16>();
+    for (int64_t j = 0; j < groups[i].count; ++j) {
+      const int64_t pair = pairs[groups[i].begin + j], row = pair / k;
       const float w = weights_p[pair];
       float* o = out_p + row * hidden_;
       const bf16* yr = y_p + j * hidden_;
@@ -107,6 +139,43 @@ at::Tensor GroupedExperts::forward(const at::Tensor& input, const at::Tensor& we
     }
   }
   return out;
+}
+
+RoutedFeedForward::RoutedFeedForward(at::Tensor router, int64_t top_k, bool normalize,
+                                     std::shared_ptr<GroupedExperts> experts,
+                                     std::shared_ptr<QuantLinear> shared_gate_up,
+                                     std::shared_ptr<QuantLinear> shared_down,
+                                     std::optional<at::Tensor> shared_gate, bool shared_gelu)
+    : router_(router.contiguous()), top_k_(top_k), normalize_(normalize),
+      experts_(std::move(experts)), shared_gate_up_(std::move(shared_gate_up)),
+      shared_down_(std::move(shared_down)),
+      shared_gate_(shared_gate ? shared_gate->contiguous() : at::Tensor()),
+      shared_gelu_(shared_gelu) {
+  TORCH_CHECK(experts_ != nullptr, "RoutedFeedForward: no experts");
+  TORCH_CHECK(router_.scalar_type() == at::kFloat && router_.dim() == 2 &&
+                  router_.size(0) == experts_->experts(),
+              "RoutedFeedForward: router must be [experts, hidden] float32");
+  TORCH_CHECK(top_k_ >= 1 && top_k_ <= router_.size(0), "RoutedFeedForward: bad top_k");
+  TORCH_CHECK((shared_gate_up_ == nullptr) == (shared_down_ == nullptr),
+              "RoutedFeedForward: a shared expert needs gate_up and down");
+  TORCH_CHECK(!shared_gate_.defined() || shared_gate_up_ != nullptr,
+              "RoutedFeedForward: a shared gate without a shared expert");
+}
+
+at::Tensor RoutedFeedForward::forward(const at::Tensor& x) const {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor probs = at::softmax(at::linear(xf, router_), -1);  // [B, experts]
+  auto [weights, chosen] = at::topk(probs, top_k_, -1);                // [B, k] each
+  if (normalize_) weights = weights / weights.sum(at::IntArrayRef{-1}, true);
+  at::Tensor out = experts_->forward(x, weights, chosen, x.size(0));  // [B, H] float32
+  if (shared_gate_up_ != nullptr) {
+    const at::Tensor gate_up = shared_gate_up_->forward(x, false, false);  // [B, 2F]
+    at::Tensor shared =
+        shared_down_->forward(gated_rows(gate_up, shared_gelu_), false, false).to(at::kFloat);
+    if (shared_gate_.defined()) shared = at::sigmoid(at::linear(xf, shared_gate_)) * shared;
+    out += shared;
+  }
+  return out.to(at::kBFloat16);
 }
 
 }  // namespace shoal_quant

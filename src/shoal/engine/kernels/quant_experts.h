@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "quant.h"
@@ -36,6 +37,35 @@ class GroupedExperts {
   std::vector<std::shared_ptr<QuantLinear>> gate_up_, down_;
   bool gelu_;
   int64_t hidden_, ffn_;
+};
+
+// A mixture-of-experts feed-forward with top-k softmax routing for generated rows, in one
+// call: the fused decoder's (decode.cpp) MLP of such a layer. forward(x) is bit for bit
+// layers/experts.py's MixtureOfExperts over a Router (and its SharedExpert, if any) for
+// generated rows: the router and the shared expert's gate run as the same ATen ops as
+// there, in float32 (softmax of x.float() @ router.T, top k, rescaled to sum 1 where
+// normalize), the routed experts through GroupedExperts, the shared expert's output scaled
+// by sigmoid(x.float() . shared_gate) where it has a gate, added in float32, rounded once.
+class RoutedFeedForward {
+ public:
+  // router: [experts, H] float32; shared_gate: [1, H] float32.
+  RoutedFeedForward(at::Tensor router, int64_t top_k, bool normalize,
+                    std::shared_ptr<GroupedExperts> experts,
+                    std::shared_ptr<QuantLinear> shared_gate_up,
+                    std::shared_ptr<QuantLinear> shared_down,
+                    std::optional<at::Tensor> shared_gate, bool shared_gelu);
+
+  // x [B, H] bf16, generated rows -> [B, H] bf16.
+  at::Tensor forward(const at::Tensor& x) const;
+
+ private:
+  at::Tensor router_;
+  int64_t top_k_;
+  bool normalize_;
+  std::shared_ptr<GroupedExperts> experts_;
+  std::shared_ptr<QuantLinear> shared_gate_up_, shared_down_;
+  at::Tensor shared_gate_;  // undefined: no gate
+  bool shared_gelu_;
 };
 
 }  // namespace shoal_quant

@@ -262,6 +262,59 @@ at::Tensor QuantLinear::forward(const at::Tensor& input, bool float_out, bool pr
   return out;
 }
 
+std::vector<at::Tensor> QuantLinear::forward_generated(
+    const std::vector<const QuantLinear*>& linears, const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(linears.size() == inputs.size(), "forward_generated: one input per linear");
+  const size_t n = linears.size();
+  bool together = SHOAL_QUANT_AVX512;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(linears[i] != nullptr, "forward_generated: a linear is missing");
+    const Backend backend = linears[i]->backend_;
+    const int64_t m = inputs[i].dim() == 2 ? inputs[i].size(0) : 0;
+    together = together && (backend == Backend::kAvx512 || backend == Backend::kAmx) &&
+               m >= 1 && m <= kDirectRows;
+  }
+  std::vector<at::Tensor> outs;
+  outs.reserve(n);
+  if (!together) {
+    for (size_t i = 0; i < n; ++i) outs.push_back(linears[i]->forward(inputs[i], false, false));
+    return outs;
+  }
+#if SHOAL_QUANT_AVX512
+  // As forward's generated path (run_direct), each linear's strips numbered on from the last.
+  std::vector<at::Tensor> xs(n);
+  std::vector<Call> calls;
+  calls.reserve(n);
+  std::vector<int64_t> first(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const QuantLinear& op = *linears[i];
+    TORCH_CHECK(inputs[i].scalar_type() == at::kBFloat16 && inputs[i].size(1) == op.k_,
+                "forward_generated: x must be [M, ", op.k_, "] bfloat16");
+    xs[i] = inputs[i].contiguous();
+    const int64_t m = xs[i].size(0);
+    outs.push_back(at::empty({m, op.n_total_}, xs[i].options()));
+    calls.push_back(Call{xs[i].data_ptr<bf16>(), m,
+                         op.bias_.defined() ? op.bias_.data_ptr<float>() : nullptr, false,
+                         outs[i].data_ptr()});
+    Call& call = calls.back();
+    if (op.runs16_) call.sums16 = run_sums(call.x, m, op.k_, 16);
+    if (op.runs32_) call.sums32 = run_sums(call.x, m, op.k_, 32);
+    call.chained = chain_order(call.x, m, op.k_);
+    first[i + 1] = first[i] + op.strips_total_;
+  }
+  at::parallel_for(0, first[n], 4, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (; i < n && first[i] < end; ++i) {
+      const int64_t b0 = std::max(begin, first[i]) - first[i];
+      const int64_t b1 = std::min(end, first[i + 1]) - first[i];
+      if (b0 < b1)
+        linears[i]->direct_rows(calls[i], false, b0, b1, 0, static_cast<int>(calls[i].m));
+    }
+  });
+#endif
+  return outs;
+}
+
 void QuantLinear::run_portable(const Call& call) const {
   at::parallel_for(0, strips_total_, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(call.m * kCols);
