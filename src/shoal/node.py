@@ -97,8 +97,11 @@ def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = No
     tiers = _read_file(load_clients, settings.clients_file)
     queue = AdmissionQueue(settings.queue, tiers)
     registry = RunnerRegistry(make_supervisor or runner_factory(config))
+    # Without a download, a model on no disk here is copied from a peer before any pull.
+    here = None if resolve is not None else functools.partial(resolve_model,
+                                                               data_dir=config.data_dir)
     return ModelPool(registry, resolve=resolve or node_resolver(config, puller),
-                     keep_alive_s=config.keep_alive_s, queue=queue)
+                     keep_alive_s=config.keep_alive_s, queue=queue, resolve_here=here)
 
 
 def _read_file(load: Callable[[Any], Any], path: Any) -> Any:
@@ -148,6 +151,8 @@ def _protect_in_use(puller: Puller, router: Router, config: NodeConfig) -> None:
 
     puller.keep = keep
     puller.observers.append(router.metrics.count_pulled)
+    if router.cluster is not None:  # bytes copied from peers count as pulled ("peer")
+        router.cluster.transfer.observers.append(router.metrics.count_pulled)
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:

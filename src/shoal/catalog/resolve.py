@@ -66,7 +66,14 @@ def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
     cards = load_builtin_catalog() if catalog is None else catalog
     card = find_card(name, cards)
     if card is not None:
-        return _resolve_card(card, data_dir_or_default(data_dir))
+        try:
+            return _resolve_card(card, data_dir_or_default(data_dir))
+        except ModelNotFound:
+            # A copy fetched from another node lives in the store under the card's id.
+            stored = find_stored(card.id, ModelStore.of_data_dir(data_dir_or_default(data_dir)))
+            if stored is None:
+                raise
+            return stored_source(stored)
     tried = [f"catalogue ids and aliases ({', '.join(c.id for c in cards)})"]
     store = ModelStore.of_data_dir(data_dir_or_default(data_dir))
     stored = find_stored(name, store)

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shoal.cluster import traces
@@ -38,7 +39,13 @@ from shoal.cluster.events import (
     TaskFailed,
     WorkerEvent,
 )
+from shoal.catalog.file_hashes import FileHashes
+from shoal.catalog.resolve import data_dir_or_default
+from shoal.catalog.store import ModelStore
+from shoal.cluster.background import cancel_and_wait
+from shoal.cluster.held_models import HeldModels
 from shoal.cluster.instances import Instance, PlacementRequest
+from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
 from shoal.cluster.node_budget import held_bytes, node_capacities
 from shoal.cluster.prefix_share import PrefixShare
 from shoal.cluster.queries import ClusterQueries
@@ -84,21 +91,27 @@ class ServiceConfig:
     # How long POST /instances waits for the master's answer.
     place_timeout_s: float = 10.0
     recent_events: int = 1000
+    # How often this node lists (and hashes, once) the model files it holds, for telemetry.
+    held_scan_s: float = 5.0
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cards: CardConfig = field(default_factory=CardConfig)
     proposer: ProposerConfig = field(default_factory=ProposerConfig)
 
     def __post_init__(self) -> None:
         for name in ("accept_timeout_s", "resend_s", "first_chunk_timeout_s",
-                     "silence_timeout_s", "peer_gone_s", "place_timeout_s"):
+                     "silence_timeout_s", "peer_gone_s", "place_timeout_s", "held_scan_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cluster {name} must be positive")
 
 
 class ClusterService:
     def __init__(self, plane: ControlPlane, pool: ModelPool, usable_memory: Callable[[], int],
-                 config: ServiceConfig | None = None, **worker_options: Any) -> None:
-        """worker_options go to the WorkerDriver (the group-connect deadline)."""
+                 config: ServiceConfig | None = None, held: HeldModels | None = None,
+                 data_dir: Path | None = None, **worker_options: Any) -> None:
+        """held: the model files this node advertises (None: only what its pool resolved);
+        data_dir: where copies fetched from peers land (its model store); worker_options go
+        to the WorkerDriver (the group-connect deadline)."""
         self.plane = plane
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
@@ -120,6 +133,14 @@ class ClusterService:
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
         pool.unloader = lambda instance_id, reason: self.delete(instance_id, reason)
+        # Model files between nodes: what this node holds, and copies of what it lacks.
+        self.held = held or HeldModels(
+            lambda: ((source, ()) for source in pool.names.sources().values()), FileHashes())
+        self.transfer = ModelTransfer(
+            plane.transport, self.held, ModelStore.of_data_dir(data_dir_or_default(data_dir)),
+            self._peer_readings, self.config.transfer)
+        pool.names.fetch_from_peers = self.transfer.fetch
+        self._scanning: asyncio.Task[None] | None = None
 
     async def trace(self, trace_id: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """trace_id's spans from every node (this node's from its pool): the parts that
@@ -134,6 +155,8 @@ class ClusterService:
         self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
         self.streams.start()
         self.queries.start()
+        self.transfer.start()
+        self._scanning = asyncio.create_task(self._scan_held(), name="held-models")
         await self.prefixes.start()
         await self.plane.start()
         await self.capabilities.start()
@@ -142,11 +165,30 @@ class ClusterService:
     async def stop(self) -> None:
         await self.worker.stop()
         await self.capabilities.stop()
+        await cancel_and_wait([self._scanning])
+        await self.transfer.stop()
         self.streams.stop()
         await self.prefixes.stop()
         await self.queries.stop()
         await self.plane.stop()
         await self.plane.transport.close()
+
+    async def _scan_held(self) -> None:
+        """List this node's model files every held_scan_s, while it has peers to tell (a
+        node alone never hashes its models); hashing runs off the event loop."""
+        while True:
+            if self.plane.transport.peers:
+                try:
+                    await asyncio.to_thread(self.held.scan)
+                except Exception:  # noqa: BLE001 - the next round tries again
+                    log.exception("cannot list this node's model files")
+            await asyncio.sleep(self.config.held_scan_s)
+
+    def _peer_readings(self) -> list[NodeReading]:
+        """The latest readings of the other live nodes (what model files each holds)."""
+        table, now = self.plane.telemetry.table, time.monotonic()
+        return [reading for node, reading in table.readings().items()
+                if node != self.node_id and table.is_alive(node, now)]
 
     # --- what the worker needs (ClusterLink) ---------------------------------------------------
 

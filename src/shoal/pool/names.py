@@ -9,12 +9,15 @@ known without resolving again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from shoal.catalog.resolve import resolve_model
+from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.engine.config import ModelSource, ModelTask
 
 Resolver = Callable[[str], ModelSource]
+# A model's files copied from another node: True once here, False when no node holds them;
+# ModelNotFound when every holder failed.
+PeerFetch = Callable[[str], Awaitable[bool]]
 
 
 class WrongModelTask(ValueError):
@@ -22,8 +25,15 @@ class WrongModelTask(ValueError):
 
 
 class ModelNames:
-    def __init__(self, resolve: Resolver | None = None) -> None:
+    """resolve: how a name becomes files (may pull from the outside source); resolve_here:
+    the same without any download (default: resolve). A model on no disk here is copied
+    from another node (fetch_from_peers, which the cluster sets) before any pull."""
+
+    def __init__(self, resolve: Resolver | None = None,
+                 resolve_here: Resolver | None = None) -> None:
         self._resolve = resolve or resolve_model
+        self._resolve_here = resolve_here or self._resolve
+        self.fetch_from_peers: PeerFetch | None = None
         self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
         self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
         self._sources: dict[str, ModelSource] = {}  # model id -> where its weights are
@@ -52,7 +62,23 @@ class ModelNames:
         return model_id, source
 
     async def resolve(self, name: str) -> ModelSource:
-        """Where name's weights are, looked up afresh (ModelNotFound if unknown)."""
+        """Where name's weights are, looked up afresh: on disk here, else copied from a
+        node holding them, else pulled when the resolver pulls (ModelNotFound if unknown)."""
+        try:
+            return await asyncio.to_thread(self._resolve_here, name)
+        except ModelNotFound:
+            if self.fetch_from_peers is None:
+                if self._resolve_here is self._resolve:
+                    raise
+                return await asyncio.to_thread(self._resolve, name)
+        try:
+            if await self.fetch_from_peers(name):
+                return await asyncio.to_thread(self._resolve_here, name)
+        except ModelNotFound as failed:
+            try:  # the outside source, when the resolver pulls
+                return await asyncio.to_thread(self._resolve, name)
+            except ModelNotFound as error:
+                raise ModelNotFound(f"{failed}; {error}") from error
         return await asyncio.to_thread(self._resolve, name)
 
     async def source_of(self, model_id: str) -> ModelSource:
@@ -63,6 +89,10 @@ class ModelNames:
             source = await self.resolve(model_id)
             self._sources[model_id] = source
         return source
+
+    def sources(self) -> dict[str, ModelSource]:
+        """model id -> where its weights are, for every model resolved here so far."""
+        return dict(self._sources)
 
     def canonical_id(self, name: str) -> str:
         """The id name was identified as; name itself if it has not been."""

@@ -42,7 +42,7 @@ from shoal.catalog.resolve import (
 )
 from shoal.catalog.store import ModelStore, StoredModel, choose_victims, write_json_atomically
 
-_STAGED_PLAN = ".staged.json"  # in a staging directory: each file's digest, as planned
+STAGED_PLAN = ".staged.json"  # in a staging directory: each file's digest, as planned
 FreeBytes = Callable[[Path], int]
 Install = Callable[[Sequence[str], str], None]
 
@@ -242,7 +242,7 @@ class Puller:
 
     def _fetch(self, plan: PullPlan, client: httpx.Client, report: Progress) -> StoredModel:
         staging = self.store.staging_for(plan.key)
-        _forget_stale_files(staging, plan)
+        forget_stale_files(staging, {remote.path: remote.digest for remote in plan.files})
         self._make_room(plan, staging)
         for remote in plan.files:
             fetch_file(client, remote, staging / remote.path, plan.headers, report, plan.label,
@@ -250,7 +250,7 @@ class Puller:
         weights = plan.weights
         if plan.split_parts:
             weights = self._merge(plan, staging, report)
-        (staging / _STAGED_PLAN).unlink()  # all fetched: the directory is the model now
+        (staging / STAGED_PLAN).unlink()  # all fetched: the directory is the model now
         report(PullEvent("writing manifest"))
         manifest = {"name": plan.key, "names": [plan.key], "source": plan.source,
                     "format": plan.format, "weights": weights,
@@ -296,11 +296,11 @@ class Puller:
                                 f"{_gb(free)} are free")
 
 
-def _forget_stale_files(staging: Path, plan: PullPlan) -> None:
-    """Drop what an earlier pull of this name left that the source has since changed (a
-    new revision, a retagged model): resuming it would mix two files' bytes."""
-    record = staging / _STAGED_PLAN
-    wanted = {remote.path: remote.digest for remote in plan.files}
+def forget_stale_files(staging: Path, wanted: dict[str, str]) -> None:
+    """Drop what an earlier pull (or peer fetch) of this name left that the source has since
+    changed (a new revision, a retagged model): resuming it would mix two files' bytes.
+    wanted: each file's path -> digest now."""
+    record = staging / STAGED_PLAN
     try:
         staged = json.loads(record.read_text())
     except (OSError, ValueError):

@@ -1,0 +1,337 @@
+"""Model files between nodes, over the data plane: a node that lacks a model another node
+holds copies it from that node instead of from the outside source.
+
+The asking node sends {"model_file_ask": {fetch, from, model, path, offset, length}} to a
+holder's data key; the holder reads that range of a file it advertises (held_models.py;
+nothing else is ever read) and answers {"model_file_part": {fetch, offset, data, sha256}},
+or {..., "error"}. The asker keeps `window` chunks asked ahead, checks each chunk's hash,
+writes them in order to <file>.partial in the store's staging directory, and paces itself
+to `rate_bytes_per_s` so that serving on both nodes goes on. A finished file is checked
+against the size and sha256 its holder advertised, then renamed into place; the model is
+installed into the store in one rename (the pull package's staging, verification and
+landing). A partial file is resumed from where it stopped, by this holder or another.
+
+Every wait is bounded: a holder silent for `chunk_wait_s` (killed, or gone from the
+cluster) is dropped and the next holder of the same files resumes the file; when none is
+left the fetch fails with every holder's reason, and the caller may fall back to the
+outside source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoal.catalog.pull.download import PARTIAL_SUFFIX, RemoteFile, verify_file
+from shoal.catalog.pull.errors import PullError
+from shoal.catalog.pull.progress import Progress, PullEvent
+from shoal.catalog.pull.puller import STAGED_PLAN, forget_stale_files
+from shoal.catalog.resolve import ModelNotFound
+from shoal.catalog.store import ModelStore
+from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD
+from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
+from shoal.cluster.telemetry import NodeReading
+from shoal.cluster.transport.base import Subscription, Transport, TransportError
+from shoal.ids import NodeId
+
+log = logging.getLogger("shoal.cluster.transfer")
+
+SOURCE = "peer"  # the label of these bytes in progress events and /metrics
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    chunk_bytes: int = 1024 * 1024
+    window: int = 4  # chunks asked ahead of the one being written
+    chunk_wait_s: float = 10.0  # a holder silent this long is given up
+    # --peer-fetch-rate: at most this many bytes a second per fetch; None: unbounded.
+    rate_bytes_per_s: float | None = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1 or self.window < 1 or self.chunk_wait_s <= 0:
+            raise ValueError("peer fetch chunk_bytes, window and chunk_wait_s must be positive")
+        if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
+            raise ValueError("--peer-fetch-rate must be positive")
+
+
+class _HolderFailed(Exception):
+    """This holder cannot finish the file (silent, gone, refused, or sent bad bytes)."""
+
+
+Readings = Callable[[], Sequence[NodeReading]]
+
+
+class ModelTransfer:
+    """Serves this node's advertised files to peers, and fetches missing models from them.
+
+    readings(): the live telemetry readings of the other nodes (what each holds)."""
+
+    def __init__(self, transport: Transport, held: HeldModels, store: ModelStore,
+                 readings: Readings, config: TransferConfig | None = None) -> None:
+        self._transport = transport
+        self.held = held
+        self.store = store
+        self._readings = readings
+        self.config = config or TransferConfig()
+        self.observers: list[Progress] = []  # every fetch's progress (the node's metrics)
+        self._parts: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._fetching: dict[str, asyncio.Task[bool]] = {}
+        self._serving: set[asyncio.Task] = set()
+        self._subscription: Subscription | None = None
+        self.fetched_bytes = 0  # bytes received from peers
+        self.served_bytes = 0  # bytes sent to peers
+
+    def start(self) -> None:
+        self._subscription = self._transport.subscribe_data(self._on_data)
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+        for task in [*self._serving, *self._fetching.values()]:
+            task.cancel()
+
+    def holders(self, name: str) -> tuple[HeldModel, list[NodeId]] | None:
+        """The files other nodes hold under name, and which nodes hold exactly those (the
+        version most of them hold); None when no other node holds it."""
+        found = [(reading.node_id, model) for reading in self._readings()
+                 if reading.node_id != self._transport.node_id
+                 and (model := reading.held(name)) is not None]
+        if not found:
+            return None
+        versions = Counter(_version(model) for _, model in found)
+        wanted = versions.most_common(1)[0][0]
+        nodes = sorted(node for node, model in found if _version(model) == wanted)
+        model = next(model for _, model in found if _version(model) == wanted)
+        return model, nodes
+
+    async def fetch(self, name: str) -> bool:
+        """Copy name's files from a peer into this node's store: True once installed, False
+        when no peer holds it; ModelNotFound (saying why) when every holder failed.
+        Concurrent fetches of one model are one fetch."""
+        found = self.holders(name)
+        if found is None:
+            return False
+        key = found[0].model.lower()  # any of its names: one fetch
+        task = self._fetching.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._fetch(*found))
+            self._fetching[key] = task
+            task.add_done_callback(lambda _t: self._fetching.pop(key, None))
+        return await asyncio.shield(task)
+
+    # --- fetching ------------------------------------------------------------------------
+
+    async def _fetch(self, model: HeldModel, nodes: list[NodeId]) -> bool:
+        label = f"fetch model {model.model!r} from peer {', '.join(nodes)}"
+        log.info("%s: %d file(s), %d bytes", label, len(model.files), model.size)
+        staging = self.store.staging_for(model.model)
+        # What an earlier fetch or pull of this name left of other file versions goes.
+        await asyncio.to_thread(forget_stale_files, staging,
+                                {f.path: f"sha256:{f.sha256}" for f in model.files})
+        _check_room(self.store, staging, model, label)
+        failures: dict[NodeId, str] = {}
+        for file in model.files:
+            await self._fetch_file(model, file, staging, nodes, failures, label)
+        manifest = {"name": model.model, "names": [model.model, *model.names],
+                    "source": SOURCE, "format": model.format,
+                    "weights": model.files[0].path if model.format == "gguf" else ".",
+                    "size": model.size, "pulled_at": time.time(),
+                    "origin": {"peers": list(nodes)},
+                    "files": [{"path": f.path, "size": f.size, "digest": f"sha256:{f.sha256}",
+                               "sha256": f.sha256} for f in model.files]}
+        (staging / STAGED_PLAN).unlink(missing_ok=True)  # all fetched: it is the model now
+        await asyncio.to_thread(self.store.install, staging, manifest)
+        self._report(PullEvent("success", source=SOURCE))
+        log.info("%s: installed in %s", label, self.store.root)
+        return True
+
+    async def _fetch_file(self, model: HeldModel, file: HeldFile, staging: Path,
+                          nodes: list[NodeId], failures: dict[NodeId, str], label: str) -> None:
+        target = staging / file.path
+        remote = RemoteFile(url=f"shoal-peer://{nodes[0]}/{file.path}", path=file.path,
+                            size=file.size, digest=f"sha256:{file.sha256}", sha256=file.sha256)
+        if target.is_file() and target.stat().st_size == file.size:
+            return  # verified before it was renamed, by an earlier fetch
+        partial = target.with_name(target.name + PARTIAL_SUFFIX)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for node in nodes:
+            if node in failures:
+                continue
+            try:
+                await self._copy_from(node, model, file, partial)
+                break
+            except _HolderFailed as error:
+                failures[node] = str(error)
+                log.warning("%s: %s of %s from %s: %s; trying another holder", label,
+                            file.path, model.model, node, error)
+        else:
+            reasons = "; ".join(f"{node}: {why}" for node, why in failures.items())
+            raise ModelNotFound(f"{label}: no holder could finish {file.path} ({reasons}); "
+                                f"fetch again to resume it")
+        try:
+            await asyncio.to_thread(verify_file, remote, partial, label)
+        except PullError as error:
+            raise ModelNotFound(str(error)) from error
+        os.replace(partial, target)
+
+    async def _copy_from(self, node: NodeId, model: HeldModel, file: HeldFile,
+                         partial: Path) -> None:
+        """Append to partial the rest of file from node, chunk by chunk in order."""
+        config = self.config
+        have = partial.stat().st_size if partial.exists() else 0
+        if have > file.size:
+            partial.unlink()
+            have = 0
+        fetch_id = uuid.uuid4().hex
+        parts = self._parts[fetch_id] = asyncio.Queue()
+        asked, early = have, {}
+        started, copied = time.monotonic(), 0
+        try:
+            with partial.open("r+b" if have else "wb") as out:
+                out.seek(have)
+                out.truncate()
+                while have < file.size:
+                    while asked < file.size and asked - have < config.window * config.chunk_bytes:
+                        self._ask(node, fetch_id, model, file, asked)
+                        asked += min(config.chunk_bytes, file.size - asked)
+                    part = await self._next_part(node, parts)
+                    early[int(part["offset"])] = part
+                    while (part := early.pop(have, None)) is not None:
+                        data = _checked(part, have, file)
+                        await asyncio.to_thread(out.write, data)
+                        have += len(data)
+                        copied += len(data)
+                        self.fetched_bytes += len(data)
+                        self._report(PullEvent(f"pulling {file.sha256[:12]}",
+                                               f"sha256:{file.sha256}", file.size, have,
+                                               new_bytes=len(data), source=SOURCE))
+                    await self._pace(started, copied)
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            self._parts.pop(fetch_id, None)
+
+    def _ask(self, node: NodeId, fetch_id: str, model: HeldModel, file: HeldFile,
+             offset: int) -> None:
+        length = min(self.config.chunk_bytes, file.size - offset)
+        try:
+            self._transport.send_data(node, {FILE_ASK_FIELD: {
+                "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
+                "path": file.path, "offset": offset, "length": length}})
+        except TransportError as error:
+            raise _HolderFailed(f"cannot reach it ({error})") from error
+
+    async def _next_part(self, node: NodeId, parts: asyncio.Queue[dict[str, Any]]
+                         ) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(self.config.chunk_wait_s):
+                part = await parts.get()
+        except TimeoutError:
+            gone = "" if node in self._transport.peers else " and left the cluster"
+            raise _HolderFailed(f"sent nothing for {self.config.chunk_wait_s:g} s{gone}") \
+                from None
+        if "error" in part:
+            raise _HolderFailed(str(part["error"]))
+        return part
+
+    async def _pace(self, started: float, copied: int) -> None:
+        """Sleep while this fetch is ahead of --peer-fetch-rate."""
+        rate = self.config.rate_bytes_per_s
+        if rate is not None:
+            ahead = copied / rate - (time.monotonic() - started)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+
+    def _report(self, event: PullEvent) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(event)
+            except Exception:  # noqa: BLE001 - a metrics hiccup must not stop a fetch
+                log.exception("a fetch progress observer failed")
+
+    # --- serving -------------------------------------------------------------------------
+
+    def _on_data(self, message: Any) -> None:
+        if not isinstance(message, dict):
+            return
+        if FILE_PART_FIELD in message:
+            part = message[FILE_PART_FIELD]
+            queue = self._parts.get(str(part.get("fetch"))) if isinstance(part, dict) else None
+            if queue is not None:
+                queue.put_nowait(part)
+        elif FILE_ASK_FIELD in message and isinstance(message[FILE_ASK_FIELD], dict):
+            task = asyncio.get_running_loop().create_task(self._serve(message[FILE_ASK_FIELD]))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, ask: dict[str, Any]) -> None:
+        try:
+            asker, fetch_id = NodeId(str(ask["from"])), str(ask["fetch"])
+            offset, length = int(ask["offset"]), int(ask["length"])
+            path = self.held.path_of(str(ask["model"]), str(ask["path"]))
+        except (KeyError, TypeError, ValueError):
+            log.warning("malformed model file ask dropped")
+            return
+        answer: dict[str, Any] = {"fetch": fetch_id, "offset": offset}
+        if path is None or offset < 0 or not 0 < length <= 64 * self.config.chunk_bytes:
+            answer["error"] = f"node {self._transport.node_id} does not hold {ask['path']}"
+        else:
+            try:
+                data = await asyncio.to_thread(_read_range, path, offset, length)
+                answer.update(data=data, sha256=hashlib.sha256(data).hexdigest())
+                self.served_bytes += len(data)
+            except OSError as error:
+                answer["error"] = f"cannot read {ask['path']}: {error}"
+        try:
+            self._transport.send_data(asker, {FILE_PART_FIELD: answer})
+        except TransportError as error:
+            log.warning("cannot send a model file part to %s: %s", asker, error)
+
+
+def _version(model: HeldModel) -> frozenset[tuple[str, int, str]]:
+    return frozenset((f.path, f.size, f.sha256) for f in model.files)
+
+
+def _checked(part: dict[str, Any], offset: int, file: HeldFile) -> bytes:
+    """A chunk's bytes once they match the hash they came with and fit the file."""
+    data = part.get("data")
+    if not isinstance(data, bytes) or not data or offset + len(data) > file.size:
+        raise _HolderFailed(f"sent a malformed chunk at offset {offset}")
+    if hashlib.sha256(data).hexdigest() != part.get("sha256"):
+        raise _HolderFailed(f"the chunk at offset {offset} does not match its sha256")
+    return data
+
+
+def _read_range(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(length)
+
+
+def _check_room(store: ModelStore, staging: Path, model: HeldModel, label: str) -> None:
+    """ModelNotFound when the disk has no room for what is still missing."""
+    needed = 0
+    for file in model.files:
+        target = staging / file.path
+        partial = target.with_name(target.name + PARTIAL_SUFFIX)
+        have = target.stat().st_size if target.exists() else (
+            partial.stat().st_size if partial.exists() else 0)
+        needed += max(0, file.size - have)
+    place = store.models_dir
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    free = shutil.disk_usage(place).free
+    if needed > free:
+        raise ModelNotFound(f"{label}: not enough free disk: {needed:,} bytes are needed in "
+                            f"{store.models_dir} and {free:,} are free")
