@@ -47,6 +47,7 @@ from shoal.ids import NodeId
 log = logging.getLogger("shoal.cluster.transfer")
 
 SOURCE = "peer"  # the label of these bytes in progress events and /metrics
+MAX_ASK_BYTES = 16 * 1024 * 1024  # the most one ask may read (whatever the asker's chunk)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,14 @@ class TransferConfig:
             raise ValueError("peer fetch chunk_bytes, window and chunk_wait_s must be positive")
         if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
             raise ValueError("--peer-fetch-rate must be positive")
+
+    @property
+    def chunk_size(self) -> int:
+        """Bytes per chunk: chunk_bytes, or a quarter second at the rate when that is less
+        (pacing then stays smooth; never under 4 KiB)."""
+        if self.rate_bytes_per_s is None:
+            return self.chunk_bytes
+        return max(4096, min(self.chunk_bytes, int(self.rate_bytes_per_s // 4)))
 
 
 class _HolderFailed(Exception):
@@ -188,7 +197,7 @@ class ModelTransfer:
     async def _copy_from(self, node: NodeId, model: HeldModel, file: HeldFile,
                          partial: Path) -> None:
         """Append to partial the rest of file from node, chunk by chunk in order."""
-        config = self.config
+        config, chunk = self.config, self.config.chunk_size
         have = partial.stat().st_size if partial.exists() else 0
         if have > file.size:
             partial.unlink()
@@ -202,9 +211,9 @@ class ModelTransfer:
                 out.seek(have)
                 out.truncate()
                 while have < file.size:
-                    while asked < file.size and asked - have < config.window * config.chunk_bytes:
+                    while asked < file.size and asked - have < config.window * chunk:
                         self._ask(node, fetch_id, model, file, asked)
-                        asked += min(config.chunk_bytes, file.size - asked)
+                        asked += min(chunk, file.size - asked)
                     part = await self._next_part(node, parts)
                     early[int(part["offset"])] = part
                     while (part := early.pop(have, None)) is not None:
@@ -224,7 +233,7 @@ class ModelTransfer:
 
     def _ask(self, node: NodeId, fetch_id: str, model: HeldModel, file: HeldFile,
              offset: int) -> None:
-        length = min(self.config.chunk_bytes, file.size - offset)
+        length = min(self.config.chunk_size, file.size - offset)
         try:
             self._transport.send_data(node, {FILE_ASK_FIELD: {
                 "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
@@ -284,7 +293,7 @@ class ModelTransfer:
             log.warning("malformed model file ask dropped")
             return
         answer: dict[str, Any] = {"fetch": fetch_id, "offset": offset}
-        if path is None or offset < 0 or not 0 < length <= 64 * self.config.chunk_bytes:
+        if path is None or offset < 0 or not 0 < length <= MAX_ASK_BYTES:
             answer["error"] = f"node {self._transport.node_id} does not hold {ask['path']}"
         else:
             try:

@@ -24,6 +24,7 @@ from shoal.cluster import traces
 from shoal.cluster.capabilities import Capabilities
 from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ControlPlane
+from shoal.cluster.decide import place_avoiding_failures
 from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
     CancelTask,
@@ -356,7 +357,8 @@ class ClusterService:
         no placement fits (the reason says why)."""
         if not self.ready:
             raise ClusterNotReady("the cluster is still forming (no master yet); retry shortly")
-        result = place(request, self.capacities(), self.plane.config.master.policy)
+        result = place_avoiding_failures(self.state, request, self.capacities(),
+                                         self.plane.config.master.policy)
         if not isinstance(result, Placement):
             if result.pending:
                 raise ClusterNotReady(result.reason)
@@ -424,9 +426,15 @@ class ClusterService:
                 "cpu_count": reading.cpu_count if reading else None,
                 "queue_depth": sum(reading.queue_depths.values()) if reading else 0,
                 "backends": list(reading.backends) if reading else [],
+                # The model files on its disk (placement prefers these nodes).
+                "models": [{"model": m.model, "size": m.size, "files": len(m.files)}
+                           for m in reading.models] if reading else [],
                 "last_seen": reading.taken_at if reading else None})
         return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
                 "instances": self.describe_instances(),
+                # Nodes left out of a model's placements after its download or load failed.
+                "load_failures": {model: dict(failed)
+                                  for model, failed in state.load_failures.items()},
                 "cards": self.capabilities.describe()}
 
     def describe_instances(self) -> list[dict[str, Any]]:

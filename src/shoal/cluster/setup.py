@@ -20,6 +20,7 @@ from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
 from shoal.cluster.held_models import HeldModels
 from shoal.cluster.master import MasterConfig
+from shoal.cluster.model_transfer import TransferConfig
 from shoal.cluster.placement import PlacementPolicy
 from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.service import ClusterService, ServiceConfig
@@ -114,7 +115,8 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     # Built first: a bad --propose-for source fails before any port is opened.
     service_config = ServiceConfig(
         cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
-        proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir))
+        proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir),
+        transfer=TransferConfig(rate_bytes_per_s=settings.peer_fetch_rate))
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir, kv_cache_dtype), read)
     service = ClusterService(plane, pool, usable_memory, service_config, held=held,

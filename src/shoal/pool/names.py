@@ -38,14 +38,15 @@ class ModelNames:
         self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
         self._sources: dict[str, ModelSource] = {}  # model id -> where its weights are
 
-    async def identify(self, name: str, task: ModelTask | None = None
+    async def identify(self, name: str, task: ModelTask | None = None, from_peers: bool = True
                        ) -> tuple[str, ModelSource | None]:
         """(canonical model id, its source if resolved just now); WrongModelTask when the
-        model does not do task, ModelNotFound when it is unknown."""
+        model does not do task, ModelNotFound when it is unknown. from_peers: a model on
+        no disk here may be copied from another node."""
         model_id = self._ids.get(name.lower())
         source = None
         if model_id is None:
-            source = await self.resolve(name)
+            source = await self.resolve(name, from_peers)
             model_id = source.model_id
             self._ids[name.lower()] = model_id
             self._ids[model_id.lower()] = model_id
@@ -61,13 +62,13 @@ class ModelNames:
                                  f"all-minilm-l6-v2)")
         return model_id, source
 
-    async def resolve(self, name: str) -> ModelSource:
+    async def resolve(self, name: str, from_peers: bool = True) -> ModelSource:
         """Where name's weights are, looked up afresh: on disk here, else copied from a
         node holding them, else pulled when the resolver pulls (ModelNotFound if unknown)."""
         try:
             return await asyncio.to_thread(self._resolve_here, name)
         except ModelNotFound:
-            if self.fetch_from_peers is None:
+            if self.fetch_from_peers is None or not from_peers:
                 if self._resolve_here is self._resolve:
                     raise
                 return await asyncio.to_thread(self._resolve, name)
