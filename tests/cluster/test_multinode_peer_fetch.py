@@ -84,3 +84,30 @@ def test_a_node_lacking_a_model_copies_it_from_a_holder_even_when_one_dies(tmp_p
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_pipeline_rank_on_a_node_lacking_the_model_fetches_it_and_answers_as_one_node(
+        tmp_path, model_path):
+    from test_multinode_parallel import delete, place
+
+    nodes = start_nodes(tmp_path, 2, extra={0: ["--dtype", "float32"],
+                                           1: ["--dtype", "float32"]})
+    try:
+        holder, other = nodes
+        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 2 for n in nodes),
+                 30, "a two-node cluster")
+        # Served once by path on the holder (resolved there, so listed), then unloaded.
+        expected = complete(holder, str(model_path), "Once upon a time")
+        [single] = cluster_of(holder)["instances"]
+        assert single["model"] == MODEL_ID  # the id every rank names the model by
+        delete(holder, single["instance_id"], nodes)
+        wait_for(lambda: holders_seen_by(other, 1), 30, "the holder listed")
+        pipeline = place(holder, str(model_path), "pipeline", 2)
+        assert len({rank["node_id"] for rank in pipeline["ranks"]}) == 2
+        assert complete(other, MODEL_ID, "Once upon a time") == expected
+        [copy] = (other.data_dir / "models" / "store").rglob(f"{MODEL_ID}.gguf")
+        assert copy.read_bytes() == model_path.read_bytes()
+        assert peer_bytes(other) == model_path.stat().st_size
+    finally:
+        for node in nodes:
+            node.stop()

@@ -142,6 +142,8 @@ class ClusterService:
             self._peer_readings, self.config.transfer)
         pool.names.fetch_from_peers = self.transfer.fetch
         self._scanning: asyncio.Task[None] | None = None
+        self._scan_now = asyncio.Event()  # a model newly resolved here: list it at once
+        pool.names.on_new_model = lambda _model: self._scan_now.set()
 
     async def trace(self, trace_id: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """trace_id's spans from every node (this node's from its pool): the parts that
@@ -175,15 +177,19 @@ class ClusterService:
         await self.plane.transport.close()
 
     async def _scan_held(self) -> None:
-        """List this node's model files every held_scan_s, while it has peers to tell (a
-        node alone never hashes its models); hashing runs off the event loop."""
+        """List this node's model files every held_scan_s, and at once when a model is newly
+        resolved here, while it has peers to tell (a node alone never hashes its models);
+        hashing runs off the event loop."""
         while True:
             if self.plane.transport.peers:
                 try:
                     await asyncio.to_thread(self.held.scan)
                 except Exception:  # noqa: BLE001 - the next round tries again
                     log.exception("cannot list this node's model files")
-            await asyncio.sleep(self.config.held_scan_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.held_scan_s):
+                    await self._scan_now.wait()
+            self._scan_now.clear()
 
     def _peer_readings(self) -> list[NodeReading]:
         """The latest readings of the other live nodes (what model files each holds)."""

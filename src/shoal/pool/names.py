@@ -34,6 +34,8 @@ class ModelNames:
         self._resolve = resolve or resolve_model
         self._resolve_here = resolve_here or self._resolve
         self.fetch_from_peers: PeerFetch | None = None
+        # Told each model id newly resolved here (the cluster lists its files soon after).
+        self.on_new_model: Callable[[str], None] | None = None
         self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
         self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
         self._sources: dict[str, ModelSource] = {}  # model id -> where its weights are
@@ -48,10 +50,7 @@ class ModelNames:
         if model_id is None:
             source = await self.resolve(name, from_peers)
             model_id = source.model_id
-            self._ids[name.lower()] = model_id
-            self._ids[model_id.lower()] = model_id
-            self._tasks[model_id] = source.task
-            self._sources[model_id] = source
+            self.remember(name, source)
         actual = self._tasks.get(model_id, "generate")
         if task is not None and actual != task:
             if actual == "embed":
@@ -61,6 +60,18 @@ class ModelNames:
                                  f"embeddings (use an embedding model such as "
                                  f"all-minilm-l6-v2)")
         return model_id, source
+
+    def remember(self, name: str, source: ModelSource) -> None:
+        """name (and the model's id) mean source from now on: a runner started for an
+        instance of it finds its files by the id."""
+        model_id = source.model_id
+        new = model_id not in self._sources
+        self._ids[name.lower()] = model_id
+        self._ids[model_id.lower()] = model_id
+        self._tasks[model_id] = source.task
+        self._sources[model_id] = source
+        if new and self.on_new_model is not None:
+            self.on_new_model(model_id)
 
     async def resolve(self, name: str, from_peers: bool = True) -> ModelSource:
         """Where name's weights are, looked up afresh: on disk here, else copied from a
@@ -88,7 +99,7 @@ class ModelNames:
         source = self._sources.get(model_id)
         if source is None:
             source = await self.resolve(model_id)
-            self._sources[model_id] = source
+            self.remember(model_id, source)
         return source
 
     def sources(self) -> dict[str, ModelSource]:
