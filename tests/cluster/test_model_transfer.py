@@ -162,3 +162,19 @@ def test_a_holder_serves_only_the_files_it_advertises(tmp_path):
     assert len(answers) == 3
     assert all("does not hold" in a[FILE_PART_FIELD]["error"] and "data" not in a[FILE_PART_FIELD]
                for a in answers)
+
+
+def test_nodes_holding_different_files_under_one_name_are_a_clear_error(tmp_path):
+    one = model_file(tmp_path / "one")
+    other = model_file(tmp_path / "other")  # the same name, other bytes
+
+    async def main():
+        hub = MemoryHub()
+        a, c = Node(hub, "a", tmp_path, one), Node(hub, "c", tmp_path, other)
+        asker = Node(hub, "b", tmp_path, readings=lambda: [a.reading(), c.reading()])
+        with pytest.raises(ModelNotFound, match="nodes hold different files under the name"):
+            await asker.transfer.fetch("tiny")
+        return asker
+
+    asker = asyncio.run(main())
+    assert asker.transfer.fetched_bytes == 0

@@ -44,10 +44,6 @@ class HeldModel(Frozen):
         key = name.strip().lower()
         return key == self.model.lower() or key in (n.lower() for n in self.names)
 
-    def same_files(self, other: HeldModel) -> bool:
-        return {(f.path, f.size, f.sha256) for f in self.files} == \
-            {(f.path, f.size, f.sha256) for f in other.files}
-
 
 # The models this node can serve from disk now: (source, other names it answers to).
 HeldSources = Callable[[], Iterable[tuple[ModelSource, Sequence[str]]]]

@@ -26,7 +26,6 @@ import os
 import shutil
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,22 +110,29 @@ class ModelTransfer:
             task.cancel()
 
     def holders(self, name: str) -> tuple[HeldModel, list[NodeId]] | None:
-        """The files other nodes hold under name, and which nodes hold exactly those (the
-        version most of them hold); None when no other node holds it."""
+        """The files other nodes hold under name, and the nodes holding them; None when no
+        other node holds it. ModelNotFound when nodes hold different files under one name
+        (two files of the same name on two machines, say): copying either would be a guess."""
         found = [(reading.node_id, model) for reading in self._readings()
                  if reading.node_id != self._transport.node_id
                  and (model := reading.held(name)) is not None]
         if not found:
             return None
-        versions = Counter(_version(model) for _, model in found)
-        wanted = versions.most_common(1)[0][0]
-        nodes = sorted(node for node, model in found if _version(model) == wanted)
-        model = next(model for _, model in found if _version(model) == wanted)
-        return model, nodes
+        versions: dict[frozenset[tuple[str, int, str]], list[NodeId]] = {}
+        for node, model in found:
+            versions.setdefault(_version(model), []).append(node)
+        if len(versions) > 1:
+            held = "; ".join(f"{', '.join(sorted(nodes))}: {_describe(version)}"
+                             for version, nodes in versions.items())
+            raise ModelNotFound(f"nodes hold different files under the name {name!r} ({held}); "
+                                f"name the model by a path or pull it here")
+        [nodes] = versions.values()
+        return found[0][1], sorted(nodes)
 
     async def fetch(self, name: str) -> bool:
         """Copy name's files from a peer into this node's store: True once installed, False
-        when no peer holds it; ModelNotFound (saying why) when every holder failed.
+        when no peer holds it; ModelNotFound (saying why) when every holder failed or
+        holders disagree on its files.
         Concurrent fetches of one model are one fetch."""
         found = self.holders(name)
         if found is None:
@@ -310,6 +316,10 @@ class ModelTransfer:
 
 def _version(model: HeldModel) -> frozenset[tuple[str, int, str]]:
     return frozenset((f.path, f.size, f.sha256) for f in model.files)
+
+
+def _describe(version: frozenset[tuple[str, int, str]]) -> str:
+    return ", ".join(f"{path} sha256 {sha256[:12]}" for path, _, sha256 in sorted(version))
 
 
 def _checked(part: dict[str, Any], offset: int, file: HeldFile) -> bytes:
