@@ -151,8 +151,10 @@ def _protect_in_use(puller: Puller, router: Router, config: NodeConfig) -> None:
 
     puller.keep = keep
     puller.observers.append(router.metrics.count_pulled)
-    if router.cluster is not None:  # bytes copied from peers count as pulled ("peer")
-        router.cluster.transfer.observers.append(router.metrics.count_pulled)
+    if router.cluster is not None:  # copies from peers: counted as pulled ("peer"), and
+        transfer = router.cluster.transfer  # bounded by --models-disk as pulls are
+        transfer.observers.append(router.metrics.count_pulled)
+        transfer.make_room = puller.make_room
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:

@@ -178,3 +178,27 @@ def test_nodes_holding_different_files_under_one_name_are_a_clear_error(tmp_path
 
     asker = asyncio.run(main())
     assert asker.transfer.fetched_bytes == 0
+
+
+def test_no_room_for_the_copy_is_a_clear_error_before_any_byte_moves(tmp_path):
+    from shoal.catalog.pull.errors import NotEnoughDisk
+
+    original = model_file(tmp_path / "files")
+    asked = []
+
+    def no_room(model_size, missing, label):
+        asked.append((model_size, missing))
+        raise NotEnoughDisk(f"{label}: the model store is bounded (--models-disk)")
+
+    async def main():
+        hub = MemoryHub()
+        holder = Node(hub, "a", tmp_path, original)
+        asker = Node(hub, "b", tmp_path, readings=lambda: [holder.reading()])
+        asker.transfer.make_room = no_room
+        with pytest.raises(ModelNotFound, match="--models-disk"):
+            await asker.transfer.fetch("tiny")
+        return holder
+
+    holder = asyncio.run(main())
+    size = original.stat().st_size
+    assert asked == [(size, size)] and holder.transfer.served_bytes == 0

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.catalog.pull.download import PARTIAL_SUFFIX, RemoteFile, verify_file
-from shoal.catalog.pull.errors import PullError
+from shoal.catalog.pull.errors import NotEnoughDisk, PullError
 from shoal.catalog.pull.progress import Progress, PullEvent
 from shoal.catalog.pull.puller import STAGED_PLAN, forget_stale_files
 from shoal.catalog.resolve import ModelNotFound
@@ -92,6 +92,9 @@ class ModelTransfer:
         self._readings = readings
         self.config = config or TransferConfig()
         self.observers: list[Progress] = []  # every fetch's progress (the node's metrics)
+        # (model bytes, bytes missing, label): evicts for --models-disk and checks the free
+        # disk (the node's puller sets it); NotEnoughDisk when there is no room.
+        self.make_room: Callable[[int, int, str], None] = self._check_disk
         self._parts: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._fetching: dict[str, asyncio.Task[bool]] = {}
         self._serving: set[asyncio.Task] = set()
@@ -154,7 +157,11 @@ class ModelTransfer:
         # What an earlier fetch or pull of this name left of other file versions goes.
         await asyncio.to_thread(forget_stale_files, staging,
                                 {f.path: f"sha256:{f.sha256}" for f in model.files})
-        _check_room(self.store, staging, model, label)
+        try:
+            await asyncio.to_thread(self.make_room, model.size,
+                                    _missing_bytes(staging, model), label)
+        except PullError as error:
+            raise ModelNotFound(str(error)) from error
         failures: dict[NodeId, str] = {}
         for file in model.files:
             await self._fetch_file(model, file, staging, nodes, failures, label)
@@ -268,6 +275,15 @@ class ModelTransfer:
             if ahead > 0:
                 await asyncio.sleep(ahead)
 
+    def _check_disk(self, _model_size: int, missing: int, label: str) -> None:
+        place = self.store.models_dir
+        while not place.exists() and place != place.parent:
+            place = place.parent
+        free = shutil.disk_usage(place).free
+        if missing > free:
+            raise NotEnoughDisk(f"{label}: not enough free disk: {missing:,} bytes are needed "
+                                f"in {self.store.models_dir} and {free:,} are free")
+
     def _report(self, event: PullEvent) -> None:
         for observer in list(self.observers):
             try:
@@ -338,8 +354,8 @@ def _read_range(path: Path, offset: int, length: int) -> bytes:
         return file.read(length)
 
 
-def _check_room(store: ModelStore, staging: Path, model: HeldModel, label: str) -> None:
-    """ModelNotFound when the disk has no room for what is still missing."""
+def _missing_bytes(staging: Path, model: HeldModel) -> int:
+    """Bytes of model's files not in staging yet (finished or partial)."""
     needed = 0
     for file in model.files:
         target = staging / file.path
@@ -347,10 +363,4 @@ def _check_room(store: ModelStore, staging: Path, model: HeldModel, label: str) 
         have = target.stat().st_size if target.exists() else (
             partial.stat().st_size if partial.exists() else 0)
         needed += max(0, file.size - have)
-    place = store.models_dir
-    while not place.exists() and place != place.parent:
-        place = place.parent
-    free = shutil.disk_usage(place).free
-    if needed > free:
-        raise ModelNotFound(f"{label}: not enough free disk: {needed:,} bytes are needed in "
-                            f"{store.models_dir} and {free:,} are free")
+    return needed

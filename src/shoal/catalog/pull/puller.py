@@ -277,22 +277,28 @@ class Puller:
 
     def _make_room(self, plan: PullPlan, staging: Path) -> None:
         """Evict for --models-disk, then check the disk has room for what is still missing."""
-        limit = self.settings.models_disk
-        if limit is not None:
-            try:
-                victims = choose_victims(self.store.entries(), plan.size, limit, self.keep)
-            except ValueError as error:
-                raise NotEnoughDisk(f"{plan.label}: the model needs {plan.size:,} bytes; "
-                                    f"{error}") from None
-            for victim in victims:
-                self.store.remove(victim)
         needed = sum(f.size - _have(staging / f.path) for f in plan.files)
         if plan.split_parts:  # the parts and the joined file, for a moment
             needed += plan.size
+        self.make_room(plan.size, needed, plan.label)
+
+    def make_room(self, model_size: int, missing: int, label: str) -> None:
+        """Room for a model of model_size bytes of which missing are not on disk yet: evict
+        least recently used models for --models-disk, then check the free disk (also for a
+        model copied from another node). NotEnoughDisk when there is none."""
+        limit = self.settings.models_disk
+        if limit is not None:
+            try:
+                victims = choose_victims(self.store.entries(), model_size, limit, self.keep)
+            except ValueError as error:
+                raise NotEnoughDisk(f"{label}: the model needs {model_size:,} bytes; "
+                                    f"{error}") from None
+            for victim in victims:
+                self.store.remove(victim)
         free = self._free_bytes(self.store.models_dir)
-        if needed + self.settings.disk_margin_bytes > free:
-            raise NotEnoughDisk(f"{plan.label}: not enough free disk: the model needs "
-                                f"{_gb(needed)} more in {self.store.models_dir}, and "
+        if missing + self.settings.disk_margin_bytes > free:
+            raise NotEnoughDisk(f"{label}: not enough free disk: the model needs "
+                                f"{_gb(missing)} more in {self.store.models_dir}, and "
                                 f"{_gb(free)} are free")
 
 
