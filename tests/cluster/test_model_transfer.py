@@ -18,6 +18,7 @@ from shoal.catalog.store import ModelStore
 from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD
 from shoal.cluster.held_models import HeldModels
 from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
+from shoal.cluster.rank_files import HEADER_GUESS_BYTES
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.transport import MemoryHub
 from shoal.engine.config import ModelSource
@@ -202,3 +203,71 @@ def test_no_room_for_the_copy_is_a_clear_error_before_any_byte_moves(tmp_path):
     holder = asyncio.run(main())
     size = original.stat().st_size
     assert asked == [(size, size)] and holder.transfer.served_bytes == 0
+
+
+def tiny_gguf(path):
+    """A GGUF of two layers with an embedding, an output head and a final norm."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    names = ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_up.weight",
+             "blk.1.attn_q.weight", "blk.1.ffn_up.weight", "output_norm.weight",
+             "output.weight")
+    for name in names:
+        shape = (64,) if name == "output_norm.weight" else (64, 256)
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_pipeline_rank_copies_only_its_layers_into_a_valid_sparse_gguf(tmp_path):
+    from shoal.engine.weights.gguf_file import GGUFFile
+
+    (tmp_path / "files").mkdir()
+    original = tiny_gguf(tmp_path / "files" / "tiny.gguf")
+
+    async def main():
+        hub = MemoryHub()
+        holder = Node(hub, "a", tmp_path, original)
+        firsts = Node(hub, "b", tmp_path, readings=lambda: [holder.reading()])
+        lasts = Node(hub, "c", tmp_path, readings=lambda: [holder.reading()])
+        first = await firsts.transfer.fetch_rank("tiny", 0, 1, 2)
+        last = await lasts.transfer.fetch_rank("tiny", 1, 2, 2)
+        assert await firsts.transfer.fetch_rank("tiny", 0, 1, 2) == first  # kept
+        return first, last, firsts.transfer.fetched_bytes, lasts.transfer.fetched_bytes
+
+    first, last, first_bytes, last_bytes = asyncio.run(main())
+    whole = GGUFFile(original)
+    size = original.stat().st_size
+    assert first.stat().st_size == last.stat().st_size == size
+    for copy, fetched, wanted in (
+            (first, first_bytes, {"token_embd.weight", "blk.0.attn_q.weight",
+                                  "blk.0.ffn_up.weight", "output_norm.weight"}),
+            (last, last_bytes, {"blk.1.attn_q.weight", "blk.1.ffn_up.weight",
+                                "output_norm.weight", "output.weight"})):
+        # Its tensors, plus at most the first read of the header.
+        needed = sum(whole.tensors[name].nbytes for name in wanted)
+        assert needed <= fetched <= needed + HEADER_GUESS_BYTES and fetched < size * 0.7
+        rank_file = GGUFFile(copy)  # a valid GGUF: the same header and tensors
+        assert list(rank_file.tensors) == list(whole.tensors)
+        for name, info in whole.tensors.items():
+            held = (rank_file.data(rank_file.tensors[name]) == whole.data(info)).all()
+            assert held == (name in wanted), (copy, name)
+
+
+def test_a_rank_reads_the_embedding_first_and_the_head_last_tied_or_not():
+    from shoal.cluster.rank_files import rank_needs
+
+    assert rank_needs("token_embd.weight", 0, 1, 2, tied=False)
+    assert not rank_needs("token_embd.weight", 1, 2, 2, tied=False)
+    assert rank_needs("token_embd.weight", 1, 2, 2, tied=True)  # the head is the embedding
+    assert rank_needs("output.weight", 1, 2, 2, tied=False)
+    assert not rank_needs("output.weight", 0, 1, 2, tied=False)
+    assert rank_needs("blk.3.attn_q.weight", 2, 4, 6, tied=False)
+    assert not rank_needs("blk.4.attn_q.weight", 2, 4, 6, tied=False)
+    assert rank_needs("output_norm.weight", 0, 1, 2, tied=False)  # small: everywhere

@@ -1,7 +1,9 @@
 """Model files travel between real nodes on 127.0.0.1 (multinode, slow): two of three nodes
 hold a tiny model; a request for it by id on the third is served after that node copies the
 file from a holder, with the bytes counted and the copy identical to the original, even
-though the holder it copies from is killed part-way (the other holder finishes the copy)."""
+though the holder it copies from is killed part-way (the other holder finishes the copy).
+A 2-rank pipeline placed on the two nodes that lack the model answers as one node does, each
+rank having copied only its layers' bytes."""
 
 from __future__ import annotations
 
@@ -86,28 +88,38 @@ def test_a_node_lacking_a_model_copies_it_from_a_holder_even_when_one_dies(tmp_p
             node.stop()
 
 
-def test_a_pipeline_rank_on_a_node_lacking_the_model_fetches_it_and_answers_as_one_node(
+def test_a_pipeline_on_two_nodes_lacking_the_model_fetches_each_rank_s_layers_only(
         tmp_path, model_path):
-    from test_multinode_parallel import delete, place
+    from test_multinode_parallel import delete
 
-    nodes = start_nodes(tmp_path, 2, extra={0: ["--dtype", "float32"],
-                                           1: ["--dtype", "float32"]})
+    nodes = start_nodes(tmp_path, 3, extra={i: ["--dtype", "float32"] for i in range(3)})
     try:
-        holder, other = nodes
-        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 2 for n in nodes),
-                 30, "a two-node cluster")
+        holder, second, third = nodes
+        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 3 for n in nodes),
+                 30, "a three-node cluster")
         # Served once by path on the holder (resolved there, so listed), then unloaded.
         expected = complete(holder, str(model_path), "Once upon a time")
         [single] = cluster_of(holder)["instances"]
         assert single["model"] == MODEL_ID  # the id every rank names the model by
         delete(holder, single["instance_id"], nodes)
-        wait_for(lambda: holders_seen_by(other, 1), 30, "the holder listed")
-        pipeline = place(holder, str(model_path), "pipeline", 2)
-        assert len({rank["node_id"] for rank in pipeline["ranks"]}) == 2
-        assert complete(other, MODEL_ID, "Once upon a time") == expected
-        [copy] = (other.data_dir / "models" / "store").rglob(f"{MODEL_ID}.gguf")
-        assert copy.read_bytes() == model_path.read_bytes()
-        assert peer_bytes(other) == model_path.stat().st_size
+        wait_for(lambda: holders_seen_by(second, 1), 30, "the holder listed")
+        holder_id = cluster_of(holder)["node_id"]
+        response = httpx.post(holder.url + "/instances", timeout=60, json={
+            "model": str(model_path), "sharding": "pipeline", "min_nodes": 2,
+            "excluded_nodes": [holder_id]})
+        assert response.status_code == 201, response.text
+        ranks = response.json()["ranks"]
+        assert holder_id not in {rank["node_id"] for rank in ranks} and len(ranks) == 2
+        wait_for(lambda: any(i["status"] == "ready" for i in cluster_of(second)["instances"]),
+                 240, "the pipeline ready")
+        assert complete(second, MODEL_ID, "Once upon a time") == expected
+        size = model_path.stat().st_size
+        for node in (second, third):
+            fetched = peer_bytes(node)  # its layers' share, not the whole file
+            assert 0 < fetched < 0.8 * size, (fetched, size)
+            [copy] = (node.data_dir / "models" / "ranks").rglob(f"{MODEL_ID}.gguf")
+            assert copy.stat().st_size == size  # the original's layout, holes elsewhere
+        assert not list((second.data_dir / "models" / "store").rglob("*.gguf"))
     finally:
         for node in nodes:
             node.stop()

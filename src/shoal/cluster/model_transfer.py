@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -29,16 +30,17 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shoal.catalog.pull.download import PARTIAL_SUFFIX, RemoteFile, verify_file
 from shoal.catalog.pull.errors import NotEnoughDisk, PullError
 from shoal.catalog.pull.progress import Progress, PullEvent
 from shoal.catalog.pull.puller import STAGED_PLAN, forget_stale_files
 from shoal.catalog.resolve import ModelNotFound
-from shoal.catalog.store import ModelStore
+from shoal.catalog.store import ModelStore, directory_name, write_json_atomically
 from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD
 from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
+from shoal.cluster.rank_files import copy_rank_share
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.transport.base import Subscription, Transport, TransportError
 from shoal.ids import NodeId
@@ -47,6 +49,8 @@ log = logging.getLogger("shoal.cluster.transfer")
 
 SOURCE = "peer"  # the label of these bytes in progress events and /metrics
 MAX_ASK_BYTES = 16 * 1024 * 1024  # the most one ask may read (whatever the asker's chunk)
+RANKS_DIR = "ranks"  # under <data dir>/models: pipeline ranks' own copies
+_RANGES_RECORD = ".ranges.json"  # the byte ranges a rank's copy already holds
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,10 @@ class TransferConfig:
 
 
 class _HolderFailed(Exception):
-    """This holder cannot finish the file (silent, gone, refused, or sent bad bytes)."""
+    """This holder cannot finish the file (silent, gone, refused, or sent bad bytes);
+    reached: the offset up to which its bytes were written."""
+
+    reached = 0
 
 
 Readings = Callable[[], Sequence[NodeReading]]
@@ -97,6 +104,7 @@ class ModelTransfer:
         self.make_room: Callable[[int, int, str], None] = self._check_disk
         self._parts: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._fetching: dict[str, asyncio.Task[bool]] = {}
+        self._ranks: dict[str, asyncio.Task[Path]] = {}
         self._serving: set[asyncio.Task] = set()
         self._subscription: Subscription | None = None
         self.fetched_bytes = 0  # bytes received from peers
@@ -109,7 +117,7 @@ class ModelTransfer:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-        for task in [*self._serving, *self._fetching.values()]:
+        for task in [*self._serving, *self._fetching.values(), *self._ranks.values()]:
             task.cancel()
 
     def holders(self, name: str) -> tuple[HeldModel, list[NodeId]] | None:
@@ -147,6 +155,60 @@ class ModelTransfer:
             self._fetching[key] = task
             task.add_done_callback(lambda _t: self._fetching.pop(key, None))
         return await asyncio.shield(task)
+
+    async def fetch_rank(self, name: str, start: int, end: int, n_layers: int) -> Path | None:
+        """A pipeline rank's own copy of a one-file GGUF model other nodes hold: only the
+        bytes layers [start, end) need (rank_files.py), in a sparse file of the original's
+        layout under <models>/ranks/. None when no peer holds the model or it is not one
+        GGUF file (the caller copies it whole); ModelNotFound when every holder failed."""
+        found = self.holders(name)
+        if found is None or found[0].format != "gguf" or len(found[0].files) != 1:
+            return None
+        model, nodes = found
+        key = f"{model.model}@{model.files[0].sha256[:16]}:layers-{start}-{end}"
+        task = self._ranks.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._fetch_rank(model, nodes, key, (start, end, n_layers)))
+            self._ranks[key] = task
+            task.add_done_callback(lambda _t: self._ranks.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _fetch_rank(self, model: HeldModel, nodes: list[NodeId], key: str,
+                          layers: tuple[int, int, int]) -> Path:
+        [file] = model.files
+        start, end, n_layers = layers
+        directory = self.store.models_dir / RANKS_DIR / directory_name(key)
+        target = directory / file.path
+        if target.is_file():
+            return target  # renamed into place once complete
+        label = (f"fetch layers [{start}, {end}) of model {model.model!r} from peer "
+                 f"{', '.join(nodes)}")
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + PARTIAL_SUFFIX)
+        record = directory / _RANGES_RECORD
+        done = _read_ranges(record)
+        failures: dict[NodeId, str] = {}
+        with partial.open("r+b" if partial.exists() else "wb") as out:
+            out.truncate(file.size)  # sparse: what this rank never reads stays a hole
+
+            async def copy(begin: int, length: int) -> None:
+                if any(b <= begin and begin + length <= b + n for b, n in done):
+                    return  # copied by an earlier, interrupted fetch
+                await self._copy_with_failover(model, file, out, begin, begin + length,
+                                               nodes, failures, label)
+                done.append((begin, length))
+                await asyncio.to_thread(write_json_atomically, record, done)
+
+            try:
+                await copy_rank_share(partial, file.size, copy, start, end, n_layers)
+            except ValueError as error:
+                raise ModelNotFound(f"{label}: {error}") from error
+        os.replace(partial, target)
+        record.unlink(missing_ok=True)
+        log.info("%s: %d of %d bytes, in %s", label, sum(n for _, n in done), file.size,
+                 target)
+        return target
 
     # --- fetching ------------------------------------------------------------------------
 
@@ -187,66 +249,76 @@ class ModelTransfer:
             return  # verified before it was renamed, by an earlier fetch
         partial = target.with_name(target.name + PARTIAL_SUFFIX)
         target.parent.mkdir(parents=True, exist_ok=True)
-        for node in nodes:
-            if node in failures:
-                continue
-            try:
-                await self._copy_from(node, model, file, partial)
-                break
-            except _HolderFailed as error:
-                failures[node] = str(error)
-                log.warning("%s: %s of %s from %s: %s; trying another holder", label,
-                            file.path, model.model, node, error)
-        else:
-            reasons = "; ".join(f"{node}: {why}" for node, why in failures.items())
-            raise ModelNotFound(f"{label}: no holder could finish {file.path} ({reasons}); "
-                                f"fetch again to resume it")
+        have = partial.stat().st_size if partial.exists() else 0
+        if have > file.size:  # not this file's bytes: start over
+            have = 0
+        with partial.open("r+b" if have else "wb") as out:
+            # Resumed where an interrupted copy stopped (bytes are written in order).
+            await self._copy_with_failover(model, file, out, have, file.size, nodes,
+                                           failures, label)
         try:
             await asyncio.to_thread(verify_file, remote, partial, label)
         except PullError as error:
             raise ModelNotFound(str(error)) from error
         os.replace(partial, target)
 
-    async def _copy_from(self, node: NodeId, model: HeldModel, file: HeldFile,
-                         partial: Path) -> None:
-        """Append to partial the rest of file from node, chunk by chunk in order."""
+    async def _copy_with_failover(self, model: HeldModel, file: HeldFile, out: BinaryIO,
+                                  begin: int, end: int, nodes: list[NodeId],
+                                  failures: dict[NodeId, str], label: str) -> None:
+        """file's bytes [begin, end) into out at the same offsets, from the first holder
+        that can; a holder that fails is left out and the next resumes where it stopped."""
+        for node in nodes:
+            if node in failures:
+                continue
+            try:
+                await self._copy_range(node, model, file, out, begin, end)
+                break
+            except _HolderFailed as error:
+                failures[node] = str(error)
+                begin = error.reached
+                log.warning("%s: %s of %s from %s: %s; trying another holder", label,
+                            file.path, model.model, node, error)
+        else:
+            reasons = "; ".join(f"{node}: {why}" for node, why in failures.items())
+            raise ModelNotFound(f"{label}: no holder could finish {file.path} ({reasons}); "
+                                f"fetch again to resume it")
+        await asyncio.to_thread(_sync, out)
+
+    async def _copy_range(self, node: NodeId, model: HeldModel, file: HeldFile,
+                          out: BinaryIO, begin: int, end: int) -> None:
+        """file's bytes [begin, end) from node into out, chunk by chunk in order;
+        _HolderFailed (with how far it got) when node cannot finish them."""
         config, chunk = self.config, self.config.chunk_size
-        have = partial.stat().st_size if partial.exists() else 0
-        if have > file.size:
-            partial.unlink()
-            have = 0
         fetch_id = uuid.uuid4().hex
         parts = self._parts[fetch_id] = asyncio.Queue()
-        asked, early = have, {}
+        have, asked, early = begin, begin, {}
         started, copied = time.monotonic(), 0
         try:
-            with partial.open("r+b" if have else "wb") as out:
-                out.seek(have)
-                out.truncate()
-                while have < file.size:
-                    while asked < file.size and asked - have < config.window * chunk:
-                        self._ask(node, fetch_id, model, file, asked)
-                        asked += min(chunk, file.size - asked)
-                    part = await self._next_part(node, parts)
-                    early[int(part["offset"])] = part
-                    while (part := early.pop(have, None)) is not None:
-                        data = _checked(part, have, file)
-                        await asyncio.to_thread(out.write, data)
-                        have += len(data)
-                        copied += len(data)
-                        self.fetched_bytes += len(data)
-                        self._report(PullEvent(f"pulling {file.sha256[:12]}",
-                                               f"sha256:{file.sha256}", file.size, have,
-                                               new_bytes=len(data), source=SOURCE))
-                    await self._pace(started, copied)
-                out.flush()
-                os.fsync(out.fileno())
+            while have < end:
+                while asked < end and asked - have < config.window * chunk:
+                    length = min(chunk, end - asked)
+                    self._ask(node, fetch_id, model, file, asked, length)
+                    asked += length
+                part = await self._next_part(node, parts)
+                early[int(part["offset"])] = part
+                while (part := early.pop(have, None)) is not None:
+                    data = _checked(part, have, file)
+                    await asyncio.to_thread(_write_at, out, have, data)
+                    have += len(data)
+                    copied += len(data)
+                    self.fetched_bytes += len(data)
+                    self._report(PullEvent(f"pulling {file.sha256[:12]}",
+                                           f"sha256:{file.sha256}", file.size, have,
+                                           new_bytes=len(data), source=SOURCE))
+                await self._pace(started, copied)
+        except _HolderFailed as error:
+            error.reached = have
+            raise
         finally:
             self._parts.pop(fetch_id, None)
 
     def _ask(self, node: NodeId, fetch_id: str, model: HeldModel, file: HeldFile,
-             offset: int) -> None:
-        length = min(self.config.chunk_size, file.size - offset)
+             offset: int, length: int) -> None:
         try:
             self._transport.send_data(node, {FILE_ASK_FIELD: {
                 "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
@@ -348,10 +420,27 @@ def _checked(part: dict[str, Any], offset: int, file: HeldFile) -> bytes:
     return data
 
 
+def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
+    out.seek(offset)
+    out.write(data)
+
+
+def _sync(out: BinaryIO) -> None:
+    out.flush()
+    os.fsync(out.fileno())
+
+
 def _read_range(path: Path, offset: int, length: int) -> bytes:
     with open(path, "rb") as file:
         file.seek(offset)
         return file.read(length)
+
+
+def _read_ranges(record: Path) -> list[tuple[int, int]]:
+    try:
+        return [(int(b), int(n)) for b, n in json.loads(record.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def _missing_bytes(staging: Path, model: HeldModel) -> int:

@@ -45,7 +45,7 @@ from shoal.catalog.resolve import data_dir_or_default
 from shoal.catalog.store import ModelStore
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.held_models import HeldModels
-from shoal.cluster.instances import Instance, PlacementRequest
+from shoal.cluster.instances import Instance, PlacementRequest, Rank
 from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
 from shoal.cluster.node_budget import held_bytes, node_capacities
 from shoal.cluster.prefix_share import PrefixShare
@@ -63,6 +63,7 @@ from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.views import describe_instance
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
+from shoal.engine.config import ModelSource
 from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
 from shoal.pool.pool import ModelPool
 from shoal.protocol import ErrorChunk, GenerationRequest
@@ -125,7 +126,7 @@ class ClusterService:
         self.prefixes = PrefixShare(plane.transport, pool.registry, lambda: self.state)
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
-                                   **worker_options)
+                                   rank_source=self._rank_source, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         # Capability cards and the proposer roles (guessing tokens for other nodes).
         self.capabilities = Capabilities(plane.transport, pool, plane.telemetry.table,
@@ -190,6 +191,18 @@ class ClusterService:
                 async with asyncio.timeout(self.config.held_scan_s):
                     await self._scan_now.wait()
             self._scan_now.clear()
+
+    async def _rank_source(self, instance: Instance, rank: Rank) -> ModelSource | None:
+        """A pipeline rank's own copy of its layers of a model this node does not hold,
+        from a peer that does; None to load the model as a whole."""
+        if instance.sharding != "pipeline" or rank.world_size == 1:
+            return None
+        if await self._pool.names.on_disk(instance.model) is not None:
+            return None
+        path = await self.transfer.fetch_rank(instance.model, rank.layer_start,
+                                              rank.layer_end, instance.facts.n_layers)
+        return None if path is None else ModelSource(model_id=instance.model, format="gguf",
+                                                     path=path)
 
     def _peer_readings(self) -> list[NodeReading]:
         """The latest readings of the other live nodes (what model files each holds)."""

@@ -73,6 +73,15 @@ class ModelNames:
         if new and self.on_new_model is not None:
             self.on_new_model(model_id)
 
+    async def on_disk(self, name: str) -> ModelSource | None:
+        """name's files if this machine holds them, without copying or pulling anything."""
+        try:
+            source = await asyncio.to_thread(self._resolve_here, name)
+        except ModelNotFound:
+            return None
+        self.remember(name, source)
+        return source
+
     async def resolve(self, name: str, from_peers: bool = True) -> ModelSource:
         """Where name's weights are, looked up afresh: on disk here, else copied from a
         node holding them, else pulled when the resolver pulls (ModelNotFound if unknown)."""
