@@ -14,8 +14,8 @@ from pathlib import Path
 from shoal.api.auth import read_keys_file
 from shoal.catalog.cards import load_builtin_catalog
 from shoal.catalog.pull.settings import PullSettings
-from shoal.catalog.resolve import find_card, resolve_model
-from shoal.cluster.settings import ClusterSettings
+from shoal.catalog.resolve import cluster_model_id, find_card, resolve_model
+from shoal.cluster.settings import DEFAULT_PEER_FETCH_RATE, ClusterSettings
 from shoal.cluster.tls import read_cluster_tls
 from shoal.config_values import as_bool, as_float, as_int, as_list, parse_size, pick
 from shoal.durations import parse_duration_s
@@ -175,12 +175,13 @@ def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers
                            secret: str | None = None, force_master: bool | None = None,
                            discovery: bool | None = None, name: str | None = None,
                            tls_dir: str | None = None, discovery_interface: str | None = None,
-                           propose_for: Sequence[str] = (),
+                           propose_for: Sequence[str] = (), peer_fetch_rate: str | None = None,
                            env: Mapping[str, str] | None = None) -> ClusterSettings:
     """Cluster settings from flags (None = not given) and SHOAL_* variables; ValueError
     naming the file when a --cluster-tls file is missing or unreadable."""
     env = os.environ if env is None else env
     tls_path = pick(tls_dir, env, "SHOAL_CLUSTER_TLS")
+    rate = pick(peer_fetch_rate, env, "SHOAL_PEER_FETCH_RATE")
     return ClusterSettings(
         standalone=bool(as_bool(pick(standalone, env, "SHOAL_STANDALONE"),
                                  "SHOAL_STANDALONE")),
@@ -196,13 +197,16 @@ def build_cluster_settings(*, standalone: bool | None = None, listen=None, peers
         propose_for=_propose_for(propose_for, env),
         card_interval_s=as_float(env.get("SHOAL_CARD_INTERVAL") or None,
                                   "SHOAL_CARD_INTERVAL") or 5.0,
-        card_ttl_s=as_float(env.get("SHOAL_CARD_TTL") or None, "SHOAL_CARD_TTL") or 30.0)
+        card_ttl_s=as_float(env.get("SHOAL_CARD_TTL") or None, "SHOAL_CARD_TTL") or 30.0,
+        peer_fetch_rate=(DEFAULT_PEER_FETCH_RATE if rate is None
+                         else None if rate in ("off", "0") else parse_size(rate)))
 
 
 def _propose_for(flags: Sequence[str], env: Mapping[str, str]
                  ) -> tuple[tuple[str, str], ...]:
     """--propose-for TARGET[=SOURCE] values (else SHOAL_PROPOSE_FOR, comma-separated), the
-    target named by its catalogue id when it has one; SOURCE defaults to ngram."""
+    target named by the id every node knows it by (cluster_model_id: a catalogue id, a
+    pulled model's store name, a local file's id); SOURCE defaults to ngram."""
     values = list(flags) or [v for v in env.get("SHOAL_PROPOSE_FOR", "").split(",") if v.strip()]
     if not values:
         return ()
@@ -213,8 +217,8 @@ def _propose_for(flags: Sequence[str], env: Mapping[str, str]
         if not target:
             raise ValueError(f"--propose-for {value!r}: name the target model, as "
                              f"TARGET[=SOURCE]")
-        card = find_card(target, load_builtin_catalog())
-        offers.append((card.id if card is not None else target, source))
+        # Named as the node serving it names it: a path by its file's id, an alias by id.
+        offers.append((cluster_model_id(target), source))
     if len({target.lower() for target, _ in offers}) != len(offers):
         raise ValueError("--propose-for names a target model twice")
     return tuple(offers)

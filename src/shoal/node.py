@@ -97,8 +97,11 @@ def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = No
     tiers = _read_file(load_clients, settings.clients_file)
     queue = AdmissionQueue(settings.queue, tiers)
     registry = RunnerRegistry(make_supervisor or runner_factory(config))
+    # Without a download, a model on no disk here is copied from a peer before any pull.
+    here = None if resolve is not None else functools.partial(resolve_model,
+                                                               data_dir=config.data_dir)
     return ModelPool(registry, resolve=resolve or node_resolver(config, puller),
-                     keep_alive_s=config.keep_alive_s, queue=queue)
+                     keep_alive_s=config.keep_alive_s, queue=queue, resolve_here=here)
 
 
 def _read_file(load: Callable[[Any], Any], path: Any) -> Any:
@@ -148,6 +151,10 @@ def _protect_in_use(puller: Puller, router: Router, config: NodeConfig) -> None:
 
     puller.keep = keep
     puller.observers.append(router.metrics.count_pulled)
+    if router.cluster is not None:  # copies from peers: counted as pulled ("peer"), and
+        transfer = router.cluster.transfer  # bounded by --models-disk as pulls are
+        transfer.observers.append(router.metrics.count_pulled)
+        transfer.make_room = puller.make_room
 
 
 def default_models(config: NodeConfig) -> tuple[str, ...]:

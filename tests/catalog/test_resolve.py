@@ -162,3 +162,23 @@ def test_generation_refuses_an_embedding_model_by_name():
     with pytest.raises(ValueError, match="embedding model"):
         resolve_generative_model("sentence-transformers/all-MiniLM-L6-v2")
     assert resolve_generative_model("smollm2").model_id == "smollm2-135m-instruct"
+
+
+def test_a_model_has_one_id_on_every_node_whatever_name_it_was_given(tmp_path):
+    from shoal.catalog.resolve import cluster_model_id
+    from shoal.config import build_cluster_settings
+
+    gguf = tmp_path / "tiny-model.gguf"
+    gguf.write_bytes(b"GGUF")
+    data_dir = tmp_path / "data"
+    # A path goes by the id the node serving it gives it; an alias by its catalogue id.
+    assert cluster_model_id(str(gguf), data_dir=data_dir) == "tiny-model"
+    assert cluster_model_id("tiny-model", data_dir=data_dir) == "tiny-model"
+    assert cluster_model_id("SMOLLM2", data_dir=data_dir) == DEFAULT_MODEL_ID
+    assert cluster_model_id("org/unknown", data_dir=data_dir) == "org/unknown"
+    settings = build_cluster_settings(propose_for=[f"{gguf}=ngram", "smollm2"], env={})
+    assert settings.propose_for == (("tiny-model", "ngram"), (DEFAULT_MODEL_ID, "ngram"))
+    assert build_cluster_settings(peer_fetch_rate="100MB", env={}).peer_fetch_rate == 100 * 10**6
+    assert build_cluster_settings(env={"SHOAL_PEER_FETCH_RATE": "off"}).peer_fetch_rate is None
+    with pytest.raises(ValueError, match="invalid size"):
+        build_cluster_settings(peer_fetch_rate="fast", env={})

@@ -237,3 +237,43 @@ def test_a_session_carries_nodes_and_instances_and_fails_tasks_in_flight():
     assert isinstance(events[0], SessionStarted) and events[0].instances == (x,)
     assert isinstance(events[1], TaskFailed) and "master changed (now b)" in events[1].message
     assert not any(isinstance(e, NodeJoined) for e in events)
+
+
+def test_a_node_where_a_model_failed_to_load_is_left_out_of_its_next_placements():
+    # a has the most memory, so without the failure everything would go there.
+    x = placed("x", "a")
+    state = state_of(SessionStarted(master_id=NodeId("a"), nodes=(node("a"), node("b"))),
+                     InstanceCreated(instance=x))
+    inputs = facts_of(reading("a", budget=16 * 2**30), reading("b"))
+    later = facts_of(reading("a", budget=16 * 2**30), reading("b"), seed=8)  # other ids
+    report = RunnerStatusChanged(status=runner_status(x, 0, "failed", "disk full"))
+    decision = decide.on_worker_event(state, report, inputs)
+    replacement = decision.events[-1].instance
+    assert replacement.node_ids == ("b",) and replacement.attempt == 1
+    after = apply_all(state, indexed(decision.events, start=state.next_event_idx()))
+    assert after.failed_nodes("SMALL") == {"a": "disk full"}
+    # A request placing it now also avoids a; a load there that succeeds clears it.
+    placed_now = decide.on_command(after, place_command(), later).events
+    assert placed_now[0].instance.node_ids == ("b",)
+    ready_on_a = RunnerStatusChanged(status=runner_status(placed("z", "a"), 0, "ready"))
+    cleared = apply_all(after, indexed([InstanceCreated(instance=placed("z", "a")),
+                                        ready_on_a], start=after.next_event_idx()))
+    assert cleared.failed_nodes("small") == {}
+
+
+def test_when_it_failed_everywhere_it_is_tried_again_and_a_refusal_says_where_it_failed():
+    x = placed("x", "a")
+    state = state_of(SessionStarted(master_id=NodeId("a"), nodes=(node("a"),)),
+                     InstanceCreated(instance=x),
+                     RunnerStatusChanged(status=runner_status(x, 0, "failed", "disk full")))
+    assert state.failed_nodes("small") == {"a": "disk full"}
+    # Only a: tried there again rather than never.
+    retried = decide.on_command(state, place_command(), facts_of(reading("a"), seed=8)).events
+    assert retried[-1].instance.node_ids == ("a",)
+    # No room anywhere: the refusal names the failure, and the failures are forgotten.
+    full = decide.on_command(state, place_command(), facts_of(reading("a", slots=0))).events
+    refused = full[-1]
+    assert isinstance(refused, PlacementFailed) and "failed before on node a: disk full" \
+        in refused.reason
+    after = apply_all(state, indexed(full, start=state.next_event_idx()))
+    assert after.failed_nodes("small") == {}

@@ -358,3 +358,37 @@ def test_expert_instances_cover_every_expert_in_order():
     for bad in [((0, 3), (4, 8)), ((0, 3), (3, 7)), ((0, 8), (8, 8))]:
         with pytest.raises(ValueError, match="expert"):
             make("expert", *bad)
+
+
+# -- nodes holding the model's files ------------------------------------------------------
+
+
+def holding(node: NodeCapacity, *models: str) -> NodeCapacity:
+    return NodeCapacity(node.node_id, node.usable_bytes, node.free_slots,
+                        holds=frozenset(m.lower() for m in models))
+
+
+def test_a_single_instance_goes_to_a_node_holding_the_files_when_it_fits_there():
+    big, small = nodes(big=40, small=20)
+    placed = place(request(), [big, holding(small, MODEL.model)], POLICY)
+    assert [s.node_id for s in placed.shards] == ["small"]
+    # Too small to hold it: the files are fetched by the node where it fits.
+    tiny = NodeCapacity("tiny", 2 * GIB, holds=frozenset({MODEL.model.lower()}))
+    placed = place(request(), [big, tiny], POLICY)
+    assert [s.node_id for s in placed.shards] == ["big"]
+
+
+def test_the_preferred_node_comes_before_a_holder():
+    a, b = nodes(a=20, b=20)
+    placed = place(request(preferred_node="a"), [a, holding(b, MODEL.model)], POLICY)
+    assert [s.node_id for s in placed.shards] == ["a"]
+
+
+def test_a_pipeline_takes_the_holders_first_where_they_fit():
+    a, b, c = nodes(a=30, b=30, c=8)
+    placed = place_exact(request(), [a, b, holding(c, MODEL.model)], "pipeline", 2, POLICY)
+    assert [s.node_id for s in placed.shards] == ["c", "a"]
+    # The holder cannot take even its proportional share: the two largest, as before.
+    d = NodeCapacity("d", GIB // 8, holds=frozenset({MODEL.model.lower()}))
+    placed = place_exact(request(), [a, b, d], "pipeline", 2, POLICY)
+    assert [s.node_id for s in placed.shards] == ["a", "b"]

@@ -20,6 +20,7 @@ from shoal.cluster.instances import PlacementRequest
 from shoal.cluster.model_facts import model_facts_from_source
 from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
 from shoal.cluster.views import describe_instance
+from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
 from shoal.sharding import RequestedSharding
 
@@ -43,10 +44,21 @@ def _cluster(request: Request) -> ClusterService:
     return request.app.state.cluster
 
 
-async def _placement_request(body: PlaceBody) -> PlacementRequest:
+async def _resolved(request: Request, name: str) -> ModelSource:
+    """name's files on this node; remembered by its pool's names, so that a runner this
+    node starts for the placed instance finds them by the model's id (a path's stem)."""
+    source = await asyncio.to_thread(resolve_model, name)
+    router = getattr(request.app.state, "router", None)
+    names = getattr(getattr(router, "pool", None), "names", None)
+    if names is not None:
+        names.remember(name, source)
+    return source
+
+
+async def _placement_request(body: PlaceBody, request: Request) -> PlacementRequest:
     """The model resolved on this node and read (headers only) into a PlacementRequest."""
     try:
-        source = await asyncio.to_thread(resolve_model, body.model)
+        source = await _resolved(request, body.model)
         facts = await asyncio.to_thread(model_facts_from_source, source)
     except ModelNotFound as error:
         raise APIError(404, str(error), param="model", code="model_not_found") from None
@@ -77,7 +89,7 @@ async def cluster_cards(request: Request) -> dict[str, Any]:
 @router.post("/instances", status_code=201)
 async def place_instance(body: PlaceBody, request: Request) -> JSONResponse:
     service = _cluster(request)
-    placement = await _placement_request(body)
+    placement = await _placement_request(body, request)
     try:
         instance = await service.place(placement)
     except ClusterNotReady as error:
@@ -101,7 +113,7 @@ async def delete_instance(instance_id: str, request: Request) -> dict[str, Any]:
 async def instance_previews(request: Request,
                             model: str = Query(min_length=1)) -> dict[str, Any]:
     service = _cluster(request)
-    placement = await _placement_request(PlaceBody(model=model))
+    placement = await _placement_request(PlaceBody(model=model), request)
     options = []
     for preview in service.previews(placement):
         shards = preview.placement.shards if preview.placement else ()

@@ -66,7 +66,14 @@ def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
     cards = load_builtin_catalog() if catalog is None else catalog
     card = find_card(name, cards)
     if card is not None:
-        return _resolve_card(card, data_dir_or_default(data_dir))
+        try:
+            return _resolve_card(card, data_dir_or_default(data_dir))
+        except ModelNotFound:
+            # A copy fetched from another node lives in the store under the card's id.
+            stored = find_stored(card.id, ModelStore.of_data_dir(data_dir_or_default(data_dir)))
+            if stored is None:
+                raise
+            return stored_source(stored)
     tried = [f"catalogue ids and aliases ({', '.join(c.id for c in cards)})"]
     store = ModelStore.of_data_dir(data_dir_or_default(data_dir))
     stored = find_stored(name, store)
@@ -84,6 +91,28 @@ def resolve_model(id_or_path: str, catalog: Sequence[ModelCard] | None = None,
             return cached
         tried.append("Hugging Face cache: " + ", ".join(str(d) for d in hf_cache_dirs()))
     raise ModelNotFound(_not_found_message(name, tried, cards))
+
+
+def cluster_model_id(name: str, catalog: Sequence[ModelCard] | None = None,
+                     data_dir: Path | None = None) -> str:
+    """The id a model goes by on every node, for a name as a user gave it, read without
+    joining, hashing or downloading anything: a catalogue id for any alias, the store's name
+    for any name it was pulled under, a local path's id (a .gguf file's stem, a directory's
+    name), else the name itself (a hub id, or a name only another node can resolve)."""
+    name = name.strip()
+    card = find_card(name, load_builtin_catalog() if catalog is None else catalog)
+    if card is not None:
+        return card.id
+    stored = find_stored(name, ModelStore.of_data_dir(data_dir_or_default(data_dir)))
+    if stored is not None:
+        return stored.name
+    path = Path(name).expanduser()
+    if path.exists():
+        try:
+            return _resolve_path(name, path).model_id
+        except ModelNotFound:
+            return name
+    return name
 
 
 def resolve_generative_model(id_or_path: str) -> ModelSource:

@@ -150,6 +150,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                             "--speculative TARGET=remote); SOURCE: ngram (the default) or "
                             "draft:MODEL (a smaller model of the same tokenizer); "
                             "repeat per target (SHOAL_PROPOSE_FOR, comma-separated)")
+    group.add_argument("--peer-fetch-rate", default=None, metavar="SIZE",
+                       help="at most SIZE a second (e.g. 100MB) when this node copies a model's "
+                            "files from another node, or off (SHOAL_PEER_FETCH_RATE; 256MiB)")
     group.add_argument("--standalone", action="store_true", default=None,
                        help="join no cluster and open no cluster port (SHOAL_STANDALONE)")
     group.add_argument("--name", default=None,
@@ -179,7 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         standalone=args.standalone, listen=args.listen, peers=args.peers,
         secret=args.cluster_secret, force_master=args.force_master, discovery=args.discovery,
         name=args.name, tls_dir=args.cluster_tls, discovery_interface=args.discovery_interface,
-        propose_for=args.propose_for)
+        propose_for=args.propose_for, peer_fetch_rate=args.peer_fetch_rate)
     config = build_node_config(host=args.host, port=args.port, models=args.model,
                                data_dir=args.data_dir, dtype=args.dtype, threads=args.threads,
                                kv_cache_dtype=args.kv_cache_dtype,

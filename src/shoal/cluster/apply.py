@@ -71,7 +71,10 @@ def _node_left(state: ClusterState, event: NodeLeft) -> ClusterState:
     # Instances with ranks there stay until the master deletes them: it decides, not apply.
     nodes = {k: v for k, v in state.nodes.items() if k != event.node_id}
     runners = {k: v for k, v in state.runners.items() if v.node_id != event.node_id}
-    return state.model_copy(update={"nodes": nodes, "runners": runners})
+    failures = {model: left for model, failed in state.load_failures.items()
+                if (left := {n: why for n, why in failed.items() if n != event.node_id})}
+    return state.model_copy(update={"nodes": nodes, "runners": runners,
+                                    "load_failures": failures})
 
 
 def _instance_created(state: ClusterState, event: InstanceCreated) -> ClusterState:
@@ -90,7 +93,10 @@ def _instance_deleted(state: ClusterState, event: InstanceDeleted) -> ClusterSta
 
 
 def _placement_failed(state: ClusterState, event: PlacementFailed) -> ClusterState:
-    return state  # logged for whoever asked; nothing was placed
+    # Nothing was placed. The nodes where the model failed get another chance next time:
+    # a placement leaving them out found nowhere else (or failed for another reason).
+    failures = {k: v for k, v in state.load_failures.items() if k != event.model.lower()}
+    return state.model_copy(update={"load_failures": failures})
 
 
 def _runner_status_changed(state: ClusterState, event: RunnerStatusChanged) -> ClusterState:
@@ -102,7 +108,16 @@ def _runner_status_changed(state: ClusterState, event: RunnerStatusChanged) -> C
         runners = {k: v for k, v in state.runners.items() if k != status.runner_id}
     else:
         runners = {**state.runners, status.runner_id: status}
-    return state.model_copy(update={"runners": runners})
+    model = instance.model.lower()
+    failed = dict(state.load_failures.get(model, {}))
+    if status.phase == "failed":  # its download or load failed there: placed elsewhere next
+        failed[status.node_id] = status.message or "its runner failed"
+    elif status.phase == "ready":
+        failed.pop(status.node_id, None)
+    failures = {k: v for k, v in state.load_failures.items() if k != model}
+    if failed:
+        failures[model] = failed
+    return state.model_copy(update={"runners": runners, "load_failures": failures})
 
 
 def _task_created(state: ClusterState, event: TaskCreated) -> ClusterState:

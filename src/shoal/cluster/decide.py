@@ -41,7 +41,14 @@ from shoal.cluster.events import (
 )
 from shoal.cluster.instances import Instance, PlacementRequest, Rendezvous
 from shoal.cluster.node_budget import node_capacities
-from shoal.cluster.placement import NodeCapacity, Placement, PlacementPolicy, place, widen
+from shoal.cluster.placement import (
+    NodeCapacity,
+    Placement,
+    PlacementError,
+    PlacementPolicy,
+    place,
+    widen,
+)
 from shoal.cluster.state import ClusterState, NodeInfo, Task
 from shoal.cluster.telemetry import NodeReading
 from shoal.ids import CommandId, InstanceId, NodeId
@@ -129,7 +136,8 @@ def plan(state: ClusterState, keep: Iterable[InstanceId], wanted: Sequence[Want]
     planned = state.model_copy(update={"instances": kept})
     failed = []
     for want in wanted:
-        result = place(want.request, capacities(planned, facts), facts.policy)
+        result = place_avoiding_failures(state, want.request, capacities(planned, facts),
+                                         facts.policy)
         if not isinstance(result, Placement):
             failed.append((want, result.reason))
             continue
@@ -139,6 +147,27 @@ def plan(state: ClusterState, keep: Iterable[InstanceId], wanted: Sequence[Want]
         planned = planned.model_copy(
             update={"instances": {**planned.instances, instance_id: instance}})
     return Target(instances=planned.instances, failed=tuple(failed))
+
+
+def place_avoiding_failures(state: ClusterState, request: PlacementRequest,
+                            nodes: Sequence[NodeCapacity], policy: PlacementPolicy
+                            ) -> Placement | PlacementError:
+    """place(), leaving out the nodes where the model's download or load failed; only when
+    it fits nowhere else are they tried again (each failure is bounded by the caller's
+    replacement count), and a refusal then names them and why."""
+    failed = state.failed_nodes(request.model)
+    avoid = tuple(n for n in sorted(failed) if n not in request.excluded_nodes)
+    if not avoid:
+        return place(request, nodes, policy)
+    elsewhere = place(request.model_copy(
+        update={"excluded_nodes": (*request.excluded_nodes, *avoid)}), nodes, policy)
+    if isinstance(elsewhere, Placement):
+        return elsewhere
+    again = place(request, nodes, policy)
+    if isinstance(again, Placement):
+        return again
+    note = "; ".join(f"node {node}: {failed[node]}" for node in avoid)
+    return PlacementError(f"{again.reason} (it failed before on {note})", again.pending)
 
 
 def _rendezvous(state: ClusterState, placement: Placement, facts: Facts,

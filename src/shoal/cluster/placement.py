@@ -18,7 +18,9 @@ for the runner process. It must fit the node's usable memory.
             faster than a pipeline of the same width: README, "Across nodes"), else a
             pipeline.
 Explicit pipeline / tensor try widths from min_nodes up; a width of 1 is reported as single.
-Wider attempts use the w nodes with the most usable memory.
+Wider attempts use the w nodes with the most usable memory. Nodes holding the model's files
+(telemetry lists them) come first wherever the model fits on them: any other node must fetch
+the files before it loads.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class NodeCapacity:
     usable_bytes: int
     # Models it may still load (--max-loaded-models less those it holds); None: no limit.
     free_slots: int | None = None
+    # Names (lower case) of the models whose files are on its disk: placed there first.
+    holds: frozenset[str] = frozenset()
+
+    def holds_model(self, model: str) -> bool:
+        return model.lower() in self.holds
 
     @property
     def has_slot(self) -> bool:
@@ -175,29 +182,43 @@ def place(request: PlacementRequest, nodes: Sequence[NodeCapacity],
 def place_exact(request: PlacementRequest, nodes: Sequence[NodeCapacity], sharding: Sharding,
                 width: int, policy: PlacementPolicy = DEFAULT_POLICY,
                 ) -> Placement | PlacementError:
-    """One sharding at one width on the `width` nodes with the most usable memory.
+    """One sharding at one width: on the nodes holding the model's files (then those with
+    the most usable memory) when it fits there, else on the `width` nodes with the most
+    usable memory.
 
     Width 1 is always "single": one node holding everything, whatever split was asked for;
-    the request's preferred node when it fits there.
+    the request's preferred node when it fits there, else a node holding the files.
     request.excluded_nodes are skipped; request.sharding and min_nodes are not consulted.
     """
     skip = set(request.excluded_nodes)
     allowed = [n for n in nodes if n.node_id not in skip and n.has_slot]
-    preferred = [n for n in allowed if n.node_id == request.preferred_node]
-    if width == 1 and preferred:
-        here = place_exact(request.model_copy(update={"preferred_node": None}), preferred,
-                           "single", 1, policy)
-        if isinstance(here, Placement):
-            return here
-    chosen = _by_memory(allowed)[:width]
-    if width < 1 or len(chosen) < width:
+    if width == 1:
+        # The preferred node, then the nodes holding the model's files, then the rest.
+        for node in _single_choices(allowed, request):
+            here = _place_on(request, [node], "single", policy)
+            if isinstance(here, Placement):
+                return here
+    memory_order = _by_memory(allowed)[:width]
+    if width < 1 or len(memory_order) < width:
         full = [n.node_id for n in nodes if not n.has_slot and n.node_id not in skip]
         note = f" ({', '.join(full)} at --max-loaded-models)" if full else ""
-        return PlacementError(f"needs {width} node(s), {len(chosen)} available{note}")
+        return PlacementError(f"needs {width} node(s), {len(memory_order)} available{note}")
     if sharding == "single" and width != 1:
         return PlacementError("single-node placement has width 1")
     if width == 1:
         sharding = "single"
+    holders_first = _by_holding(allowed, request.model)[:width]
+    if holders_first != memory_order:  # nodes that need not fetch the files, if they fit
+        placed = _place_on(request, holders_first, sharding, policy)
+        if isinstance(placed, Placement):
+            return placed
+    return _place_on(request, memory_order, sharding, policy)
+
+
+def _place_on(request: PlacementRequest, chosen: Sequence[NodeCapacity], sharding: Sharding,
+              policy: PlacementPolicy) -> Placement | PlacementError:
+    """The model split over exactly these nodes, in this order (rank 0 first)."""
+    width = len(chosen)
     facts = request.facts
     if sharding == "expert":
         return _place_experts(request, chosen, policy)
@@ -427,6 +448,22 @@ def _candidates(nodes: Sequence[NodeCapacity],
 
 def _by_memory(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
     return sorted(nodes, key=lambda n: (-n.usable_bytes, n.node_id))
+
+
+def _by_holding(nodes: Sequence[NodeCapacity], model: str) -> list[NodeCapacity]:
+    """Nodes holding the model's files first, each group by memory."""
+    return sorted(nodes, key=lambda n: (not n.holds_model(model), -n.usable_bytes, n.node_id))
+
+
+def _single_choices(nodes: Sequence[NodeCapacity],
+                    request: PlacementRequest) -> list[NodeCapacity]:
+    """Where a single-rank instance is tried, in order: the request's preferred node, the
+    nodes holding the model's files, then the one with the most memory."""
+    preferred = [n for n in nodes if n.node_id == request.preferred_node]
+    holders = [n for n in _by_holding(nodes, request.model)
+               if n.holds_model(request.model) and n not in preferred]
+    rest = [n for n in _by_memory(nodes)[:1] if n not in preferred and n not in holders]
+    return preferred + holders + rest
 
 
 def _excluded_note(request: PlacementRequest) -> str:

@@ -17,12 +17,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shoal.cluster import traces
 from shoal.cluster.capabilities import Capabilities
 from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ControlPlane
+from shoal.cluster.decide import place_avoiding_failures
 from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
     CancelTask,
@@ -38,7 +40,13 @@ from shoal.cluster.events import (
     TaskFailed,
     WorkerEvent,
 )
-from shoal.cluster.instances import Instance, PlacementRequest
+from shoal.catalog.file_hashes import FileHashes
+from shoal.catalog.resolve import data_dir_or_default
+from shoal.catalog.store import ModelStore
+from shoal.cluster.background import cancel_and_wait
+from shoal.cluster.held_models import HeldModels
+from shoal.cluster.instances import Instance, PlacementRequest, Rank
+from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
 from shoal.cluster.node_budget import held_bytes, node_capacities
 from shoal.cluster.prefix_share import PrefixShare
 from shoal.cluster.queries import ClusterQueries
@@ -55,6 +63,7 @@ from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.views import describe_instance
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
+from shoal.engine.config import ModelSource
 from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
 from shoal.pool.pool import ModelPool
 from shoal.protocol import ErrorChunk, GenerationRequest
@@ -84,21 +93,27 @@ class ServiceConfig:
     # How long POST /instances waits for the master's answer.
     place_timeout_s: float = 10.0
     recent_events: int = 1000
+    # How often this node lists (and hashes, once) the model files it holds, for telemetry.
+    held_scan_s: float = 5.0
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cards: CardConfig = field(default_factory=CardConfig)
     proposer: ProposerConfig = field(default_factory=ProposerConfig)
 
     def __post_init__(self) -> None:
         for name in ("accept_timeout_s", "resend_s", "first_chunk_timeout_s",
-                     "silence_timeout_s", "peer_gone_s", "place_timeout_s"):
+                     "silence_timeout_s", "peer_gone_s", "place_timeout_s", "held_scan_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cluster {name} must be positive")
 
 
 class ClusterService:
     def __init__(self, plane: ControlPlane, pool: ModelPool, usable_memory: Callable[[], int],
-                 config: ServiceConfig | None = None, **worker_options: Any) -> None:
-        """worker_options go to the WorkerDriver (the group-connect deadline)."""
+                 config: ServiceConfig | None = None, held: HeldModels | None = None,
+                 data_dir: Path | None = None, **worker_options: Any) -> None:
+        """held: the model files this node advertises (None: only what its pool resolved);
+        data_dir: where copies fetched from peers land (its model store); worker_options go
+        to the WorkerDriver (the group-connect deadline)."""
         self.plane = plane
         self.config = config or ServiceConfig()
         self.node_id: NodeId = plane.node_id
@@ -111,7 +126,7 @@ class ClusterService:
         self.prefixes = PrefixShare(plane.transport, pool.registry, lambda: self.state)
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
-                                   **worker_options)
+                                   rank_source=self._rank_source, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         # Capability cards and the proposer roles (guessing tokens for other nodes).
         self.capabilities = Capabilities(plane.transport, pool, plane.telemetry.table,
@@ -120,6 +135,16 @@ class ClusterService:
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
         pool.unloader = lambda instance_id, reason: self.delete(instance_id, reason)
+        # Model files between nodes: what this node holds, and copies of what it lacks.
+        self.held = held or HeldModels(
+            lambda: ((source, ()) for source in pool.names.sources().values()), FileHashes())
+        self.transfer = ModelTransfer(
+            plane.transport, self.held, ModelStore.of_data_dir(data_dir_or_default(data_dir)),
+            self._peer_readings, self.config.transfer)
+        pool.names.fetch_from_peers = self.transfer.fetch
+        self._scanning: asyncio.Task[None] | None = None
+        self._scan_now = asyncio.Event()  # a model newly resolved here: list it at once
+        pool.names.on_new_model = lambda _model: self._scan_now.set()
 
     async def trace(self, trace_id: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """trace_id's spans from every node (this node's from its pool): the parts that
@@ -134,6 +159,8 @@ class ClusterService:
         self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
         self.streams.start()
         self.queries.start()
+        self.transfer.start()
+        self._scanning = asyncio.create_task(self._scan_held(), name="held-models")
         await self.prefixes.start()
         await self.plane.start()
         await self.capabilities.start()
@@ -142,11 +169,46 @@ class ClusterService:
     async def stop(self) -> None:
         await self.worker.stop()
         await self.capabilities.stop()
+        await cancel_and_wait([self._scanning])
+        await self.transfer.stop()
         self.streams.stop()
         await self.prefixes.stop()
         await self.queries.stop()
         await self.plane.stop()
         await self.plane.transport.close()
+
+    async def _scan_held(self) -> None:
+        """List this node's model files every held_scan_s, and at once when a model is newly
+        resolved here, while it has peers to tell (a node alone never hashes its models);
+        hashing runs off the event loop."""
+        while True:
+            if self.plane.transport.peers:
+                try:
+                    await asyncio.to_thread(self.held.scan)
+                except Exception:  # noqa: BLE001 - the next round tries again
+                    log.exception("cannot list this node's model files")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.held_scan_s):
+                    await self._scan_now.wait()
+            self._scan_now.clear()
+
+    async def _rank_source(self, instance: Instance, rank: Rank) -> ModelSource | None:
+        """A pipeline rank's own copy of its layers of a model this node does not hold,
+        from a peer that does; None to load the model as a whole."""
+        if instance.sharding != "pipeline" or rank.world_size == 1:
+            return None
+        if await self._pool.names.on_disk(instance.model) is not None:
+            return None
+        path = await self.transfer.fetch_rank(instance.model, rank.layer_start,
+                                              rank.layer_end, instance.facts.n_layers)
+        return None if path is None else ModelSource(model_id=instance.model, format="gguf",
+                                                     path=path)
+
+    def _peer_readings(self) -> list[NodeReading]:
+        """The latest readings of the other live nodes (what model files each holds)."""
+        table, now = self.plane.telemetry.table, time.monotonic()
+        return [reading for node, reading in table.readings().items()
+                if node != self.node_id and table.is_alive(node, now)]
 
     # --- what the worker needs (ClusterLink) ---------------------------------------------------
 
@@ -314,7 +376,8 @@ class ClusterService:
         no placement fits (the reason says why)."""
         if not self.ready:
             raise ClusterNotReady("the cluster is still forming (no master yet); retry shortly")
-        result = place(request, self.capacities(), self.plane.config.master.policy)
+        result = place_avoiding_failures(self.state, request, self.capacities(),
+                                         self.plane.config.master.policy)
         if not isinstance(result, Placement):
             if result.pending:
                 raise ClusterNotReady(result.reason)
@@ -382,9 +445,15 @@ class ClusterService:
                 "cpu_count": reading.cpu_count if reading else None,
                 "queue_depth": sum(reading.queue_depths.values()) if reading else 0,
                 "backends": list(reading.backends) if reading else [],
+                # The model files on its disk (placement prefers these nodes).
+                "models": [{"model": m.model, "size": m.size, "files": len(m.files)}
+                           for m in reading.models] if reading else [],
                 "last_seen": reading.taken_at if reading else None})
         return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
                 "instances": self.describe_instances(),
+                # Nodes left out of a model's placements after its download or load failed.
+                "load_failures": {model: dict(failed)
+                                  for model, failed in state.load_failures.items()},
                 "cards": self.capabilities.describe()}
 
     def describe_instances(self) -> list[dict[str, Any]]:

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from shoal.cluster.tls import ClusterTls, rank_key
 
+# --peer-fetch-rate: a copy from another node takes at most this many bytes a second by
+# default, leaving both nodes' disks, CPUs and link room to serve meanwhile.
+DEFAULT_PEER_FETCH_RATE = 256 * 1024 * 1024
+
 
 @dataclass(frozen=True)
 class ClusterSettings:
@@ -33,8 +37,12 @@ class ClusterSettings:
     # Capability cards: exchanged with every peer each interval, expired after the TTL.
     card_interval_s: float = 5.0
     card_ttl_s: float = 30.0
+    # Bytes a second one copy of model files from another node may take; None: unbounded.
+    peer_fetch_rate: int | None = DEFAULT_PEER_FETCH_RATE
 
     def __post_init__(self) -> None:
+        if self.peer_fetch_rate is not None and self.peer_fetch_rate <= 0:
+            raise ValueError("--peer-fetch-rate must be a positive size a second, or off")
         if self.card_interval_s <= 0 or self.card_ttl_s <= 2 * self.card_interval_s:
             raise ValueError("a capability card's TTL must exceed two exchange intervals "
                              f"({self.card_ttl_s:g} s, interval {self.card_interval_s:g} s)")

@@ -12,10 +12,15 @@ import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shoal.catalog.file_hashes import FileHashes
+from shoal.catalog.resolve import stored_source
+from shoal.catalog.store import ModelStore
 from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ClusterConfig, ControlPlane
 from shoal.cluster.election import ElectionConfig
+from shoal.cluster.held_models import HeldModels
 from shoal.cluster.master import MasterConfig
+from shoal.cluster.model_transfer import TransferConfig
 from shoal.cluster.placement import PlacementPolicy
 from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.service import ClusterService, ServiceConfig
@@ -91,6 +96,7 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     usable); max_loaded_models: how many models it may hold (None: no limit)."""
     node_id = load_node_id(data_dir)
     name = settings.name or socket.gethostname()
+    held = held_models(data_dir, pool)
 
     def read() -> NodeReading:
         reading = read_node(node_id, data_dir, name, tuple(addresses()))
@@ -101,7 +107,7 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
         return reading.model_copy(update={
             "backends": backends, "memory_budget": budget,
             "max_loaded_models": max_loaded_models, "queue_depths": pool.queue.depths(),
-            "expiries": pool.expiries()})
+            "expiries": pool.expiries(), "models": held.current()})
 
     def usable_memory() -> int:
         return read().capacity().usable_bytes
@@ -109,11 +115,12 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     # Built first: a bad --propose-for source fails before any port is opened.
     service_config = ServiceConfig(
         cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
-        proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir))
+        proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir),
+        transfer=TransferConfig(rate_bytes_per_s=settings.peer_fetch_rate))
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir, kv_cache_dtype), read)
-    service = ClusterService(plane, pool, usable_memory, service_config,
-                             group_connect_s=group_connect_s)
+    service = ClusterService(plane, pool, usable_memory, service_config, held=held,
+                             data_dir=data_dir, group_connect_s=group_connect_s)
     try:
         await service.start()
     except BaseException:
@@ -122,3 +129,17 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     log.info("node %s (%s) joined the cluster%s", node_id, name,
              " standalone" if settings.standalone else "")
     return service
+
+
+def held_models(data_dir: Path, pool: ModelPool) -> HeldModels:
+    """This node's model files as its telemetry lists them: the models pulled into its store
+    and every model it has resolved for a request (file hashes cached in the data dir)."""
+    store = ModelStore.of_data_dir(data_dir)
+
+    def sources():
+        for entry in store.entries():
+            yield stored_source(entry), entry.names
+        for source in pool.names.sources().values():
+            yield source, ()
+
+    return HeldModels(sources, FileHashes.of_data_dir(data_dir))

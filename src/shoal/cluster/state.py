@@ -76,6 +76,10 @@ class ClusterState(Frozen):
     tasks: dict[RequestId, Task] = Field(default_factory=dict)
     session_master: NodeId | None = None
     last_event_idx: int | None = None
+    # model (lower case) -> the nodes where a download or load of it failed, and why: left
+    # out of its placements until a load there succeeds, the node leaves, or a placement
+    # finds no other node (then every node is tried again).
+    load_failures: dict[str, dict[NodeId, str]] = Field(default_factory=dict)
 
     def next_event_idx(self) -> int:
         return 0 if self.last_event_idx is None else self.last_event_idx + 1
@@ -92,6 +96,10 @@ class ClusterState(Frozen):
         if any(phase in ("loading", "ready") for phase in phases):
             return "loading"
         return "starting"
+
+    def failed_nodes(self, model: str) -> dict[NodeId, str]:
+        """The nodes where model's download or load failed, and why."""
+        return dict(self.load_failures.get(model.lower(), {}))
 
     def instances_of(self, model: str) -> tuple[Instance, ...]:
         return tuple(i for i in self.instances.values() if i.model == model)

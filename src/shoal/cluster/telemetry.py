@@ -10,6 +10,7 @@ receive time, so a node silent for `timeout_s` counts as gone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -24,6 +25,7 @@ import psutil
 import pydantic
 
 from shoal.cluster.background import cancel_and_wait
+from shoal.cluster.held_models import HeldModel
 from shoal.cluster.instances import Frozen
 from shoal.cluster.placement import NodeCapacity
 from shoal.cluster.transport.base import Subscription, Transport
@@ -66,14 +68,24 @@ class NodeReading(Frozen):
     # Instances this node serves -> when their keep-alive unloads them (unix seconds; None:
     # in use, pinned or kept loaded).
     expiries: dict[str, float | None] = pydantic.Field(default_factory=dict)
+    # The model files on this node's disk, with sizes and hashes (held_models.py).
+    models: tuple[HeldModel, ...] = ()
 
     def capacity(self) -> NodeCapacity:
         """What placement may use here: the first GPU's memory when there is one, else RAM."""
         gpu = self.gpus[0] if self.gpus else None
-        return NodeCapacity.from_memory(
+        capacity = NodeCapacity.from_memory(
             self.node_id, self.memory_total, self.memory_available,
             None if gpu is None else gpu.memory_total,
             None if gpu is None else gpu.memory_available)
+        return dataclasses.replace(capacity, holds=self.held_model_names())
+
+    def held_model_names(self) -> frozenset[str]:
+        """Every name (lower case) of the models whose files this node holds."""
+        return frozenset(name.lower() for m in self.models for name in (m.model, *m.names))
+
+    def held(self, name: str) -> HeldModel | None:
+        return next((m for m in self.models if m.answers_to(name)), None)
 
 
 @dataclass(frozen=True)

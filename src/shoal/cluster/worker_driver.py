@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,6 +47,7 @@ from shoal.cluster.worker import (
     TearDown,
     plan,
 )
+from shoal.engine.config import ModelSource
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.ids import InstanceId, NodeId, RequestId, RunnerId, new_command_id
 from shoal.pool.pool import ModelPool
@@ -78,6 +79,10 @@ def parallel_config(instance: Instance, rank: Rank, connect_timeout_s: float) ->
                           connect_timeout_s=connect_timeout_s,
                           compress_hidden=instance.request.hidden_int8,
                           expert_start=rank.expert_start, expert_end=rank.expert_end)
+
+
+# (instance, rank) -> the rank's own copy of what it needs of the model, or None.
+RankSource = Callable[[Instance, Rank], Awaitable[ModelSource | None]]
 
 
 class ClusterLink(Protocol):
@@ -138,9 +143,12 @@ class WorkerDriver:
     def __init__(self, node_id: NodeId, link: ClusterLink, transport: Transport, pool: ModelPool,
                  usable_memory: Callable[[], int], config: WorkerConfig | None = None,
                  group_connect_s: float = DEFAULT_GROUP_CONNECT_S,
-                 memory_budget: Callable[[], int | None] = lambda: None) -> None:
+                 memory_budget: Callable[[], int | None] = lambda: None,
+                 rank_source: RankSource | None = None) -> None:
         """pool: this node's model pool (its registry runs the runners); usable_memory: bytes
-        this node can give a model now (checked before starting a rank)."""
+        this node can give a model now (checked before starting a rank); rank_source: a
+        rank's own copy of only what it needs, when the model is not on disk here (None:
+        the whole model, as any request would find it)."""
         self.node_id = node_id
         self._link = link
         self._transport = transport
@@ -150,6 +158,7 @@ class WorkerDriver:
         self._memory_budget = memory_budget
         self.config = config or WorkerConfig()
         self._group_connect_s = group_connect_s
+        self._rank_source = rank_source
         self._runners: dict[RunnerId, _Runner] = {}
         self._progress: dict[RequestId, TaskProgress] = {}
         self._forwarders: dict[RequestId, asyncio.Task] = {}
@@ -257,9 +266,13 @@ class WorkerDriver:
 
     async def _starting(self, runner: _Runner, instance: Instance, rank: Rank) -> None:
         try:
-            source = await self._pool.names.source_of(instance.model)
             parallel = (parallel_config(instance, rank, self._group_connect_s)
                         if rank.world_size > 1 else None)
+            source = None
+            if parallel is not None and self._rank_source is not None:
+                source = await self._rank_source(instance, rank)
+            if source is None:
+                source = await self._pool.names.source_of(instance.model)
             if parallel is not None:
                 held = (f"experts {rank.expert_start}-{rank.expert_end}" if rank.experts
                         else f"layers {rank.layer_start}-{rank.layer_end}")

@@ -9,12 +9,15 @@ known without resolving again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from shoal.catalog.resolve import resolve_model
+from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.engine.config import ModelSource, ModelTask
 
 Resolver = Callable[[str], ModelSource]
+# A model's files copied from another node: True once here, False when no node holds them;
+# ModelNotFound when every holder failed.
+PeerFetch = Callable[[str], Awaitable[bool]]
 
 
 class WrongModelTask(ValueError):
@@ -22,25 +25,32 @@ class WrongModelTask(ValueError):
 
 
 class ModelNames:
-    def __init__(self, resolve: Resolver | None = None) -> None:
+    """resolve: how a name becomes files (may pull from the outside source); resolve_here:
+    the same without any download (default: resolve). A model on no disk here is copied
+    from another node (fetch_from_peers, which the cluster sets) before any pull."""
+
+    def __init__(self, resolve: Resolver | None = None,
+                 resolve_here: Resolver | None = None) -> None:
         self._resolve = resolve or resolve_model
+        self._resolve_here = resolve_here or self._resolve
+        self.fetch_from_peers: PeerFetch | None = None
+        # Told each model id newly resolved here (the cluster lists its files soon after).
+        self.on_new_model: Callable[[str], None] | None = None
         self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
         self._tasks: dict[str, ModelTask] = {}  # model id -> what it does
         self._sources: dict[str, ModelSource] = {}  # model id -> where its weights are
 
-    async def identify(self, name: str, task: ModelTask | None = None
+    async def identify(self, name: str, task: ModelTask | None = None, from_peers: bool = True
                        ) -> tuple[str, ModelSource | None]:
         """(canonical model id, its source if resolved just now); WrongModelTask when the
-        model does not do task, ModelNotFound when it is unknown."""
+        model does not do task, ModelNotFound when it is unknown. from_peers: a model on
+        no disk here may be copied from another node."""
         model_id = self._ids.get(name.lower())
         source = None
         if model_id is None:
-            source = await self.resolve(name)
+            source = await self.resolve(name, from_peers)
             model_id = source.model_id
-            self._ids[name.lower()] = model_id
-            self._ids[model_id.lower()] = model_id
-            self._tasks[model_id] = source.task
-            self._sources[model_id] = source
+            self.remember(name, source)
         actual = self._tasks.get(model_id, "generate")
         if task is not None and actual != task:
             if actual == "embed":
@@ -51,8 +61,45 @@ class ModelNames:
                                  f"all-minilm-l6-v2)")
         return model_id, source
 
-    async def resolve(self, name: str) -> ModelSource:
-        """Where name's weights are, looked up afresh (ModelNotFound if unknown)."""
+    def remember(self, name: str, source: ModelSource) -> None:
+        """name (and the model's id) mean source from now on: a runner started for an
+        instance of it finds its files by the id."""
+        model_id = source.model_id
+        new = model_id not in self._sources
+        self._ids[name.lower()] = model_id
+        self._ids[model_id.lower()] = model_id
+        self._tasks[model_id] = source.task
+        self._sources[model_id] = source
+        if new and self.on_new_model is not None:
+            self.on_new_model(model_id)
+
+    async def on_disk(self, name: str) -> ModelSource | None:
+        """name's files if this machine holds them, without copying or pulling anything."""
+        try:
+            source = await asyncio.to_thread(self._resolve_here, name)
+        except ModelNotFound:
+            return None
+        self.remember(name, source)
+        return source
+
+    async def resolve(self, name: str, from_peers: bool = True) -> ModelSource:
+        """Where name's weights are, looked up afresh: on disk here, else copied from a
+        node holding them, else pulled when the resolver pulls (ModelNotFound if unknown)."""
+        try:
+            return await asyncio.to_thread(self._resolve_here, name)
+        except ModelNotFound:
+            if self.fetch_from_peers is None or not from_peers:
+                if self._resolve_here is self._resolve:
+                    raise
+                return await asyncio.to_thread(self._resolve, name)
+        try:
+            if await self.fetch_from_peers(name):
+                return await asyncio.to_thread(self._resolve_here, name)
+        except ModelNotFound as failed:
+            try:  # the outside source, when the resolver pulls
+                return await asyncio.to_thread(self._resolve, name)
+            except ModelNotFound as error:
+                raise ModelNotFound(f"{failed}; {error}") from error
         return await asyncio.to_thread(self._resolve, name)
 
     async def source_of(self, model_id: str) -> ModelSource:
@@ -61,8 +108,12 @@ class ModelNames:
         source = self._sources.get(model_id)
         if source is None:
             source = await self.resolve(model_id)
-            self._sources[model_id] = source
+            self.remember(model_id, source)
         return source
+
+    def sources(self) -> dict[str, ModelSource]:
+        """model id -> where its weights are, for every model resolved here so far."""
+        return dict(self._sources)
 
     def canonical_id(self, name: str) -> str:
         """The id name was identified as; name itself if it has not been."""

@@ -97,12 +97,13 @@ class ModelPool:
                  keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
                  load_wait_s: float = DEFAULT_LOAD_WAIT_S,
                  clock: Callable[[], float] = time.time,
-                 queue: AdmissionQueue | None = None, spans: SpanBuffer | None = None) -> None:
+                 queue: AdmissionQueue | None = None, spans: SpanBuffer | None = None,
+                 resolve_here: Resolver | None = None) -> None:
         if keep_alive_s is not None and keep_alive_s < 0:
             raise ValueError("keep_alive_s must be >= 0, or None to keep models loaded")
         self.registry = registry
         self.queue = queue or AdmissionQueue()  # every request's turn on this node
-        self.names = ModelNames(resolve)
+        self.names = ModelNames(resolve, resolve_here)
         self.keep_alive_s = keep_alive_s  # the node default for models loaded on first use
         self.load_wait_s = load_wait_s
         self._clock = clock

@@ -54,16 +54,19 @@ class Naming:
         return ladder
 
     async def identify(self, name: str, task: ModelTask | None) -> Named:
-        """The model name means: resolved here, else the model of an instance of that name
+        """The model name means: resolved here (its files copied from a node holding them
+        when no instance of it runs anywhere), else the model of an instance of that name
         elsewhere in the cluster; ModelNotFound if neither, WrongModelTask if the model
         does not do task."""
+        # An instance elsewhere serves it as it is: no copy of its files is fetched here.
+        elsewhere = self.chooser.model_named(name)
         try:
-            model_id, source = await self.names.identify(name, task)
+            model_id, source = await self.names.identify(name, task,
+                                                         from_peers=elsewhere is None)
         except ModelNotFound as error:
-            model_id = self.chooser.model_named(name)
-            if model_id is None:
+            if elsewhere is None:
                 raise
-            return Named(model_id, None, not_found=error)
+            return Named(elsewhere, None, not_found=error)
         return Named(model_id, source)
 
     def canonical_id(self, name: str) -> str:

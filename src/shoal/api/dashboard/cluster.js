@@ -74,7 +74,8 @@ export function renderNodes(table, cluster) {
     const load = node.cpu_percent === null || node.cpu_percent === undefined ? "–"
       : `${node.cpu_percent.toFixed(0)}% of ${node.cpu_count} cores`;
     return el("tr", { "data-node-id": node.node_id },
-      el("td", { title: node.node_id }, el("span", { class: "node-name" }, nodeName(cluster, node.node_id)), ...badges),
+      el("td", { title: [node.node_id, ...(node.models || []).map((m) => `holds ${m.model} (${formatBytes(m.size)})`)].join("\n") },
+        el("span", { class: "node-name" }, nodeName(cluster, node.node_id)), ...badges),
       el("td", {}, usageBar(used, node.memory_total)),
       el("td", {}, `${formatBytes(node.memory_held)} / ${formatBytes(node.memory_budget)}`),
       el("td", {}, load),
@@ -150,6 +151,13 @@ export function renderLoads(list, health, cluster) {
     if (instance.status === "ready" || instance.status === "failed") continue;
     const phases = instance.ranks.map((r) => `${nodeName(cluster, r.node_id)} ${r.phase || "pending"}`);
     items.push(el("li", {}, `${instance.model}: ${instance.status} (${phases.join(", ")})`));
+  }
+  // Nodes where a model's download or load failed: left out of its next placements.
+  for (const [model, failed] of Object.entries((cluster && cluster.load_failures) || {})) {
+    for (const [nodeId, reason] of Object.entries(failed)) {
+      items.push(el("li", { class: "stale" },
+        `${model} failed on ${nodeName(cluster, nodeId)} (placed elsewhere next): ${reason}`));
+    }
   }
   list.replaceChildren(...(items.length ? items : [el("li", { class: "muted" }, "nothing loading")]));
 }

@@ -84,7 +84,7 @@ def fetch_file(client: httpx.Client, remote: RemoteFile, target: Path,
                                         f"{_host(remote.url)} broke off ({error}); pull again "
                                         f"to resume it") from error
     report(PullEvent("verifying sha256 digest", source=source))
-    _verify(remote, partial, label)
+    verify_file(remote, partial, label)
     os.replace(partial, target)
 
 
@@ -133,7 +133,9 @@ def _download(client: httpx.Client, remote: RemoteFile, partial: Path,
         raise
 
 
-def _verify(remote: RemoteFile, partial: Path, label: str) -> None:
+def verify_file(remote: RemoteFile, partial: Path, label: str) -> None:
+    """partial holds exactly remote's bytes (size, hashes); else it is deleted and
+    CorruptDownload says why."""
     size = _size(partial)
     problem = None
     if size != remote.size:

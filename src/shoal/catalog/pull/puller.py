@@ -42,7 +42,7 @@ from shoal.catalog.resolve import (
 )
 from shoal.catalog.store import ModelStore, StoredModel, choose_victims, write_json_atomically
 
-_STAGED_PLAN = ".staged.json"  # in a staging directory: each file's digest, as planned
+STAGED_PLAN = ".staged.json"  # in a staging directory: each file's digest, as planned
 FreeBytes = Callable[[Path], int]
 Install = Callable[[Sequence[str], str], None]
 
@@ -242,7 +242,7 @@ class Puller:
 
     def _fetch(self, plan: PullPlan, client: httpx.Client, report: Progress) -> StoredModel:
         staging = self.store.staging_for(plan.key)
-        _forget_stale_files(staging, plan)
+        forget_stale_files(staging, {remote.path: remote.digest for remote in plan.files})
         self._make_room(plan, staging)
         for remote in plan.files:
             fetch_file(client, remote, staging / remote.path, plan.headers, report, plan.label,
@@ -250,7 +250,7 @@ class Puller:
         weights = plan.weights
         if plan.split_parts:
             weights = self._merge(plan, staging, report)
-        (staging / _STAGED_PLAN).unlink()  # all fetched: the directory is the model now
+        (staging / STAGED_PLAN).unlink()  # all fetched: the directory is the model now
         report(PullEvent("writing manifest"))
         manifest = {"name": plan.key, "names": [plan.key], "source": plan.source,
                     "format": plan.format, "weights": weights,
@@ -277,30 +277,36 @@ class Puller:
 
     def _make_room(self, plan: PullPlan, staging: Path) -> None:
         """Evict for --models-disk, then check the disk has room for what is still missing."""
-        limit = self.settings.models_disk
-        if limit is not None:
-            try:
-                victims = choose_victims(self.store.entries(), plan.size, limit, self.keep)
-            except ValueError as error:
-                raise NotEnoughDisk(f"{plan.label}: the model needs {plan.size:,} bytes; "
-                                    f"{error}") from None
-            for victim in victims:
-                self.store.remove(victim)
         needed = sum(f.size - _have(staging / f.path) for f in plan.files)
         if plan.split_parts:  # the parts and the joined file, for a moment
             needed += plan.size
+        self.make_room(plan.size, needed, plan.label)
+
+    def make_room(self, model_size: int, missing: int, label: str) -> None:
+        """Room for a model of model_size bytes of which missing are not on disk yet: evict
+        least recently used models for --models-disk, then check the free disk (also for a
+        model copied from another node). NotEnoughDisk when there is none."""
+        limit = self.settings.models_disk
+        if limit is not None:
+            try:
+                victims = choose_victims(self.store.entries(), model_size, limit, self.keep)
+            except ValueError as error:
+                raise NotEnoughDisk(f"{label}: the model needs {model_size:,} bytes; "
+                                    f"{error}") from None
+            for victim in victims:
+                self.store.remove(victim)
         free = self._free_bytes(self.store.models_dir)
-        if needed + self.settings.disk_margin_bytes > free:
-            raise NotEnoughDisk(f"{plan.label}: not enough free disk: the model needs "
-                                f"{_gb(needed)} more in {self.store.models_dir}, and "
+        if missing + self.settings.disk_margin_bytes > free:
+            raise NotEnoughDisk(f"{label}: not enough free disk: the model needs "
+                                f"{_gb(missing)} more in {self.store.models_dir}, and "
                                 f"{_gb(free)} are free")
 
 
-def _forget_stale_files(staging: Path, plan: PullPlan) -> None:
-    """Drop what an earlier pull of this name left that the source has since changed (a
-    new revision, a retagged model): resuming it would mix two files' bytes."""
-    record = staging / _STAGED_PLAN
-    wanted = {remote.path: remote.digest for remote in plan.files}
+def forget_stale_files(staging: Path, wanted: dict[str, str]) -> None:
+    """Drop what an earlier pull (or peer fetch) of this name left that the source has since
+    changed (a new revision, a retagged model): resuming it would mix two files' bytes.
+    wanted: each file's path -> digest now."""
+    record = staging / STAGED_PLAN
     try:
         staged = json.loads(record.read_text())
     except (OSError, ValueError):
