@@ -302,8 +302,8 @@ class ModelTransfer:
                 part = await self._next_part(node, parts)
                 early[int(part["offset"])] = part
                 while (part := early.pop(have, None)) is not None:
-                    data = _checked(part, have, file)
-                    await asyncio.to_thread(_write_at, out, have, data)
+                    # Hashing and writing off the event loop (sha256 lets go of the GIL).
+                    data = await asyncio.to_thread(_check_and_write, part, have, file, out)
                     have += len(data)
                     copied += len(data)
                     self.fetched_bytes += len(data)
@@ -391,8 +391,8 @@ class ModelTransfer:
             answer["error"] = f"node {self._transport.node_id} does not hold {ask['path']}"
         else:
             try:
-                data = await asyncio.to_thread(_read_range, path, offset, length)
-                answer.update(data=data, sha256=hashlib.sha256(data).hexdigest())
+                data, digest = await asyncio.to_thread(_read_and_hash, path, offset, length)
+                answer.update(data=data, sha256=digest)
                 self.served_bytes += len(data)
             except OSError as error:
                 answer["error"] = f"cannot read {ask['path']}: {error}"
@@ -423,6 +423,17 @@ def _checked(part: dict[str, Any], offset: int, file: HeldFile) -> bytes:
 def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
     out.seek(offset)
     out.write(data)
+
+
+def _check_and_write(part: dict[str, Any], offset: int, file: HeldFile, out: BinaryIO) -> bytes:
+    data = _checked(part, offset, file)
+    _write_at(out, offset, data)
+    return data
+
+
+def _read_and_hash(path: Path, offset: int, length: int) -> tuple[bytes, str]:
+    data = _read_range(path, offset, length)
+    return data, hashlib.sha256(data).hexdigest()
 
 
 def _sync(out: BinaryIO) -> None:
