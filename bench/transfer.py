@@ -1,6 +1,6 @@
 """Model files between nodes on loopback; prints one JSON object.
 
-    python bench/transfer.py [--size-mb 256] [--layers 16]
+    python bench/transfer.py [--size-mb 256] [--layers 16] [--ttft-model ID] [--skip-nodes]
 
 Measures, with two Zenoh sessions in this process (msgpack, TCP loopback, the holder's
 reads and the asker's writes, per-chunk and whole-file sha256):
@@ -8,7 +8,11 @@ reads and the asker's writes, per-chunk and whole-file sha256):
   bound) against a plain file copy of the same bytes (shutil.copyfile), and their ratio;
 - rank: the bytes each rank of a 2-rank pipeline copies of a GGUF of --layers layers
   (ModelTransfer.fetch_rank) against the whole file.
-Time to first token for a model held by one node and placed on another is not measured here.
+- ttft (real `shoal serve` processes on 127.0.0.1, bench/cluster.py's): a completion's time
+  to first token on a node that lacks a model one other node holds (it copies the file from
+  that node, then loads it), against the same request once the file is on its disk (the
+  model unloaded between, so both include the load); the model is --ttft-model's GGUF
+  (default qwen2.5-coder-0.5b-instruct) under a name no catalogue resolves.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
+from cluster import cluster_view, start_nodes, stop_nodes, wait_agreed
 
 from shoal.catalog.file_hashes import FileHashes
+from shoal.catalog.resolve import resolve_model
 from shoal.catalog.store import ModelStore
 from shoal.cluster.held_models import HeldModels
 from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
@@ -110,6 +117,57 @@ async def rank_copy(base: Path, layers: int) -> dict:
     return {"file_bytes": path.stat().st_size, "ranks": ranks}
 
 
+def first_token_s(url: str, model: str) -> float:
+    body = {"model": model, "prompt": "The history of rivers is", "max_tokens": 4,
+            "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - start
+    raise RuntimeError("the completion streamed no token")
+
+
+def unload_all(url: str, urls: list[str]) -> None:
+    for instance in cluster_view(url)["instances"]:
+        httpx.delete(f"{url}/instances/{instance['instance_id']}", timeout=30)
+    deadline = time.monotonic() + 60
+    while any(cluster_view(u)["instances"] for u in urls):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the instances were not deleted")
+        time.sleep(0.2)
+
+
+def ttft(base: Path, model_id: str) -> dict:
+    """Time to first token on a node lacking the model (a peer copy, then the load) against
+    the same node with the file on its disk."""
+    path = base / "bench-peer-model.gguf"  # a stem no catalogue id resolves
+    shutil.copyfile(resolve_model(model_id).path, path)
+    nodes = start_nodes(base, 2, extra={0: ["--peer-fetch-rate", "off"],
+                                        1: ["--peer-fetch-rate", "off"]})
+    urls = [url for _, url in nodes]
+    try:
+        wait_agreed(urls, 2, 60)
+        holder, asker = urls
+        first_token_s(holder, str(path))  # the holder resolves it (so lists it), then unloads
+        unload_all(holder, urls)
+        deadline = time.monotonic() + 60
+        while not any(any(m["model"] == path.stem for m in n.get("models", []))
+                      for n in cluster_view(asker)["nodes"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the asker never saw the holder's model")
+            time.sleep(0.2)
+        copied = first_token_s(asker, path.stem)
+        unload_all(asker, urls)
+        on_disk = first_token_s(asker, path.stem)
+    finally:
+        stop_nodes(nodes)
+    return {"model": model_id, "file_bytes": path.stat().st_size,
+            "ttft_after_peer_copy_s": round(copied, 2), "ttft_from_disk_s": round(on_disk, 2),
+            "copy_overhead_s": round(copied - on_disk, 2)}
+
+
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as temporary:
         base = Path(temporary)
@@ -117,6 +175,9 @@ async def main(args: argparse.Namespace) -> None:
         (base / "rank").mkdir()
         result = {"peer": await peer_copy(base / "peer", args.size_mb),
                   "rank": await rank_copy(base / "rank", args.layers)}
+        if not args.skip_nodes:
+            (base / "nodes").mkdir()
+            result["ttft"] = await asyncio.to_thread(ttft, base / "nodes", args.ttft_model)
     print(json.dumps(result))
 
 
@@ -124,4 +185,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--ttft-model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--skip-nodes", action="store_true")
     asyncio.run(main(parser.parse_args()))
