@@ -6,16 +6,13 @@ mid-stream ends the stream with an error in bounded time and the model serves ag
 
 from __future__ import annotations
 
-import json
-import subprocess
-import time
 
-import httpx
 import pytest
 from engine import tiny_models  # tests/engine, a namespace package on tests/'s path
 from engine.tokenizer_fixtures import tiny_byte_level_metadata
 from test_multinode import cluster_of, start_nodes, wait_for
-from test_multinode_parallel import answers, complete, delete, place, runner_pids
+from test_multinode_parallel import (
+    answers, assert_killing_rank1_mid_stream_ends_it_and_the_model_serves_again, delete, place)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -70,24 +67,7 @@ def test_expert_and_pipeline_instances_answer_as_one_node(two_nodes):
 
 
 def test_killing_an_expert_rank_mid_stream_ends_it_with_an_error_and_serves_again(two_nodes):
-    first, second = two_nodes
+    first = two_nodes[0]
     instance = place(first, MODEL, "expert", 2)
-    rank1_node = instance["ranks"][1]["node_id"]
-    node_of_rank1 = next(n for n in two_nodes if cluster_of(n)["node_id"] == rank1_node)
-    [runner_pid] = runner_pids(node_of_rank1)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000,
-            "temperature": 0, "stream": True, "ignore_eos": True}
-    events, killed_at = [], None
-    with httpx.stream("POST", first.url + "/v1/completions", json=body, timeout=60) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-                if len(events) == 5:
-                    subprocess.run(["kill", "-9", runner_pid], check=True)
-                    killed_at = time.monotonic()
-    ended_after = time.monotonic() - killed_at
-    assert "error" in events[-1] and ended_after < 10
-    assert events[-1]["error"]["type"] == "service_unavailable"
-    wait_for(lambda: any(i["status"] == "ready" and i["instance_id"] != instance["instance_id"]
-                         for i in cluster_of(first)["instances"]), 120, "re-placed and ready")
-    assert complete(second, MODEL, "The sky is", 8)
+    assert_killing_rank1_mid_stream_ends_it_and_the_model_serves_again(
+        two_nodes, instance, MODEL, 3000)

@@ -95,12 +95,20 @@ def test_pipeline_and_tensor_instances_answer_as_one_node(two_nodes, model):
 
 
 def test_killing_a_rank_mid_stream_ends_it_with_an_error_and_the_model_serves_again(two_nodes):
-    first, second = two_nodes
+    first = two_nodes[0]
     instance = place(first, "smollm2", "pipeline", 2)
+    assert_killing_rank1_mid_stream_ends_it_and_the_model_serves_again(
+        two_nodes, instance, "smollm2", 2000)
+
+def assert_killing_rank1_mid_stream_ends_it_and_the_model_serves_again(
+        two_nodes, instance: dict, model: str, max_tokens: int) -> None:
+    """kill -9 of rank 1's runner after 5 streamed chunks: the stream's last event is a
+    service_unavailable error within 10 s, and the model is placed again and answers."""
+    first, second = two_nodes
     rank1_node = instance["ranks"][1]["node_id"]
     node_of_rank1 = next(n for n in two_nodes if cluster_of(n)["node_id"] == rank1_node)
     [runner_pid] = runner_pids(node_of_rank1)
-    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000,
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
     events, killed_at = [], None
     with httpx.stream("POST", first.url + "/v1/completions", json=body, timeout=60) as stream:
@@ -115,4 +123,4 @@ def test_killing_a_rank_mid_stream_ends_it_with_an_error_and_the_model_serves_ag
     assert events[-1]["error"]["type"] == "service_unavailable"
     wait_for(lambda: any(i["status"] == "ready" and i["instance_id"] != instance["instance_id"]
                          for i in cluster_of(first)["instances"]), 120, "re-placed and ready")
-    assert complete(second, "smollm2", "The sky is", 8)
+    assert complete(second, model, "The sky is", 8)
