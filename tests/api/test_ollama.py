@@ -157,7 +157,7 @@ def test_ps_show_version_and_liveness(fake_node):
     assert held["weights_bytes"] is None and held["kv_bytes_in_use"] is None
     assert held["rss_bytes"] > 0
     shown = post(fake_node, "/api/show", {"model": "fake-model:latest"})
-    assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion"]
+    assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion", "tools"]
     assert shown.json()["model_info"]["unknown.context_length"] == 128
     assert post(fake_node, "/api/show", {"name": "nope"}).status_code == 404
     assert httpx.get(fake_node.url + "/api/version").json()["version"]
@@ -195,7 +195,7 @@ def test_official_client(fake_node):
     assert "".join(pieces) == EIGHT_WORDS
     assert "fake-model" in [m.model for m in client.list().models]
     assert client.ps().models[0].context_length == 128
-    assert client.show("fake-model").capabilities == ["completion"]
+    assert client.show("fake-model").capabilities == ["completion", "tools"]
     with pytest.raises(ollama.ResponseError) as error:
         client.chat(model="nope", messages=CHAT["messages"])
     assert error.value.status_code == 404

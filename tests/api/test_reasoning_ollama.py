@@ -42,6 +42,14 @@ def test_chat_thinking_comes_back_apart(fake_node, think):
                        "thinking": "The user greets me. Reply kindly."}
 
 
+def test_show_lists_thinking_once_the_model_is_loaded(fake_node):
+    assert post(fake_node, "/api/chat", chat("THINK hi")).status_code == 200
+    shown = post(fake_node, "/api/show", {"model": "fake-harmony"}).json()
+    assert shown["capabilities"] == ["completion", "tools", "thinking"]
+    plain = post(fake_node, "/api/show", {"model": "fake-model"}).json()
+    assert "thinking" not in plain["capabilities"]
+
+
 def test_think_false_returns_no_thinking(fake_node):
     body = post(fake_node, "/api/chat", chat("THINK hi", think=False)).json()
     assert body["message"] == {"role": "assistant", "content": "Hello there!"}

@@ -29,6 +29,7 @@ from shoal.diagnostics.flight import FlightLogHandler
 from shoal.engine.core import EngineCore, EngineFactory
 from shoal.engine.errors import GroupError
 from shoal.runner.channel import EOF, Channel, SupervisorGone
+from shoal.runner.chat_format import choose_chat_format
 from shoal.runner.loop import EngineBroken, RunnerLoop
 from shoal.runner.memory import MemoryReporter, loading_heap
 from shoal.runner.messages import Failed, Load, ModelInfo, Status, parse_to_runner
@@ -65,10 +66,12 @@ def model_info(engine: EngineCore) -> ModelInfo:
     chat template)."""
     tokenizer = engine.tokenizer
     embeds = engine.task == "embed"
+    reasons = (tokenizer is not None and not embeds
+               and choose_chat_format(tokenizer, engine.render_chat).reasons)
     return ModelInfo(model_id=engine.model_id, max_model_len=engine.max_model_len,
                      vocab_size=engine.vocab_size,
                      has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
-                     task=engine.task,
+                     task=engine.task, reasons=reasons,
                      embedding_dimensions=engine.dimensions if embeds else None)
 
 

@@ -113,6 +113,8 @@ class ModelInfo(RunnerMessage):
     vocab_size: int
     has_chat_template: bool
     task: Literal["generate", "embed"] = "generate"
+    # Its chat format streams reasoning apart (harmony, think tags): Ollama's "thinking".
+    reasons: bool = False
     embedding_dimensions: int | None = None  # set for embedding models
 
 

@@ -193,11 +193,26 @@ async def show(body: ModelNameRequest, request: Request) -> dict[str, Any]:
     shown = {"modelfile": f"# served by shoal\nFROM {_weights_path(model) or model.id}\n",
              "parameters": parameters_text(pulled.get("params")),
              "template": pulled.get("template", ""), "details": details, "model_info": info,
-             "capabilities": ["embedding"] if kind == "embedding" else ["completion"],
+             "capabilities": capabilities(model, kind),
              "modified_at": described["modified_at"]}
     if pulled.get("system"):
         shown["system"] = pulled["system"]
     return shown
+
+
+def capabilities(model: ListedModel, kind: str) -> list[str]:
+    """Ollama's capabilities: every chat model takes tools (shoal writes them into the
+    prompt when its template has no place for them); "thinking" where the loaded model's
+    chat format streams reasoning apart (known once a runner has loaded it)."""
+    info = getattr(model.supervisor, "model_info", None)
+    if kind == "embedding" or (info is not None and info.task == "embed"):
+        return ["embedding"]
+    found = ["completion"]
+    if kind != "base":
+        found.append("tools")
+    if info is not None and info.reasons:
+        found.append("thinking")
+    return found
 
 
 def parameters_text(params: Any) -> str:
