@@ -5,7 +5,8 @@ after kill -9 of the master, and a node with another secret kept out (multinode,
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -47,6 +48,17 @@ def agreed_master(nodes: Sequence[ServeProcess], size: int) -> str | None:
     return masters.pop() if len(masters) == 1 and None not in masters else None
 
 
+@contextmanager
+def stopping(nodes: list[ServeProcess]) -> Iterator[list[ServeProcess]]:
+    """The nodes, stopped on the way out however it is left (a fixture whose wait fails
+    before its yield leaves no node running)."""
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 def start_nodes(tmp: Path, count: int, secret: str = SECRET,
                 extra: dict[int, list[str]] | None = None,
                 cluster_ports: list[int] | None = None) -> list[ServeProcess]:
@@ -67,10 +79,8 @@ def start_nodes(tmp: Path, count: int, secret: str = SECRET,
 @pytest.fixture
 def three_nodes(tmp_path):
     # node2 always wins elections, so the instance placed on node3 is not on the master.
-    nodes = start_nodes(tmp_path, 3, extra={1: ["--force-master"]})
-    yield nodes
-    for node in nodes:
-        node.stop()
+    with stopping(start_nodes(tmp_path, 3, extra={1: ["--force-master"]})) as nodes:
+        yield nodes
 
 
 def test_three_nodes_serve_across_the_cluster_and_survive_losing_the_master(three_nodes):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from engine import tiny_models  # tests/engine, a namespace package on tests/'s path
 from engine.tokenizer_fixtures import tiny_byte_level_metadata
-from test_multinode import cluster_of, start_nodes, wait_for
+from test_multinode import cluster_of, start_nodes, stopping, wait_for
 from test_multinode_parallel import (
     answers, assert_killing_rank1_mid_stream_ends_it_and_the_model_serves_again, delete, place)
 
@@ -42,11 +42,10 @@ def two_nodes(tmp_path_factory, hub_cache):
         patch.setenv("HF_HUB_CACHE", str(hub_cache))  # the node processes inherit it
         nodes = start_nodes(tmp_path_factory.mktemp("experts"), 2,
                             extra={0: ["--dtype", "float32"], 1: ["--dtype", "float32"]})
-    wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 2 for n in nodes),
-             20, "a two-node cluster")
-    yield nodes
-    for node in nodes:
-        node.stop()
+    with stopping(nodes):
+        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 2 for n in nodes),
+                 20, "a two-node cluster")
+        yield nodes
 
 
 def test_expert_and_pipeline_instances_answer_as_one_node(two_nodes):

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_multinode import cluster_of, start_nodes, wait_for
+from test_multinode import cluster_of, start_nodes, stopping, wait_for
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -22,12 +22,11 @@ PROMPTS = ["The three primary colours are", "def fibonacci(n):\n",
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    nodes = start_nodes(tmp_path_factory.mktemp("parallel"), 2,
-                        extra={0: ["--dtype", "float32"], 1: ["--dtype", "float32"]})
-    wait_for(lambda: _formed(nodes), 20, "a two-node cluster")
-    yield nodes
-    for node in nodes:
-        node.stop()
+    with stopping(start_nodes(tmp_path_factory.mktemp("parallel"), 2,
+                              extra={0: ["--dtype", "float32"], 1: ["--dtype", "float32"]})
+                  ) as nodes:
+        wait_for(lambda: _formed(nodes), 20, "a two-node cluster")
+        yield nodes
 
 
 def _formed(nodes) -> bool:

@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from test_multinode import cluster_of, start_nodes, wait_for
+from test_multinode import cluster_of, start_nodes, stopping, wait_for
 from test_multinode_parallel import place
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -21,12 +21,10 @@ CALLER = "1122334455667788"
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    nodes = start_nodes(tmp_path_factory.mktemp("traces"), 2)
-    wait_for(lambda: all((v := cluster_of(n)) and len(v["nodes"]) == 2 and v["master_id"]
-                         for n in nodes), 20, "a two-node cluster")
-    yield nodes
-    for node in nodes:
-        node.stop()
+    with stopping(start_nodes(tmp_path_factory.mktemp("traces"), 2)) as nodes:
+        wait_for(lambda: all((v := cluster_of(n)) and len(v["nodes"]) == 2 and v["master_id"]
+                             for n in nodes), 20, "a two-node cluster")
+        yield nodes
 
 
 def _events_by_thread(trace: dict) -> dict[str, list[dict]]:
