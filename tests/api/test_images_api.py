@@ -13,26 +13,39 @@ import threading
 import httpx
 import numpy as np
 import pytest
-from serve_process import start_serve
+from serve_process import start_serve, wait_healthy_or_fail
 from tiny_pipeline import build_tiny_pipeline
+
+pytestmark = pytest.mark.slow  # a node subprocess and a runner that imports diffusers
 
 PROMPT = "a small red boat"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(the pipeline, its directory)."""
-    directory = tmp_path_factory.mktemp("tiny-pipeline")
-    pipeline = build_tiny_pipeline(directory)
-    return pipeline, directory / "tiny-sd"
+def served(tmp_path_factory):
+    """(the node, the pipeline, its directory): the node starts while the pipeline is built."""
+    node = start_serve(["--standalone", "--no-preload", "--threads", "2"],
+                       tmp_path_factory.mktemp("shoal-images-data"), wait_healthy=False)
+    try:
+        directory = tmp_path_factory.mktemp("tiny-pipeline")
+        pipeline = build_tiny_pipeline(directory)
+        wait_healthy_or_fail(node)
+    except BaseException:
+        node.kill()
+        raise
+    yield node, pipeline, directory / "tiny-sd"
+    assert node.stop() == 0, node.log_tail()
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    node = start_serve(["--standalone", "--no-preload", "--threads", "2"],
-                       tmp_path_factory.mktemp("shoal-images-data"))
-    yield node
-    assert node.stop() == 0, node.log_tail()
+def tiny(served):
+    """(the pipeline, its directory)."""
+    return served[1], served[2]
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def generate(url: str, timeout_s: float = 120, **body) -> httpx.Response:
@@ -72,6 +85,14 @@ def test_images_have_the_size_asked_for_and_equal_the_pipelines_own(server, tiny
     again = generate(server.url, model="tiny-sd", prompt=PROMPT, n=2, size="32x24", seed=7,
                      num_inference_steps=2).json()
     assert [item["b64_json"] for item in again["data"]] == [i["b64_json"] for i in body["data"]]
+    # OpenAI's own client, the extensions in extra_body.
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    drawn = client.images.generate(model="tiny-sd", prompt=PROMPT, n=2, size="32x24",
+                                   response_format="b64_json",
+                                   extra_body={"seed": 7, "steps": 2})
+    assert [item.b64_json for item in drawn.data] == [i["b64_json"] for i in body["data"]]
     other = generate(server.url, model="tiny-sd", prompt=PROMPT, size="32x24", seed=8,
                      steps=2).json()
     assert other["data"][0]["b64_json"] != body["data"][0]["b64_json"]
