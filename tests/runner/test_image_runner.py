@@ -125,3 +125,15 @@ def test_a_killed_runner_fails_its_request_clearly_and_restarts(tmp_path):
     assert rest[-1].kind == "error" and rest[-1].code == "runner_crashed"
     assert elapsed < 2 and new_pid != old_pid
     assert after[-1].kind == "images_done"
+
+
+def test_a_text_request_sent_to_an_image_runner_is_answered_with_an_error(tmp_path):
+    from shoal.protocol import GenerationRequest
+
+    async def scenario(supervisor):
+        text = GenerationRequest(request_id="t", model="fake-pipeline", prompt="hello")
+        return [chunk async for chunk in supervisor.submit(text)]
+
+    chunks = run_with_image_supervisor(tmp_path, scenario)
+    assert [c.kind for c in chunks] == ["error"] and chunks[0].code == "invalid_request"
+    assert "draws images" in chunks[0].message

@@ -142,15 +142,20 @@ class RunnerSupervisor:
 
         Closing the iterator early (client gone) cancels the request in the runner.
         """
-        async for chunk in self._stream(request.request_id, Submit(request=request)):
-            yield chunk
+        # aclosing: closing this generator closes _stream's at once (its finally cancels).
+        async with contextlib.aclosing(self._stream(request.request_id,
+                                                    Submit(request=request))) as stream:
+            async for chunk in stream:
+                yield chunk
 
     async def generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
         """An image runner's chunks for request: ImageProgressChunks and ImageChunks, then
         one ImagesDone or ErrorChunk. Closing early cancels it, as submit does."""
         try:
-            async for chunk in self._stream(request.request_id, SubmitImages(request=request)):
-                yield chunk
+            async with contextlib.aclosing(self._stream(
+                    request.request_id, SubmitImages(request=request))) as stream:
+                async for chunk in stream:
+                    yield chunk
         finally:
             self.image_steps.pop(request.request_id, None)
 

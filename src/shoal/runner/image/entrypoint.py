@@ -66,7 +66,7 @@ def serve(sock: socket.socket, loader: PipelineLoader = load_pipeline) -> int:
         model_id=model_id, max_model_len=0, vocab_size=0, has_chat_template=False,
         task="image")))
     try:
-        ImageRunnerLoop(pipeline, channel, memory).run(first[1:])
+        ImageRunnerLoop(model_id, pipeline, channel, memory).run(first[1:])
     except (BrokenPipeError, ConnectionError) as error:
         log.error("runner socket failed: %s", error)
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -37,8 +37,9 @@ class Stop(Exception):
 
 
 class ImageRunnerLoop:
-    def __init__(self, pipeline: Drawer, channel: Channel,
+    def __init__(self, model_id: str, pipeline: Drawer, channel: Channel,
                  memory: MemoryReporter | None = None) -> None:
+        self.model_id = model_id
         self.pipeline = pipeline
         self.channel = channel
         self.memory = memory
@@ -47,7 +48,7 @@ class ImageRunnerLoop:
         self.cancelled = False  # the current one was cancelled
         self.stopping = False  # Shutdown arrived, or the socket closed
 
-    def run(self, early: list[Any] = ()) -> None:
+    def run(self, early: Sequence[Any] = ()) -> None:
         for raw in early:
             self.handle(raw)
         while not self.stopping:
@@ -64,8 +65,13 @@ class ImageRunnerLoop:
         if raw is EOF:
             self.stopping = True
             return
-        if not isinstance(raw, dict) or raw.get("type") not in IMAGE_RUNNER_TYPES:
-            return  # not for an image runner (an engine's message): nothing to answer
+        if not isinstance(raw, dict):
+            return
+        if raw.get("type") in ("submit", "embed"):  # never routed here; answered, not left
+            self.refuse_text_request(raw)
+            return
+        if raw.get("type") not in IMAGE_RUNNER_TYPES:
+            return  # an engine's message (prefix KV, proposals): nothing to answer
         try:
             message = parse_to_image_runner(raw)
         except ValidationError as error:
@@ -87,11 +93,11 @@ class ImageRunnerLoop:
         except Stop:
             return  # the supervisor has ended the request already
         except (ValueError, TypeError) as error:
-            self.send_error(request, "invalid_request", str(error))
+            self.send_error(request.request_id, "invalid_request", str(error))
             return
         except Exception as error:  # noqa: BLE001 - one request fails, the runner serves on
             log.error("drawing %s failed:\n%s", request.request_id, traceback.format_exc())
-            self.send_error(request, "internal", f"the pipeline failed: "
+            self.send_error(request.request_id, "internal", f"the pipeline failed: "
                                                  f"{type(error).__name__}: {error}")
             return
         finally:
@@ -113,6 +119,14 @@ class ImageRunnerLoop:
         if self.cancelled or self.stopping:
             raise Stop(f"request {request_id} stopped at step {step}")
 
-    def send_error(self, request: ImageRequest, code: str, message: str) -> None:
+    def refuse_text_request(self, raw: dict[str, Any]) -> None:
+        request = raw.get("request")
+        request_id = request.get("request_id") if isinstance(request, dict) else None
+        if isinstance(request_id, str):
+            self.send_error(request_id, "invalid_request",
+                            f"model {self.model_id!r} draws images; it takes no text or "
+                            f"embedding requests")
+
+    def send_error(self, request_id: str, code: str, message: str) -> None:
         self.channel.send(ChunkMessage(chunk=ErrorChunk(
-            request_id=request.request_id, code=code, message=message)))
+            request_id=request_id, code=code, message=message)))
