@@ -81,9 +81,10 @@ class ImagePipeline:
     @classmethod
     def load(cls, model_id: str, directory: Path, dtype: str = "auto") -> ImagePipeline:
         device = choose_device()
-        pipeline = DiffusionPipeline.from_pretrained(
-            str(directory), dtype=choose_dtype(dtype, device), local_files_only=True)
-        pipeline.to(device)
+        pipeline = DiffusionPipeline.from_pretrained(str(directory), local_files_only=True)
+        # Cast after loading (float32): positional .to(device, dtype) reads the same in
+        # every diffusers release, where from_pretrained's dtype argument changed name.
+        pipeline = pipeline.to(device, choose_dtype(dtype, device))
         pipeline.set_progress_bar_config(disable=True)
         return cls(model_id, pipeline, device)
 
