@@ -103,12 +103,13 @@ class MemorySupervisor:
                 self.aborted.append(request.request_id)
 
     async def generate_images(self, request: ImageRequest):
-        """Two steps, then one 1x1 image per n; a prompt "hold:<seconds>" takes that long."""
+        """Two steps, then one 1x1 image per n; a prompt "hold:<seconds>" takes that long
+        between its steps."""
         self.events.append(("draw", request.request_id))
+        yield ImageProgressChunk(request_id=request.request_id, step=1, steps=2)
         if request.prompt.startswith("hold:"):
             await asyncio.sleep(float(request.prompt[5:]))
-        for step in (1, 2):
-            yield ImageProgressChunk(request_id=request.request_id, step=step, steps=2)
+        yield ImageProgressChunk(request_id=request.request_id, step=2, steps=2)
         for index in range(request.n):
             yield ImageChunk(request_id=request.request_id, index=index, png_base64="",
                              width=1, height=1)

@@ -98,3 +98,22 @@ def test_a_request_for_the_other_kind_of_model_is_refused_naming_the_model(sourc
     assert "is an image model" in as_chat[0].message
     assert "/v1/images/generations" in as_chat[0].message
     assert "generates text" in as_image[0].message and "draw images" in as_image[0].message
+
+
+def test_cancel_ends_a_drawing_and_names_the_steps_it_ran(sources):
+    async def main():
+        router = await make_router(sources, [])
+        stream = router.generate_images(draw("painter", "long", prompt="hold:5"))
+        first = await anext(stream)
+        cancelled = router.cancel("long")
+        last = await asyncio.wait_for(anext(stream), 2)
+        after = router.queue.running("painter")
+        await stream.aclose()
+        await shutdown(router)
+        return first, cancelled, last, after
+
+    first, cancelled, last, after = asyncio.run(main())
+    assert first.kind == "image_progress" and cancelled
+    assert last.kind == "error" and last.code == "cancelled"
+    assert "after 1 denoising step" in last.message
+    assert after == 0  # its turn was given back

@@ -96,7 +96,8 @@ class Router:
             await stream.close()
 
     def cancel(self, request_id: str) -> bool:
-        """End a generation request accepted by this node; False if there is none such."""
+        """End a generation or image request accepted by this node; False if there is none
+        such."""
         stream = self._in_flight.get(request_id)
         return stream is not None and stream.cancel()
 
@@ -186,7 +187,19 @@ class Router:
 
     async def generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
         """The request's image chunks (ImagesDone last), or one ErrorChunk. The model's one
-        pipeline draws one request at a time: the others wait in the queue, in its order."""
+        pipeline draws one request at a time: the others wait in the queue, in its order.
+        cancel() ends it, wherever it is."""
+        stream = CancellableStream(self._generate_images(request), request.request_id)
+        self._in_flight[request.request_id] = stream
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            if self._in_flight.get(request.request_id) is stream:
+                del self._in_flight[request.request_id]
+            await stream.close()
+
+    async def _generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
         clock = RequestClock()
         turn = await self._turn(request, "image", clock)
         if isinstance(turn, ErrorChunk):

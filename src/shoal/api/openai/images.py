@@ -13,7 +13,8 @@ With "stream": true it is server-sent events instead: `image_generation.progress
 one `image_generation.completed` per image {"type", "b64_json", "created_at", "size",
 "output_format", "x_index", "x_seed"}; an error after the stream began is an `error` event
 {"type": "error", "error": {...}}. (OpenAI's partial_image events, previews of an unfinished
-image, are not sent: partial_images must be 0 or absent.)
+image, are not sent: partial_images must be 0 or absent.) The answer's x-request-id
+(img-...) is what POST /v1/requests/{id}/cancel takes; a client that leaves cancels too.
 """
 
 from __future__ import annotations
