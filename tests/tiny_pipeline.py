@@ -26,8 +26,12 @@ def build_tiny_pipeline(directory: Path):
     """A StableDiffusionPipeline of random weights (seeded), saved under directory (a diffusers
     pipeline dir with model_index.json); returns the pipeline."""
     import torch
-    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     torch.manual_seed(0)
