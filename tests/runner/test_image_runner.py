@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 
+import pytest
 from fake_image_runner import FAKE_IMAGE_RUNNER
 from fakes import fake_runner_env, fake_supervisor_options
 
@@ -137,3 +138,11 @@ def test_a_text_request_sent_to_an_image_runner_is_answered_with_an_error(tmp_pa
     chunks = run_with_image_supervisor(tmp_path, scenario)
     assert [c.kind for c in chunks] == ["error"] and chunks[0].code == "invalid_request"
     assert "draws images" in chunks[0].message
+
+
+def test_without_diffusers_loading_says_how_to_install_it(tmp_path, monkeypatch):
+    from shoal.runner.image import entrypoint
+
+    monkeypatch.setattr(entrypoint, "diffusers_installed", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install 'shoal\[image\]'"):
+        entrypoint.load_pipeline(pipeline_config(tmp_path))

@@ -9,11 +9,19 @@ time (loop.py), streaming a progress chunk per denoising step, each image, then 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 
 from shoal.runner.options import SupervisorOptions
 
+BACKEND = "diffusers"  # the image backend's name
 IMAGE_RUNNER_COMMAND = (sys.executable, "-m", "shoal.runner.image.entrypoint")
+INSTALL_HINT = "pip install 'shoal[image]'"
+
+
+def diffusers_installed() -> bool:
+    """Whether this Python can run the image backend (the optional extra 'image')."""
+    return importlib.util.find_spec("diffusers") is not None
 
 
 def image_runner_options(options: SupervisorOptions) -> SupervisorOptions:

@@ -23,6 +23,7 @@ from shoal import logs
 from shoal.engine.config import EngineConfig
 from shoal.runner.channel import EOF, Channel
 from shoal.runner.entrypoint import start_watchdog
+from shoal.runner.image import INSTALL_HINT, diffusers_installed
 from shoal.runner.image.loop import ImageRunnerLoop
 from shoal.runner.image.messages import parse_to_image_runner
 from shoal.runner.memory import MemoryReporter
@@ -35,6 +36,9 @@ PipelineLoader = Callable[[EngineConfig], Any]
 
 
 def load_pipeline(config: EngineConfig) -> Any:
+    if not diffusers_installed():
+        raise RuntimeError(f"model {config.source.model_id!r} is a diffusers pipeline, and "
+                           f"diffusers is not installed: {INSTALL_HINT}")
     # Here, not at the top: torch and diffusers load only in a process that draws.
     from shoal.diffusion.pipeline import ImagePipeline
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from shoal.protocol import ErrorChunk, ImageChunk, ImageProgressChunk, ImageRequest, ImagesDone
 from shoal.runner.channel import EOF, Channel
+from shoal.runner.framing import FrameTooLarge
 from shoal.runner.image.messages import IMAGE_RUNNER_TYPES, SubmitImages, parse_to_image_runner
 from shoal.runner.memory import MemoryReporter
 from shoal.runner.messages import Cancel, ChunkMessage, Shutdown
@@ -103,9 +104,15 @@ class ImageRunnerLoop:
         finally:
             self.current = None
         for index, image in enumerate(drawing.images):
-            self.channel.send(ChunkMessage(chunk=ImageChunk(
-                request_id=request.request_id, index=index, png_base64=image.png_base64,
-                width=image.width, height=image.height)))
+            try:
+                self.channel.send(ChunkMessage(chunk=ImageChunk(
+                    request_id=request.request_id, index=index, png_base64=image.png_base64,
+                    width=image.width, height=image.height)))
+            except FrameTooLarge as error:
+                self.send_error(request.request_id, "invalid_request",
+                                f"image {index} is too large to send ({error}); ask for a "
+                                f"smaller size")
+                return
         self.channel.send(ChunkMessage(chunk=ImagesDone(
             request_id=request.request_id, seed=request.seed, steps=drawing.steps,
             seconds=drawing.seconds)))
