@@ -13,7 +13,7 @@ from shoal.catalog.pull.puller import Puller
 from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import resolve_model
 from shoal.cluster.model_facts import model_facts_from_source
-from shoal.diffusion.files import pipeline_weight_bytes
+from shoal.diffusion.files import pipeline_weight_bytes, weights_variant
 from shoal.engine.config import ModelSource
 
 INDEX = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.31.0",
@@ -60,6 +60,14 @@ def test_weight_bytes_count_what_diffusers_loads(tmp_path):
     assert pipeline_weight_bytes(directory) == 300 + 40
     facts = model_facts_from_source(ModelSource("tiny-sd", "diffusers", directory, task="image"))
     assert facts.weight_bytes == 340 and facts.n_layers == 1
+
+
+def test_a_pipeline_with_only_variant_weights_loads_that_variant(tmp_path):
+    assert weights_variant(write_pipeline(tmp_path / "plain")) is None
+    only_fp16 = {n: d for n, d in FILES.items() if n != "unet/diffusion_pytorch_model.safetensors"}
+    directory = write_pipeline(tmp_path / "fp16", only_fp16)
+    assert weights_variant(directory) == "fp16"
+    assert pipeline_weight_bytes(directory) == 150 + 40
 
 
 def test_an_image_source_is_a_diffusers_directory_and_nothing_else(tmp_path):

@@ -40,3 +40,14 @@ def pipeline_weight_bytes(directory: Path) -> int:
                 total += sum(f.stat().st_size for f in (plain or files))
                 break
     return total
+
+
+def weights_variant(directory: Path) -> str | None:
+    """The variant to load ("fp16" from name.fp16.safetensors) when some component holds
+    only variant weights (a pull takes variants only where there is no plain file); None
+    when every component has plain weights."""
+    for component in pipeline_components(directory):
+        files = [f.name for f in (directory / component).glob("*.safetensors")]
+        if files and not any(name.count(".") == 1 for name in files):
+            return files[0].split(".")[-2]
+    return None

@@ -15,6 +15,7 @@ import inspect
 import io
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,9 @@ from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
 
+from shoal.diffusion.files import weights_variant
 from shoal.protocol import ImageRequest
 
 DEVICE_ENV = "SHOAL_IMAGE_DEVICE"
@@ -81,10 +84,15 @@ class ImagePipeline:
     @classmethod
     def load(cls, model_id: str, directory: Path, dtype: str = "auto") -> ImagePipeline:
         device = choose_device()
-        pipeline = DiffusionPipeline.from_pretrained(str(directory), local_files_only=True)
-        # Cast after loading (float32): positional .to(device, dtype) reads the same in
-        # every diffusers release, where from_pretrained's dtype argument changed name.
-        pipeline = pipeline.to(device, choose_dtype(dtype, device))
+        _quiet_progress_bars()
+        with warnings.catch_warnings():
+            # torch_dtype: the name every diffusers release below 1.0 (pyproject's bound)
+            # reads; the newest call it deprecated in favour of dtype, which older ones lack.
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+            pipeline = DiffusionPipeline.from_pretrained(
+                str(directory), torch_dtype=choose_dtype(dtype, device),
+                local_files_only=True, variant=weights_variant(directory))
+        pipeline = pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         return cls(model_id, pipeline, device)
 
@@ -138,6 +146,16 @@ class ImagePipeline:
             raise ValueError(f"model {self.model_id!r} ({type(self.pipeline).__name__}) does "
                              f"not take {', '.join(unknown)}")
         return arguments
+
+
+def _quiet_progress_bars() -> None:
+    """No tqdm bars from loading in the runner's log (its Status reports the load)."""
+    diffusers_logging.disable_progress_bar()
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # a pipeline without text encoders needs no transformers
+        return
+    transformers_logging.disable_progress_bar()
 
 
 def _png(image: Any) -> DrawnImage:
