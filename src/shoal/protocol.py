@@ -1,7 +1,8 @@
 """Wire types shared by the API, the router and the runner.
 
 A GenerationRequest goes in; a stream of chunks comes back, ending with exactly one
-FinishChunk or ErrorChunk. All types are frozen, strict pydantic models so they travel as
+FinishChunk or ErrorChunk. An ImageRequest's stream is ImageProgressChunks and ImageChunks,
+then one ImagesDone or ErrorChunk. All types are frozen, strict pydantic models so they travel as
 msgpack dicts (model_dump) and are validated on arrival (model_validate).
 """
 
@@ -252,9 +253,67 @@ class EmbeddingResult(WireModel):
     load_duration_s: float = 0.0
 
 
+class ImageRequest(WireModel):
+    """Draw n images for a prompt with a diffusers pipeline. width and height are both set or
+    both None (the pipeline's default size); steps and guidance_scale None: the pipeline's
+    defaults. The same seed, prompt and settings give the same images on one device."""
+
+    request_id: str
+    model: str
+    prompt: str = Field(min_length=1)
+    negative_prompt: str | None = None
+    n: int = Field(default=1, ge=1)
+    width: int | None = Field(default=None, ge=1)
+    height: int | None = Field(default=None, ge=1)
+    steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0)
+    seed: int = Field(ge=0)
+    priority: int = 5  # as in GenerationRequest
+    client_id: str | None = None  # as in GenerationRequest
+    keep_alive_s: float | None = None  # as in GenerationRequest
+    trace: TraceRef | None = None  # as in GenerationRequest
+
+    @model_validator(mode="after")
+    def _both_sides(self) -> ImageRequest:
+        if (self.width is None) != (self.height is None):
+            raise ValueError("width and height are set together or not at all")
+        return self
+
+
+class ImageProgressChunk(WireModel):
+    """The pipeline finished denoising step `step` of `steps` (all n images at once)."""
+
+    kind: Literal["image_progress"] = "image_progress"
+    request_id: str
+    step: int
+    steps: int
+
+
+class ImageChunk(WireModel):
+    """One finished image of an ImageRequest: a PNG, base64-encoded (as the API returns it,
+    and as msgpack carries text)."""
+
+    kind: Literal["image"] = "image"
+    request_id: str
+    index: int
+    png_base64: str
+    width: int
+    height: int
+
+
+class ImagesDone(WireModel):
+    """The terminal chunk of an ImageRequest: every ImageChunk was sent."""
+
+    kind: Literal["images_done"] = "images_done"
+    request_id: str
+    seed: int
+    steps: int  # denoising steps run
+    seconds: float  # wall time of the pipeline
+
+
 Chunk = Annotated[
     AcceptedChunk | TokenChunk | ReasoningChunk | ToolCallChunk | FinishChunk | ErrorChunk
-    | EmbeddingResult,
+    | EmbeddingResult | ImageProgressChunk | ImageChunk | ImagesDone,
     Field(discriminator="kind")
 ]
 

@@ -123,3 +123,11 @@ async def test_client_tiers_cap_queued_requests_and_clamp_priority():
     queue.release(running)
     assert (await queued).client == "bob"
     queue.release(other)
+
+
+def test_admissible_gives_a_model_no_more_than_its_tickets_slots():
+    waiting = [Ticket(model="painter", priority=5, warm=True, client=None, tier=None, seq=i,
+                      arrived=0.0, slots=1) for i in range(3)] + [ticket("chat", seq=3)]
+    assert [t.seq for t in admissible(waiting, Counter(), Counter(), parallel=8)] == [0, 3]
+    chosen = admissible(waiting, Counter({"painter": 1}), Counter(), parallel=8)
+    assert [t.seq for t in chosen] == [3]

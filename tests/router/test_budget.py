@@ -9,28 +9,17 @@ import asyncio
 import time
 
 from memory_pool import (
-    HELD_BYTES,
     generate,
     loaded,
     make_router,
+    one_model_budget,
     run,
     shutdown,
 )
 
-from shoal.cluster.model_facts import model_facts_from_source
-from shoal.cluster.placement import shard_bytes
 from shoal.router.ladders import Ladder
 
 MIB = 2**20
-
-
-def one_model_budget(sources) -> int:
-    """Room for one model as placement estimates it, not for two (a loaded one counts
-    HELD_BYTES once it reports, its estimate until then)."""
-    facts = model_facts_from_source(sources["chat"])
-    needed = shard_bytes(facts, facts.n_layers)
-    assert needed > 2 * HELD_BYTES
-    return needed + HELD_BYTES // 2
 
 
 def kinds(chunks) -> list[str]:

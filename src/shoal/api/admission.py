@@ -26,7 +26,7 @@ from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.requests import record_model, record_request_id
 from shoal.api.trace_context import request_span
 from shoal.engine.speculation.config import REQUEST_CHOICES as SPECULATIVE_CHOICES
-from shoal.protocol import EmbeddingRequest, GenerationRequest, TraceRef
+from shoal.protocol import EmbeddingRequest, GenerationRequest, ImageRequest, TraceRef
 
 PRIORITY_HEADER = "X-Shoal-Priority"
 CLIENT_HEADER = "X-Shoal-Client"
@@ -36,7 +36,7 @@ MAX_CLIENT_ID_LENGTH = 128
 MAX_SESSION_ID_LENGTH = 256
 _HEADER_INTEGER = re.compile(r"[+-]?[0-9]+")
 
-InternalRequest = TypeVar("InternalRequest", GenerationRequest, EmbeddingRequest)
+InternalRequest = TypeVar("InternalRequest", GenerationRequest, EmbeddingRequest, ImageRequest)
 
 
 class AdmissionFields(BaseModel):

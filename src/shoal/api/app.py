@@ -23,7 +23,7 @@ from shoal.api.ollama import errors as ollama_errors
 from shoal.api.ollama import generate as ollama_generate
 from shoal.api.ollama import models as ollama_models
 from shoal.api.ollama import pull as ollama_pull
-from shoal.api.openai import chat, completions, embeddings, models, responses
+from shoal.api.openai import chat, completions, embeddings, images, models, responses
 from shoal.api.requests import RequestIds
 from shoal.api.router_view import RouterView
 from shoal.api.trace_context import TraceContext
@@ -64,6 +64,7 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(embeddings.router)
+    app.include_router(images.router)
     app.include_router(models.router)
     register_error_dialect(app, "/api/", ollama_errors.render)
     app.include_router(ollama_generate.router)

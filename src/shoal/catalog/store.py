@@ -33,7 +33,7 @@ class StoredModel:
     name: str  # the store's name for it: llama3.2:latest, org/repo:Q4_K_M, org/repo
     names: tuple[str, ...]  # every name it was pulled under
     source: str  # "huggingface" or "ollama"
-    format: str  # "gguf" or "safetensors"
+    format: str  # "gguf", "safetensors" or "diffusers"
     directory: Path
     weights: Path  # the .gguf file, or the directory holding config.json + *.safetensors
     size: int  # bytes of all its files

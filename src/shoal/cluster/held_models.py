@@ -32,7 +32,7 @@ class HeldModel(Frozen):
     """model: the id the cluster knows it by; names: other names it answers to."""
 
     model: str
-    format: str  # "gguf" or "safetensors"
+    format: str  # "gguf", "safetensors" or "diffusers"
     files: tuple[HeldFile, ...]
     names: tuple[str, ...] = ()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from shoal.diffusion.files import pipeline_weight_bytes
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
 from shoal.engine.models.families.family import GGUF_CONFIG_KEYS, HF_CONFIG_KEYS
@@ -77,7 +78,21 @@ def model_facts_from_source(source: ModelSource) -> ModelFacts:
     """ModelFacts from a resolved model's header and file sizes (UnsupportedModel if unreadable)."""
     if source.format == "gguf":
         return _gguf_facts(ModelId(source.model_id), Path(source.path))
+    if source.format == "diffusers":
+        return _pipeline_facts(ModelId(source.model_id), Path(source.path))
     return _safetensors_facts(ModelId(source.model_id), Path(source.path))
+
+
+def _pipeline_facts(model: ModelId, directory: Path) -> ModelFacts:
+    """A diffusers pipeline: its weights, and a nominal one-layer, one-head shape, since it
+    keeps no KV cache (the reservation placement adds for one is a few KiB) and is never
+    split across nodes (images are served where they are asked for)."""
+    try:
+        weight_bytes = pipeline_weight_bytes(directory)
+    except ValueError as error:
+        raise UnsupportedModel(str(error)) from error
+    return ModelFacts(model=model, weight_bytes=weight_bytes, n_layers=1, n_heads=1,
+                      n_kv_heads=1, head_dim=1)
 
 
 def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:

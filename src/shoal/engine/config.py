@@ -13,17 +13,19 @@ DType = Literal["auto", "bfloat16", "float32"]
 # KV cache elements: a compute dtype, or int8 with a scale per token and head (kv/quant.py).
 KVCacheDType = Literal["auto", "bfloat16", "float32", "int8"]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
-WeightFormat = Literal["gguf", "safetensors"]
-# What a model does: generate text, or encode text into embedding vectors.
-ModelTask = Literal["generate", "embed"]
+# "diffusers": a diffusers pipeline directory (model_index.json), served by the image runner.
+WeightFormat = Literal["gguf", "safetensors", "diffusers"]
+# What a model does: generate text, encode text into embedding vectors, or draw images.
+ModelTask = Literal["generate", "embed", "image"]
 
 
 @dataclass(frozen=True)
 class ModelSource:
     """Where one model's weights and tokenizer live, already resolved to local files.
 
-    path is a .gguf file (format "gguf") or a Hugging Face style directory holding
-    config.json, *.safetensors and tokenizer.json (format "safetensors").
+    path is a .gguf file (format "gguf"), a Hugging Face style directory holding
+    config.json, *.safetensors and tokenizer.json (format "safetensors"), or a diffusers
+    pipeline directory holding model_index.json (format "diffusers", task "image").
     """
 
     model_id: str
@@ -32,8 +34,11 @@ class ModelSource:
     task: ModelTask = "generate"
 
     def __post_init__(self) -> None:
-        if self.task not in ("generate", "embed"):
-            raise ValueError(f"model {self.model_id!r}: task must be generate or embed")
+        if self.task not in ("generate", "embed", "image"):
+            raise ValueError(f"model {self.model_id!r}: task must be generate, embed or image")
+        if (self.format == "diffusers") != (self.task == "image"):
+            raise ValueError(f"model {self.model_id!r}: images come from diffusers pipeline "
+                             f"directories, and those only draw images")
         if self.format == "gguf" and self.task == "embed":
             raise ValueError(f"model {self.model_id!r}: embedding models load from "
                              f"safetensors directories, not GGUF")

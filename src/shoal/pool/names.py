@@ -21,7 +21,19 @@ PeerFetch = Callable[[str], Awaitable[bool]]
 
 
 class WrongModelTask(ValueError):
-    """A text request named an embedding model, or an embedding request a text model."""
+    """A request named a model that does something else: a text request an embedding or
+    image model, an embedding or image request a text model, and so on."""
+
+
+# What a model that does the task asked for: a name for the message.
+_DOES = {"generate": "generates text", "embed": "is an embedding model",
+         "image": "is an image model"}
+# Where a request for each task belongs, for the message.
+_ASK_FOR = {"generate": "generate text", "embed": "produce embeddings (use an embedding model "
+            "such as all-minilm-l6-v2)", "image": "draw images (POST /v1/images/generations "
+            "takes an image model: a diffusers pipeline)"}
+_USE_INSTEAD = {"embed": "; use it through the embeddings API",
+                "image": "; use it through POST /v1/images/generations", "generate": ""}
 
 
 class ModelNames:
@@ -53,12 +65,8 @@ class ModelNames:
             self.remember(name, source)
         actual = self._tasks.get(model_id, "generate")
         if task is not None and actual != task:
-            if actual == "embed":
-                raise WrongModelTask(f"model {model_id!r} is an embedding model; it cannot "
-                                     f"generate text")
-            raise WrongModelTask(f"model {model_id!r} generates text; it does not produce "
-                                 f"embeddings (use an embedding model such as "
-                                 f"all-minilm-l6-v2)")
+            raise WrongModelTask(f"model {model_id!r} {_DOES[actual]}; it does not "
+                                 f"{_ASK_FOR[task]}{_USE_INSTEAD[actual]}")
         return model_id, source
 
     def remember(self, name: str, source: ModelSource) -> None:

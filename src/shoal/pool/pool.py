@@ -38,6 +38,7 @@ from shoal.protocol import (
     EmbeddingResult,
     ErrorChunk,
     GenerationRequest,
+    ImageRequest,
 )
 from shoal.runner.registry import RunnerRegistry
 from shoal.runner.supervisor import RunnerSupervisor, RunnerUnavailable
@@ -270,6 +271,18 @@ class ModelPool:
         self.hold(instance_id, request.keep_alive_s, request.priority)
         try:
             async with contextlib.aclosing(supervisor.submit(request)) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            self.release(instance_id)
+
+    async def generate_images(self, supervisor: RunnerSupervisor, instance_id: str,
+                              request: ImageRequest) -> AsyncIterator[Any]:
+        """request's chunks from supervisor, the image instance's runner here, which the
+        caller has waited for (serving_runner); the request holds the instance meanwhile."""
+        self.hold(instance_id, request.keep_alive_s, request.priority)
+        try:
+            async with contextlib.aclosing(supervisor.generate_images(request)) as stream:
                 async for chunk in stream:
                     yield chunk
         finally:

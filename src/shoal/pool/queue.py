@@ -65,6 +65,9 @@ class Ticket:
     arrived: float
     admitted_at: float | None = None  # while it holds a slot
     waited_s: float = 0.0  # time in the queue before its turn
+    # The most requests of its model running at once, below the queue's parallel (an
+    # image pipeline draws one request at a time); None: parallel alone.
+    slots: int | None = None
     future: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
@@ -80,7 +83,7 @@ def admissible(waiting: Sequence[Ticket], running_by_model: Counter[str],
     models, clients = Counter(running_by_model), Counter(running_by_client)
     chosen = []
     for ticket in sorted(waiting, key=lambda t: t.order):
-        if models[ticket.model] >= parallel:
+        if models[ticket.model] >= min(parallel, ticket.slots or parallel):
             continue
         cap = ticket.tier.max_concurrent if ticket.tier is not None else None
         if cap is not None and clients[ticket.client] >= cap:
@@ -130,14 +133,15 @@ class AdmissionQueue:
     # ---- admission ------------------------------------------------------------------------
 
     async def admit(self, model: str, priority: int, client: str | None,
-                    warm: bool) -> Ticket:
-        """Wait for the request's turn and take a slot (release() gives it back).
+                    warm: bool, slots: int | None = None) -> Ticket:
+        """Wait for the request's turn and take a slot (release() gives it back); slots:
+        the most requests of the model running at once, if fewer than parallel.
         Overloaded when the queue is full or the wait runs past the queue timeout."""
         tier = self.tiers.tier_of(client) if self.tiers is not None else None
         self._refuse_if_full(client, tier)
         ticket = Ticket(model=model, priority=tier.clamp(priority) if tier else priority,
                         warm=warm, client=client, tier=tier, seq=next(self._seq),
-                        arrived=self._clock(),
+                        arrived=self._clock(), slots=slots,
                         future=asyncio.get_running_loop().create_future())
         self._waiting.append(ticket)
         self._pump()

@@ -5,7 +5,8 @@ own pump task that hands chunks over through an unbounded queue (at most a reque
 tokens). Cancelling cancels the pump: the stream's own cleanup runs where it waits (the
 queue turn is given back, the runner aborts the request, a remote task is cancelled), as when
 a client goes away. The consumer then gets one last chunk: a Finish with reason "abort" and
-the tokens so far once the request was accepted, else an ErrorChunk ("cancelled").
+the tokens so far once the request was accepted, else an ErrorChunk ("cancelled"; an image
+request's names the denoising steps it ran).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from shoal.protocol import ErrorChunk, FinishChunk, Usage
 
 _END = object()
-TERMINAL_KINDS = ("finish", "error")
+TERMINAL_KINDS = ("finish", "error", "images_done")
 
 
 class CancellableStream:
@@ -34,6 +35,7 @@ class CancellableStream:
         self._pump = asyncio.create_task(self._run(), name=f"stream-{self.request_id}")
         prompt_tokens: int | None = None
         generated = 0
+        steps = 0  # an image request's denoising steps so far
         try:
             while True:
                 chunk = await self._chunks.get()
@@ -41,12 +43,14 @@ class CancellableStream:
                     if self._error is not None:
                         raise self._error
                     if self._cancelled:
-                        yield self._last_chunk(prompt_tokens, generated)
+                        yield self._last_chunk(prompt_tokens, generated, steps)
                     return
                 if chunk.kind == "accepted":
                     prompt_tokens = chunk.prompt_tokens
                 elif chunk.kind in ("token", "reasoning"):
                     generated += len(chunk.token_ids)
+                elif chunk.kind == "image_progress":
+                    steps = chunk.step
                 yield chunk
                 if chunk.kind in TERMINAL_KINDS:
                     return
@@ -81,7 +85,12 @@ class CancellableStream:
                 await self._stream.aclose()
             self._chunks.put_nowait(_END)
 
-    def _last_chunk(self, prompt_tokens: int | None, generated: int) -> Any:
+    def _last_chunk(self, prompt_tokens: int | None, generated: int, steps: int) -> Any:
+        if steps:
+            return ErrorChunk(request_id=self.request_id, code="cancelled",
+                              message=f"request {self.request_id} was cancelled after "
+                                      f"{steps} denoising step(s) "
+                                      "(POST /v1/requests/{id}/cancel)")
         if prompt_tokens is None:
             return ErrorChunk(request_id=self.request_id, code="cancelled",
                               message=f"request {self.request_id} was cancelled before it "

@@ -6,7 +6,7 @@ served here, then the least busy) or, when there is none, has the master place o
 node when it fits here, and waits for it. Concurrent first requests for one model share a
 single placement. The request then goes to the instance's serving rank (rank 0): through
 this node's pool when that rank runs here, as a task over the cluster otherwise.
-Embeddings are served on this node: an embedding model is placed here.
+Embeddings and images are served on this node: an embedding or image model is placed here.
 
 Every request first waits its turn in the node's admission queue (pool/queue.py). The name
 it gives is worked out once, when it joins the queue (naming.py). A model placed for a
@@ -36,6 +36,7 @@ from shoal.protocol import (
     EmbeddingResult,
     ErrorChunk,
     GenerationRequest,
+    ImageRequest,
 )
 from shoal.router.cancellable import CancellableStream
 from shoal.router.chooser import InstanceChooser
@@ -52,6 +53,9 @@ log = logging.getLogger("shoal.router")
 
 # Finding a loaded instance takes microseconds; a longer wait was a placement or a load.
 _LOAD_SPAN_MIN_NS = 1_000_000
+# Requests one model runs at once, by task, where fewer than the queue's --parallel: a
+# diffusers pipeline draws one request at a time, so the rest wait their turn in the queue.
+_SLOTS_BY_TASK: dict[ModelTask, int] = {"image": 1}
 
 
 class Router:
@@ -92,7 +96,8 @@ class Router:
             await stream.close()
 
     def cancel(self, request_id: str) -> bool:
-        """End a generation request accepted by this node; False if there is none such."""
+        """End a generation or image request accepted by this node; False if there is none
+        such."""
         stream = self._in_flight.get(request_id)
         return stream is not None and stream.cancel()
 
@@ -180,7 +185,56 @@ class Router:
         finally:
             self.queue.release(ticket)
 
-    async def _turn(self, request: GenerationRequest | EmbeddingRequest, task: ModelTask,
+    async def generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
+        """The request's image chunks (ImagesDone last), or one ErrorChunk. The model's one
+        pipeline draws one request at a time: the others wait in the queue, in its order.
+        cancel() ends it, wherever it is."""
+        stream = CancellableStream(self._generate_images(request), request.request_id)
+        self._in_flight[request.request_id] = stream
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            if self._in_flight.get(request.request_id) is stream:
+                del self._in_flight[request.request_id]
+            await stream.close()
+
+    async def _generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
+        clock = RequestClock()
+        turn = await self._turn(request, "image", clock)
+        if isinstance(turn, ErrorChunk):
+            yield turn
+            return
+        ticket, named = turn
+        try:
+            clock.queued()
+            placing_ns = time.time_ns()
+            try:
+                if isinstance(named, Ladder):  # ladders hold text models: look the name up
+                    named = await self.naming.identify(request.model, "image")
+                instance = await self._instance_of(request.model, named, here_only=True)
+                runner = await self._local_runner(instance)
+            except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
+                self._record_load(request, placing_ns, None)
+                yield clock.explain(refusal(request.request_id, error))
+                return
+            self._record_load(request, placing_ns, instance)
+            clock.loaded()
+            request = request.model_copy(update={"priority": ticket.priority})
+            drawing_ns = time.time_ns()
+            try:
+                async with contextlib.aclosing(self.pool.generate_images(
+                        runner, instance.instance_id, request)) as stream:
+                    async for chunk in stream:
+                        yield clock.explain(chunk) if chunk.kind == "error" else chunk
+            finally:
+                self.spans.record(request.trace, "images", drawing_ns,
+                                  args={"instance": instance.instance_id, "n": request.n})
+        finally:
+            self.queue.release(ticket)
+
+    async def _turn(self, request: GenerationRequest | EmbeddingRequest | ImageRequest,
+                    task: ModelTask,
                     clock: RequestClock) -> tuple[Ticket, Named | Ladder] | ErrorChunk:
         """The request's slot once its turn comes and what its model name names (a model,
         or a ladder of them), or the ErrorChunk that refuses it."""
@@ -194,8 +248,8 @@ class Router:
             self.spans.record(request.trace, "queue", queued_ns,
                               args={"model": request.model, "priority": request.priority})
 
-    def _record_load(self, request: GenerationRequest | EmbeddingRequest, since_ns: int,
-                     instance: Instance | None) -> None:
+    def _record_load(self, request: GenerationRequest | EmbeddingRequest | ImageRequest,
+                     since_ns: int, instance: Instance | None) -> None:
         """The wait for an instance to serve the request, when there was one to speak of
         (a placement, a load): a request for a loaded model has no load span."""
         if time.time_ns() - since_ns < _LOAD_SPAN_MIN_NS and instance is not None:
@@ -215,7 +269,8 @@ class Router:
         else:
             model_id = named.model_id
         warm = self._ready_instance(model_id) is not None
-        return await self.queue.admit(model_id, priority, client, warm), named
+        slots = _SLOTS_BY_TASK.get(task)
+        return await self.queue.admit(model_id, priority, client, warm, slots), named
 
     async def _requeue(self, ticket: Ticket, model_id: str) -> Ticket:
         """A turn keyed by the model that will really serve (its --parallel applies), in

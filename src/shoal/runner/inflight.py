@@ -1,9 +1,10 @@
 """The requests one runner holds, each with a bounded queue of the chunks not yet read.
 
 The supervisor's read loop delivers every chunk here without waiting; each request's reader
-takes them in order. A terminal chunk (finish, error, embedding) ends a request: the runner
-holds nothing more of it. A reader that falls max_buffered_chunks behind has its request
-cancelled in the runner and ended with a clear error, so memory stays bounded.
+takes them in order. A terminal chunk (finish, error, embedding, images_done) ends a
+request: the runner holds nothing more of it. A reader that falls max_buffered_chunks
+behind has its request cancelled in the runner and ended with a clear error, so memory
+stays bounded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from shoal.protocol import ErrorChunk
 
-TERMINAL_KINDS = ("finish", "error", "embedding")
+TERMINAL_KINDS = ("finish", "error", "embedding", "images_done")
 
 
 @dataclass

@@ -112,7 +112,7 @@ class ModelInfo(RunnerMessage):
     max_model_len: int
     vocab_size: int
     has_chat_template: bool
-    task: Literal["generate", "embed"] = "generate"
+    task: Literal["generate", "embed", "image"] = "generate"
     # Its chat format streams reasoning apart (harmony, think tags): Ollama's "thinking".
     reasons: bool = False
     embedding_dimensions: int | None = None  # set for embedding models

@@ -21,9 +21,11 @@ from shoal.protocol import (
     EmbeddingResult,
     ErrorChunk,
     GenerationRequest,
+    ImageRequest,
 )
 from shoal.runner.framing import FrameTooLarge, read_frame, write_frame
-from shoal.runner.inflight import InFlight
+from shoal.runner.image.messages import SubmitImages
+from shoal.runner.inflight import TERMINAL_KINDS, InFlight
 from shoal.runner.messages import (
     Cancel,
     ChunkBatch,
@@ -93,6 +95,8 @@ class RunnerSupervisor:
         # Where the runner's asks for guesses go (set by the registry); None: answered "none".
         self.proposals: ProposalHook | None = None
         self.generated_tokens = 0  # tokens streamed back over the runner's life (throughput)
+        # request id -> (denoising steps done, steps in all): image requests drawing now.
+        self.image_steps: dict[str, tuple[int, int]] = {}
 
     # ---- public -----------------------------------------------------------------------
 
@@ -138,18 +142,36 @@ class RunnerSupervisor:
 
         Closing the iterator early (client gone) cancels the request in the runner.
         """
-        request_id = request.request_id
+        # aclosing: closing this generator closes _stream's at once (its finally cancels).
+        async with contextlib.aclosing(self._stream(request.request_id,
+                                                    Submit(request=request))) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
+        """An image runner's chunks for request: ImageProgressChunks and ImageChunks, then
+        one ImagesDone or ErrorChunk. Closing early cancels it, as submit does."""
+        try:
+            async with contextlib.aclosing(self._stream(
+                    request.request_id, SubmitImages(request=request))) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            self.image_steps.pop(request.request_id, None)
+
+    async def _stream(self, request_id: str, message: RunnerMessage) -> AsyncIterator[Any]:
+        """Send message (one request) and yield its chunks up to its terminal one."""
         refusal = await self._admit(request_id)
         if refusal is not None:
             yield refusal
             return
         pending = self._requests.open(request_id)
         try:
-            self._send(Submit(request=request))
+            self._send(message)
             while True:
                 chunk = await self._requests.next_chunk(request_id, pending)
                 yield chunk
-                if chunk.kind in ("finish", "error"):
+                if chunk.kind in TERMINAL_KINDS:
                     return
         finally:
             self._requests.close(request_id, pending)
@@ -218,7 +240,9 @@ class RunnerSupervisor:
                 "task": info.task if info else self.config.source.task,
                 "size_bytes": self.memory.held_bytes if self.memory else None,
                 "expires_at": self.expires_at,
-                "load": {"stage": self.load_stage, "progress": self.load_progress}}
+                "load": {"stage": self.load_stage, "progress": self.load_progress},
+                "image_steps": [{"request_id": request_id, "step": step, "steps": steps}
+                                for request_id, (step, steps) in self.image_steps.items()]}
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -333,6 +357,8 @@ class RunnerSupervisor:
     def _deliver(self, chunk: Any) -> None:
         if chunk.kind in ("token", "reasoning"):
             self.generated_tokens += len(chunk.token_ids)
+        elif chunk.kind == "image_progress" and chunk.request_id in self._requests:
+            self.image_steps[chunk.request_id] = (chunk.step, chunk.steps)
         self._requests.deliver(chunk)
 
     async def _relay_proposal(self, ask: Propose) -> None:

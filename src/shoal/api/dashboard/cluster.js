@@ -131,7 +131,8 @@ export function renderModels(table, ps, cluster) {
 }
 
 // Loads in progress: this node's pulls (bytes fetched so far), its runners with their
-// reported stage, and instances of the cluster that are not ready yet.
+// reported stage, images being drawn (step k of n), and instances of the cluster that are
+// not ready yet.
 export function renderLoads(list, health, cluster) {
   const items = [];
   for (const pull of (health && health.pulls) || []) {
@@ -141,6 +142,11 @@ export function renderLoads(list, health, cluster) {
       ` ${formatBytes(pull.completed)} / ${formatBytes(pull.total)}`));
   }
   for (const model of (health && health.models) || []) {
+    // An image model drawing: denoising step k of n of each request.
+    for (const drawing of model.image_steps || []) {
+      items.push(el("li", {}, `${model.model} drawing: step ${drawing.step} of ${drawing.steps} `,
+        el("progress", { max: drawing.steps, value: drawing.step })));
+    }
     if (!["starting", "restarting"].includes(model.state)) continue;
     const load = model.load || {};
     items.push(el("li", {}, `${model.model} here: ${load.stage || "starting"} `,

@@ -5,6 +5,7 @@ commit so the files agree. HF_TOKEN and HF_ENDPOINT are honoured (read at each p
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import httpx2  # huggingface_hub's HTTP client (its errors are this package's)
 from huggingface_hub import HfApi, hf_hub_url
@@ -54,38 +55,64 @@ def plan_huggingface(name: HuggingFaceName, timeout_s: float) -> PullPlan:
         raise SourceUnreachable(f"{label}: cannot reach it ({type(error).__name__}: "
                                 f"{error})") from error
     siblings = {s.rfilename: s for s in info.siblings or ()}
-    key, gguf_format, chosen = _choose(name, siblings, label)
+    key, weights_format, chosen = _choose(name, siblings, label)
+    gguf_format = weights_format == "gguf"
     headers = build_hf_headers(token=token)
     files = tuple(_remote(base, name.repo, info.sha or "main", siblings[f], label)
                   for f in chosen)
     split = tuple(chosen) if gguf_format and len(chosen) > 1 and is_split(chosen[0]) else ()
-    return PullPlan(key=key, source="huggingface", format="gguf" if gguf_format else
-                    "safetensors", weights=chosen[0] if gguf_format else ".", files=files,
+    return PullPlan(key=key, source="huggingface", format=weights_format,
+                    weights=chosen[0] if gguf_format else ".", files=files,
                     headers=headers, label=label, split_parts=split,
                     origin={"repo": name.repo, "revision": info.sha, "endpoint": base})
 
 
-def _choose(name: HuggingFaceName, siblings: dict, label: str) -> tuple[str, bool, list[str]]:
-    """(store key, whether GGUF, files to fetch) for name among the repository's files."""
+def _choose(name: HuggingFaceName, siblings: dict, label: str) -> tuple[str, str, list[str]]:
+    """(store key, weights format, files to fetch) for name among the repository's files."""
     try:
         if name.file:
             if name.file not in siblings:
                 raise NotOnSource(f"the repository has no file {name.file}")
-            return name.key, True, split_parts(name.file, siblings)
+            return name.key, "gguf", split_parts(name.file, siblings)
         if name.quant:
-            return name.key, True, choose_gguf(siblings, name.quant, name.repo)
+            return name.key, "gguf", choose_gguf(siblings, name.quant, name.repo)
+        if "model_index.json" in siblings:
+            return name.key, "diffusers", diffusers_pipeline_files(siblings)
         checkpoint = sorted(f for f in siblings
                             if "/" not in f and f.endswith(_CHECKPOINT_SUFFIXES))
         if "config.json" in checkpoint and any(f.endswith(".safetensors") for f in checkpoint):
-            return name.key, False, checkpoint
+            return name.key, "safetensors", checkpoint
         if not any(f.lower().endswith(".gguf") for f in siblings):
             raise NotOnSource("it holds neither a safetensors checkpoint (config.json and "
-                              "*.safetensors) nor a GGUF file; shoal reads no other weights")
+                              "*.safetensors), a diffusers pipeline (model_index.json) nor a "
+                              "GGUF file; shoal reads no other weights")
         parts = choose_gguf(siblings, None, name.repo)
         quant = DEFAULT_QUANT if DEFAULT_QUANT.lower() in parts[0].lower() else None
-        return (f"{name.repo}:{quant}" if quant else f"{name.repo}/{parts[0]}"), True, parts
+        return (f"{name.repo}:{quant}" if quant else f"{name.repo}/{parts[0]}"), "gguf", parts
     except NotOnSource as error:
         raise NotOnSource(f"{label}: {error}") from None
+
+
+def diffusers_pipeline_files(names: Iterable[str]) -> list[str]:
+    """What a diffusers pipeline needs of a repository: model_index.json and, in each
+    component's folder, its configs, tokenizer files and safetensors weights, the plain ones
+    where a folder also holds variants (diffusion_pytorch_model.fp16.safetensors)."""
+    names = set(names)
+    chosen = ["model_index.json"]
+    for path in sorted(names):
+        folder, _, file = path.rpartition("/")
+        if not folder or "/" in folder or not file.endswith(_CHECKPOINT_SUFFIXES):
+            continue
+        if file.endswith(".safetensors") and file.count(".") > 1:  # a variant: name.fp16.ext
+            stem = file.split(".", 1)[0]
+            if f"{folder}/{stem}.safetensors" in names or any(
+                    n.startswith(f"{folder}/{stem}-") for n in names):
+                continue
+        chosen.append(path)
+    if not any(n.endswith(".safetensors") for n in chosen):
+        raise NotOnSource("its diffusers pipeline has no safetensors weights; shoal reads no "
+                          "other weights")
+    return chosen
 
 
 def _remote(base: str, repo: str, revision: str, sibling, label: str) -> RemoteFile:

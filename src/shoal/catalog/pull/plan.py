@@ -12,7 +12,7 @@ from shoal.catalog.pull.download import RemoteFile
 class PullPlan:
     key: str  # the store's name for the model
     source: str  # "huggingface" or "ollama"
-    format: str  # "gguf" or "safetensors"
+    format: str  # "gguf", "safetensors" or "diffusers"
     weights: str  # relative path of the .gguf (its first part), or "." for a checkpoint
     files: tuple[RemoteFile, ...]
     headers: dict[str, str] = field(repr=False)  # sent with every file request (a token)
