@@ -203,10 +203,13 @@ async def show(body: ModelNameRequest, request: Request) -> dict[str, Any]:
 def capabilities(model: ListedModel, kind: str) -> list[str]:
     """Ollama's capabilities: every chat model takes tools (shoal writes them into the
     prompt when its template has no place for them); "thinking" where the loaded model's
-    chat format streams reasoning apart (known once a runner has loaded it)."""
+    chat format streams reasoning apart (known once a runner has loaded it); an image
+    model only draws."""
     info = getattr(model.supervisor, "model_info", None)
     if kind == "embedding" or (info is not None and info.task == "embed"):
         return ["embedding"]
+    if kind == "image" or (info is not None and info.task == "image"):
+        return ["image"]  # it draws (/v1/images/generations), it does not write
     found = ["completion"]
     if kind != "base":
         found.append("tools")
