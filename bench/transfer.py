@@ -2,10 +2,12 @@
 
     python bench/transfer.py [--size-mb 256] [--layers 16] [--ttft-model ID] [--skip-nodes]
 
-Measures, with two Zenoh sessions in this process (msgpack, TCP loopback, the holder's
-reads and the asker's writes, per-chunk and whole-file sha256):
+Measures, with two Zenoh sessions in this process (TCP loopback, the holder's reads and the
+asker's writes, every piece's sha256 checked):
 - peer: throughput of copying a model file from a holder (ModelTransfer.fetch, no rate
-  bound) against a plain file copy of the same bytes (shutil.copyfile), and their ratio;
+  bound) against a plain file copy of the same bytes (shutil.copyfile, timed first and
+  last, the faster kept), and their ratio: over a direct stream (plain TCP, and TLS under a
+  cluster CA) and over the data plane's messages (the fallback);
 - rank: the bytes each rank of a 2-rank pipeline copies of a GGUF of --layers layers
   (ModelTransfer.fetch_rank) against the whole file.
 - ttft (real `shoal serve` processes on 127.0.0.1, bench/cluster.py's): a completion's time
@@ -65,8 +67,10 @@ def write_gguf(path: Path, layers: int, layer_bytes: int) -> None:
     writer.close()
 
 
-async def pair(base: Path, path: Path) -> tuple[list[ModelTransfer], list]:
+async def pair(base: Path, path: Path, config: TransferConfig | None = None
+               ) -> tuple[list[ModelTransfer], list]:
     """A holder of path and an asker that sees its reading, over Zenoh on loopback."""
+    config = config or TransferConfig(rate_bytes_per_s=None)
     ports = free_port(), free_port()
     transports = [await ZenohTransport.open(NodeId(name), ZenohConfig(
         listen=(f"tcp/127.0.0.1:{ports[i]}",), connect=(f"tcp/127.0.0.1:{ports[1 - i]}",),
@@ -77,29 +81,55 @@ async def pair(base: Path, path: Path) -> tuple[list[ModelTransfer], list]:
                       FileHashes())
     held.scan()
     reading = NodeReading(node_id=NodeId("holder"), taken_at=time.time(), models=held.current())
-    holder = ModelTransfer(transports[0], held, ModelStore(base / "holder"), lambda: [])
+    holder = ModelTransfer(transports[0], held, ModelStore(base / "holder"), lambda: [],
+                           config)
     asker = ModelTransfer(transports[1], HeldModels(lambda: [], FileHashes()),
-                          ModelStore(base / "asker"), lambda: [reading],
-                          TransferConfig(rate_bytes_per_s=None))
+                          ModelStore(base / "asker"), lambda: [reading], config)
     holder.start()
     asker.start()
     return [holder, asker], transports
 
 
-async def peer_copy(base: Path, size_mb: int) -> dict:
-    path = base / "model.gguf"
-    path.write_bytes(np.random.default_rng(1).bytes(size_mb << 20))
-    (holder, asker), transports = await pair(base, path)
+def file_copy_s(path: Path, target: Path) -> float:
+    started = time.monotonic()
+    shutil.copyfile(path, target)
+    took = time.monotonic() - started
+    target.unlink()
+    return took
+
+
+async def peer_copy_s(base: Path, path: Path, config: TransferConfig) -> float:
+    """Seconds to copy path from a holder into a fresh store."""
+    base.mkdir()
+    (holder, asker), transports = await pair(base, path, config)
     started = time.monotonic()
     assert await asker.fetch("model")
-    peer_s = time.monotonic() - started
-    started = time.monotonic()
-    shutil.copyfile(path, base / "copy.gguf")
-    copy_s = time.monotonic() - started
+    took = time.monotonic() - started
     for transport in transports:
         await transport.close()
-    return {"bytes": path.stat().st_size, "peer_mb_s": round(size_mb / peer_s, 1),
-            "copy_mb_s": round(size_mb / copy_s, 1), "ratio": round(copy_s / peer_s, 3)}
+    shutil.rmtree(base)
+    return took
+
+
+async def peer_copy(base: Path, size_mb: int) -> dict:
+    from shoal.cluster.certs import make_cluster_certs
+    from shoal.cluster.tls import read_cluster_tls
+
+    path = base / "model.gguf"
+    path.write_bytes(np.random.default_rng(1).bytes(size_mb << 20))
+    make_cluster_certs(base / "tls")
+    tls = read_cluster_tls(base / "tls")
+    copy_s = file_copy_s(path, base / "copy.gguf")
+    ways = {"stream": TransferConfig(rate_bytes_per_s=None),
+            "stream_tls": TransferConfig(rate_bytes_per_s=None, tls=tls),
+            "relay": TransferConfig(rate_bytes_per_s=None, direct=False)}
+    peer_s = {way: await peer_copy_s(base / way, path, config) for way, config in ways.items()}
+    copy_s = min(copy_s, file_copy_s(path, base / "copy.gguf"))
+    result: dict = {"bytes": path.stat().st_size, "copy_mb_s": round(size_mb / copy_s, 1)}
+    for way, took in peer_s.items():
+        result[f"{way}_mb_s"] = round(size_mb / took, 1)
+        result[f"{way}_ratio"] = round(copy_s / took, 3)
+    return result
 
 
 async def rank_copy(base: Path, layers: int) -> dict:

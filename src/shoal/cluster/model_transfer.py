@@ -1,15 +1,19 @@
-"""Model files between nodes, over the data plane: a node that lacks a model another node
-holds copies it from that node instead of from the outside source.
+"""Model files between nodes: a node that lacks a model another node holds copies it from
+that node instead of from the outside source.
 
-The asking node sends {"model_file_ask": {fetch, from, model, path, offset, length}} to a
-holder's data key; the holder reads that range of a file it advertises (held_models.py;
-nothing else is ever read) and answers {"model_file_part": {fetch, offset, data, sha256}},
-or {..., "error"}. The asker keeps `window` chunks asked ahead, checks each chunk's hash,
-writes them in order to <file>.partial in the store's staging directory, and paces itself
-to `rate_bytes_per_s` so that serving on both nodes goes on. A finished file is checked
-against the size and sha256 its holder advertised, then renamed into place; the model is
-installed into the store in one rename (the pull package's staging, verification and
-landing). A partial file is resumed from where it stopped, by this holder or another.
+Each range of a file is copied over a direct stream from the holder (file_stream.py: asked
+for and offered on the data plane, then one TCP connection, TLS under --cluster-tls, pieces
+checked by sha256 and written in order); where no stream opens (the holder offers none, or
+its endpoint cannot be reached) it goes over the data plane itself in hashed chunks: the
+asker keeps `window` chunks asked ahead, checks each chunk's hash and writes them in order
+(model_serving.py is the holder's side of both). Either way the copy lands in
+<file>.partial in the store's staging directory, paced to `rate_bytes_per_s` so that
+serving on both nodes goes on. A finished file is checked against the size and sha256 its
+holder advertised (a file whose every byte came over streams in this fetch was checked
+piece by piece against the holder's digests of that very version, so it is not read again),
+then renamed into place; the model is installed into the store in one rename (the pull
+package's staging, verification and landing). A partial file is resumed from where it
+stopped, by this holder or another.
 
 Every wait is bounded: a holder silent for `chunk_wait_s` (killed, or gone from the
 cluster) is dropped and the next holder of the same files resumes the file; when none is
@@ -20,6 +24,7 @@ outside source.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,17 +43,32 @@ from shoal.catalog.pull.progress import Progress, PullEvent
 from shoal.catalog.pull.puller import STAGED_PLAN, forget_stale_files
 from shoal.catalog.resolve import ModelNotFound
 from shoal.catalog.store import ModelStore, directory_name, write_json_atomically
-from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD
+from shoal.cluster.background import run_on_thread
+from shoal.cluster.data_plane import (
+    FILE_ASK_FIELD,
+    FILE_PART_FIELD,
+    FILE_STREAM_ASK_FIELD,
+    FILE_STREAM_OFFER_FIELD,
+)
+from shoal.cluster.file_stream import (
+    Offer,
+    StreamBroken,
+    StreamReceiver,
+    StreamUnavailable,
+    client_context,
+    server_context,
+)
 from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
+from shoal.cluster.model_serving import ModelFileServer
 from shoal.cluster.rank_files import copy_rank_share
 from shoal.cluster.telemetry import NodeReading
+from shoal.cluster.tls import ClusterTls
 from shoal.cluster.transport.base import Subscription, Transport, TransportError
 from shoal.ids import NodeId
 
 log = logging.getLogger("shoal.cluster.transfer")
 
 SOURCE = "peer"  # the label of these bytes in progress events and /metrics
-MAX_ASK_BYTES = 16 * 1024 * 1024  # the most one ask may read (whatever the asker's chunk)
 RANKS_DIR = "ranks"  # under <data dir>/models: pipeline ranks' own copies
 _RANGES_RECORD = ".ranges.json"  # the byte ranges a rank's copy already holds
 
@@ -60,10 +80,15 @@ class TransferConfig:
     chunk_wait_s: float = 10.0  # a holder silent this long is given up
     # --peer-fetch-rate: at most this many bytes a second per fetch; None: unbounded.
     rate_bytes_per_s: float | None = 256 * 1024 * 1024
+    direct: bool = True  # copy over direct streams where the holder offers them
+    connect_timeout_s: float = 5.0  # for an offer to come, and for its stream to open
+    tls: ClusterTls | None = None  # --cluster-tls: streams are mutual TLS under its CA
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.window < 1 or self.chunk_wait_s <= 0:
-            raise ValueError("peer fetch chunk_bytes, window and chunk_wait_s must be positive")
+        if self.chunk_bytes < 1 or self.window < 1 or self.chunk_wait_s <= 0 \
+                or self.connect_timeout_s <= 0:
+            raise ValueError("peer fetch chunk_bytes, window, chunk_wait_s and "
+                             "connect_timeout_s must be positive")
         if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
             raise ValueError("--peer-fetch-rate must be positive")
 
@@ -89,15 +114,22 @@ Readings = Callable[[], Sequence[NodeReading]]
 class ModelTransfer:
     """Serves this node's advertised files to peers, and fetches missing models from them.
 
-    readings(): the live telemetry readings of the other nodes (what each holds)."""
+    readings(): the live telemetry readings of the other nodes (what each holds); host():
+    the address other nodes reach this one at (where it offers streams)."""
 
     def __init__(self, transport: Transport, held: HeldModels, store: ModelStore,
-                 readings: Readings, config: TransferConfig | None = None) -> None:
+                 readings: Readings, config: TransferConfig | None = None,
+                 host: Callable[[], str] = lambda: "127.0.0.1") -> None:
         self._transport = transport
         self.held = held
         self.store = store
         self._readings = readings
         self.config = config or TransferConfig()
+        tls = self.config.tls
+        self._client_context = client_context(tls) if tls is not None else None
+        self.server = ModelFileServer(transport, held, host, self.config.chunk_wait_s,
+                                      server_context(tls) if tls is not None else None)
+        self._offers: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.observers: list[Progress] = []  # every fetch's progress (the node's metrics)
         # (model bytes, bytes missing, label): evicts for --models-disk and checks the free
         # disk (the node's puller sets it); NotEnoughDisk when there is no room.
@@ -105,10 +137,13 @@ class ModelTransfer:
         self._parts: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._fetching: dict[str, asyncio.Task[bool]] = {}
         self._ranks: dict[str, asyncio.Task[Path]] = {}
-        self._serving: set[asyncio.Task] = set()
         self._subscription: Subscription | None = None
         self.fetched_bytes = 0  # bytes received from peers
-        self.served_bytes = 0  # bytes sent to peers
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes sent to peers."""
+        return self.server.served_bytes
 
     def start(self) -> None:
         self._subscription = self._transport.subscribe_data(self._on_data)
@@ -117,7 +152,8 @@ class ModelTransfer:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-        for task in [*self._serving, *self._fetching.values(), *self._ranks.values()]:
+        self.server.stop()
+        for task in [*self._fetching.values(), *self._ranks.values()]:
             task.cancel()
 
     def holders(self, name: str) -> tuple[HeldModel, list[NodeId]] | None:
@@ -196,7 +232,7 @@ class ModelTransfer:
                 if any(b <= begin and begin + length <= b + n for b, n in done):
                     return  # copied by an earlier, interrupted fetch
                 await self._copy_with_failover(model, file, out, begin, begin + length,
-                                               nodes, failures, label)
+                                               nodes, failures, label, set())
                 done.append((begin, length))
                 await asyncio.to_thread(write_json_atomically, record, done)
 
@@ -252,10 +288,15 @@ class ModelTransfer:
         have = partial.stat().st_size if partial.exists() else 0
         if have > file.size:  # not this file's bytes: start over
             have = 0
+        ways: set[str] = set()  # "stream", "relay": how this fetch's bytes came
         with partial.open("r+b" if have else "wb") as out:
             # Resumed where an interrupted copy stopped (bytes are written in order).
             await self._copy_with_failover(model, file, out, have, file.size, nodes,
-                                           failures, label)
+                                           failures, label, ways)
+        if not have and ways == {"stream"}:
+            # Every byte was checked against the holder's digests of the version whose
+            # sha256 was asked for (file_stream.py): only the size is left to check.
+            remote = dataclasses.replace(remote, sha256=None)
         try:
             await asyncio.to_thread(verify_file, remote, partial, label)
         except PullError as error:
@@ -264,14 +305,16 @@ class ModelTransfer:
 
     async def _copy_with_failover(self, model: HeldModel, file: HeldFile, out: BinaryIO,
                                   begin: int, end: int, nodes: list[NodeId],
-                                  failures: dict[NodeId, str], label: str) -> None:
+                                  failures: dict[NodeId, str], label: str,
+                                  ways: set[str]) -> None:
         """file's bytes [begin, end) into out at the same offsets, from the first holder
-        that can; a holder that fails is left out and the next resumes where it stopped."""
+        that can; a holder that fails is left out and the next resumes where it stopped.
+        ways: gets "stream" and "relay" as bytes come either way."""
         for node in nodes:
             if node in failures:
                 continue
             try:
-                await self._copy_range(node, model, file, out, begin, end)
+                await self._copy_range(node, model, file, out, begin, end, ways)
                 break
             except _HolderFailed as error:
                 failures[node] = str(error)
@@ -285,9 +328,71 @@ class ModelTransfer:
         await asyncio.to_thread(_sync, out)
 
     async def _copy_range(self, node: NodeId, model: HeldModel, file: HeldFile,
-                          out: BinaryIO, begin: int, end: int) -> None:
-        """file's bytes [begin, end) from node into out, chunk by chunk in order;
-        _HolderFailed (with how far it got) when node cannot finish them."""
+                          out: BinaryIO, begin: int, end: int, ways: set[str]) -> None:
+        """file's bytes [begin, end) from node into out: over a direct stream, else over
+        the data plane; _HolderFailed (with how far it got) when node cannot finish them."""
+        if self.config.direct:
+            try:
+                ways.add("stream")
+                await self._stream_range(node, model, file, out, begin, end)
+                return
+            except StreamUnavailable as error:
+                log.info("no direct stream of %s from %s (%s): over the data plane", file.path,
+                         node, error)
+        ways.add("relay")
+        await self._relay_range(node, model, file, out, begin, end)
+
+    async def _stream_range(self, node: NodeId, model: HeldModel, file: HeldFile,
+                            out: BinaryIO, begin: int, end: int) -> None:
+        offer = await self._ask_offer(node, model, file, begin, end)
+        out.flush()  # the stream writes at the descriptor, under the file object
+        loop = asyncio.get_running_loop()
+        receiver = StreamReceiver(
+            offer, begin, end, out.fileno(), context=self._client_context,
+            connect_timeout_s=self.config.connect_timeout_s,
+            read_timeout_s=self.config.chunk_wait_s, rate=self.config.rate_bytes_per_s,
+            on_piece=lambda start, length: loop.call_soon_threadsafe(
+                self._received, file, start + length, length))
+        try:
+            await run_on_thread(receiver.run, receiver.cancel)
+        except StreamBroken as error:
+            failed = _HolderFailed(str(error))
+            failed.reached = error.reached
+            raise failed from None
+
+    async def _ask_offer(self, node: NodeId, model: HeldModel, file: HeldFile, begin: int,
+                         end: int) -> Offer:
+        """The holder's stream offer; StreamUnavailable when it makes none in time."""
+        fetch_id = uuid.uuid4().hex
+        answer = self._offers[fetch_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._transport.send_data(node, {FILE_STREAM_ASK_FIELD: {
+                "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
+                "path": file.path, "sha256": file.sha256, "offset": begin,
+                "length": end - begin, "rate": self.config.rate_bytes_per_s}})
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                wire = await answer
+            if "error" in wire:
+                raise StreamUnavailable(str(wire["error"]))
+            return Offer.from_wire(wire)
+        except TransportError as error:
+            raise StreamUnavailable(f"cannot reach it ({error})") from None
+        except TimeoutError:
+            raise StreamUnavailable(f"no offer within {self.config.connect_timeout_s:g} s") \
+                from None
+        except ValueError as error:
+            raise StreamUnavailable(str(error)) from None
+        finally:
+            self._offers.pop(fetch_id, None)
+
+    def _received(self, file: HeldFile, have: int, length: int) -> None:
+        self.fetched_bytes += length
+        self._report(PullEvent(f"pulling {file.sha256[:12]}", f"sha256:{file.sha256}",
+                               file.size, have, new_bytes=length, source=SOURCE))
+
+    async def _relay_range(self, node: NodeId, model: HeldModel, file: HeldFile,
+                           out: BinaryIO, begin: int, end: int) -> None:
+        """file's bytes [begin, end) from node over the data plane, chunk by chunk in order."""
         config, chunk = self.config, self.config.chunk_size
         fetch_id = uuid.uuid4().hex
         parts = self._parts[fetch_id] = asyncio.Queue()
@@ -306,10 +411,7 @@ class ModelTransfer:
                     data = await asyncio.to_thread(_check_and_write, part, have, file, out)
                     have += len(data)
                     copied += len(data)
-                    self.fetched_bytes += len(data)
-                    self._report(PullEvent(f"pulling {file.sha256[:12]}",
-                                           f"sha256:{file.sha256}", file.size, have,
-                                           new_bytes=len(data), source=SOURCE))
+                    self._received(file, have, len(data))
                 await self._pace(started, copied)
         except _HolderFailed as error:
             error.reached = have
@@ -363,43 +465,19 @@ class ModelTransfer:
             except Exception:  # noqa: BLE001 - a metrics hiccup must not stop a fetch
                 log.exception("a fetch progress observer failed")
 
-    # --- serving -------------------------------------------------------------------------
+    # --- the data key ---------------------------------------------------------------------
 
     def _on_data(self, message: Any) -> None:
-        if not isinstance(message, dict):
+        if not isinstance(message, dict) or self.server.handle(message):
             return
-        if FILE_PART_FIELD in message:
-            part = message[FILE_PART_FIELD]
-            queue = self._parts.get(str(part.get("fetch"))) if isinstance(part, dict) else None
+        if isinstance(part := message.get(FILE_PART_FIELD), dict):
+            queue = self._parts.get(str(part.get("fetch")))
             if queue is not None:
                 queue.put_nowait(part)
-        elif FILE_ASK_FIELD in message and isinstance(message[FILE_ASK_FIELD], dict):
-            task = asyncio.get_running_loop().create_task(self._serve(message[FILE_ASK_FIELD]))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, ask: dict[str, Any]) -> None:
-        try:
-            asker, fetch_id = NodeId(str(ask["from"])), str(ask["fetch"])
-            offset, length = int(ask["offset"]), int(ask["length"])
-            path = self.held.path_of(str(ask["model"]), str(ask["path"]))
-        except (KeyError, TypeError, ValueError):
-            log.warning("malformed model file ask dropped")
-            return
-        answer: dict[str, Any] = {"fetch": fetch_id, "offset": offset}
-        if path is None or offset < 0 or not 0 < length <= MAX_ASK_BYTES:
-            answer["error"] = f"node {self._transport.node_id} does not hold {ask['path']}"
-        else:
-            try:
-                data, digest = await asyncio.to_thread(_read_and_hash, path, offset, length)
-                answer.update(data=data, sha256=digest)
-                self.served_bytes += len(data)
-            except OSError as error:
-                answer["error"] = f"cannot read {ask['path']}: {error}"
-        try:
-            self._transport.send_data(asker, {FILE_PART_FIELD: answer})
-        except TransportError as error:
-            log.warning("cannot send a model file part to %s: %s", asker, error)
+        elif isinstance(offer := message.get(FILE_STREAM_OFFER_FIELD), dict):
+            answer = self._offers.get(str(offer.get("fetch")))
+            if answer is not None and not answer.done():
+                answer.set_result(offer)
 
 
 def _version(model: HeldModel) -> frozenset[tuple[str, int, str]]:
@@ -431,20 +509,9 @@ def _check_and_write(part: dict[str, Any], offset: int, file: HeldFile, out: Bin
     return data
 
 
-def _read_and_hash(path: Path, offset: int, length: int) -> tuple[bytes, str]:
-    data = _read_range(path, offset, length)
-    return data, hashlib.sha256(data).hexdigest()
-
-
 def _sync(out: BinaryIO) -> None:
     out.flush()
     os.fsync(out.fileno())
-
-
-def _read_range(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as file:
-        file.seek(offset)
-        return file.read(length)
 
 
 def _read_ranges(record: Path) -> list[tuple[int, int]]:

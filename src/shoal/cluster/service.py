@@ -24,7 +24,7 @@ from shoal.cluster import traces
 from shoal.cluster.capabilities import Capabilities
 from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ControlPlane
-from shoal.cluster.decide import place_avoiding_failures
+from shoal.cluster.decide import place_avoiding_failures, rendezvous_host
 from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
     CancelTask,
@@ -140,7 +140,7 @@ class ClusterService:
             lambda: ((source, ()) for source in pool.names.sources().values()), FileHashes())
         self.transfer = ModelTransfer(
             plane.transport, self.held, ModelStore.of_data_dir(data_dir_or_default(data_dir)),
-            self._peer_readings, self.config.transfer)
+            self._peer_readings, self.config.transfer, host=self._own_host)
         pool.names.fetch_from_peers = self.transfer.fetch
         self._scanning: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()  # a model newly resolved here: list it at once
@@ -203,6 +203,11 @@ class ClusterService:
                                               rank.layer_end, instance.facts.n_layers)
         return None if path is None else ModelSource(model_id=instance.model, format="gguf",
                                                      path=path)
+
+    def _own_host(self) -> str:
+        """The address other nodes reach this one at (where its rank groups meet too)."""
+        node = self.state.nodes.get(self.node_id)
+        return rendezvous_host(node.addresses if node is not None else ())
 
     def _peer_readings(self) -> list[NodeReading]:
         """The latest readings of the other live nodes (what model files each holds)."""
