@@ -358,3 +358,60 @@ def test_a_rank_reads_the_embedding_first_and_the_head_last_tied_or_not():
     assert rank_needs("blk.3.attn_q.weight", 2, 4, 6, tied=False)
     assert not rank_needs("blk.4.attn_q.weight", 2, 4, 6, tied=False)
     assert rank_needs("output_norm.weight", 0, 1, 2, tied=False)  # small: everywhere
+
+
+def moe_gguf(path, n_experts=4):
+    """A GGUF of two mixture-of-experts layers: a router and 3-D expert tensors."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "qwen2moe")
+    rng = np.random.default_rng(1)
+    # 64 KiB first: the experts lie past the header's first read (a rank copies that whole).
+    writer.add_tensor("token_embd.weight", rng.standard_normal((512, 32)).astype(np.float32))
+    for layer in range(2):
+        writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
+                          rng.standard_normal((n_experts, 32)).astype(np.float32))
+        for part in ("gate", "up", "down"):
+            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight",  # [experts, out, in]
+                              rng.standard_normal((n_experts, 16, 32)).astype(np.float32))
+    writer.add_tensor("output.weight", rng.standard_normal((64, 32)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_expert_rank_copies_only_its_experts_slices_of_each_expert_tensor(tmp_path):
+    from shoal.engine.weights.gguf_file import GGUFFile
+
+    (tmp_path / "files").mkdir()
+    original = moe_gguf(tmp_path / "files" / "tiny.gguf")
+
+    async def main():
+        hub = MemoryHub()
+        holder = Node(hub, "a", tmp_path, original)
+        asker = Node(hub, "b", tmp_path, readings=lambda: [holder.reading()])
+        copy = await asker.transfer.fetch_rank("tiny", 0, 2, 2, experts=(1, 3, 4))
+        return copy, asker.transfer.fetched_bytes
+
+    copy, fetched = asyncio.run(main())
+    whole, rank_file = GGUFFile(original), GGUFFile(copy)
+    experts = [info for name, info in whole.tensors.items() if "_exps." in name]
+    others = sum(info.nbytes for name, info in whole.tensors.items() if "_exps." not in name)
+    needed = others + sum(info.nbytes for info in experts) // 2  # experts 1 and 2 of 4
+    assert needed <= fetched <= needed + HEADER_GUESS_BYTES
+    for name, info in whole.tensors.items():
+        original_rows = whole.data(info).reshape(-1)
+        copied_rows = rank_file.data(rank_file.tensors[name]).reshape(-1)
+        if "_exps." not in name:
+            assert (copied_rows == original_rows).all(), name
+            continue
+        per_expert = original_rows.size // 4
+        for expert in range(4):
+            held = slice(expert * per_expert, (expert + 1) * per_expert)
+            if expert in (1, 2):
+                assert (copied_rows[held] == original_rows[held]).all(), (name, expert)
+            else:
+                assert not copied_rows[held].any(), (name, expert)  # a hole: never copied

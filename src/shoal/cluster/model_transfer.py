@@ -60,7 +60,7 @@ from shoal.cluster.file_stream import (
 )
 from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
 from shoal.cluster.model_serving import ModelFileServer
-from shoal.cluster.rank_files import copy_rank_share
+from shoal.cluster.rank_files import Experts, copy_rank_share
 from shoal.cluster.telemetry import NodeReading
 from shoal.cluster.tls import ClusterTls
 from shoal.cluster.transport.base import Subscription, Transport, TransportError
@@ -192,33 +192,39 @@ class ModelTransfer:
             task.add_done_callback(lambda _t: self._fetching.pop(key, None))
         return await asyncio.shield(task)
 
-    async def fetch_rank(self, name: str, start: int, end: int, n_layers: int) -> Path | None:
-        """A pipeline rank's own copy of a one-file GGUF model other nodes hold: only the
-        bytes layers [start, end) need (rank_files.py), in a sparse file of the original's
-        layout under <models>/ranks/. None when no peer holds the model or it is not one
-        GGUF file (the caller copies it whole); ModelNotFound when every holder failed."""
+    async def fetch_rank(self, name: str, start: int, end: int, n_layers: int,
+                         experts: Experts | None = None) -> Path | None:
+        """A pipeline or expert rank's own copy of a one-file GGUF model other nodes hold:
+        only the bytes layers [start, end) need, of their expert tensors only the experts
+        [first, last) of n_experts when `experts` says so (rank_files.py), in a sparse file
+        of the original's layout under <models>/ranks/. None when no peer holds the model or
+        it is not one GGUF file (the caller copies it whole); ModelNotFound when every
+        holder failed."""
         found = self.holders(name)
         if found is None or found[0].format != "gguf" or len(found[0].files) != 1:
             return None
         model, nodes = found
         key = f"{model.model}@{model.files[0].sha256[:16]}:layers-{start}-{end}"
+        if experts is not None:
+            key += f":experts-{experts[0]}-{experts[1]}-of-{experts[2]}"
         task = self._ranks.get(key)
         if task is None:
             task = asyncio.get_running_loop().create_task(
-                self._fetch_rank(model, nodes, key, (start, end, n_layers)))
+                self._fetch_rank(model, nodes, key, (start, end, n_layers), experts))
             self._ranks[key] = task
             task.add_done_callback(lambda _t: self._ranks.pop(key, None))
         return await asyncio.shield(task)
 
     async def _fetch_rank(self, model: HeldModel, nodes: list[NodeId], key: str,
-                          layers: tuple[int, int, int]) -> Path:
+                          layers: tuple[int, int, int], experts: Experts | None) -> Path:
         [file] = model.files
         start, end, n_layers = layers
         directory = self.store.models_dir / RANKS_DIR / directory_name(key)
         target = directory / file.path
         if target.is_file():
             return target  # renamed into place once complete
-        label = (f"fetch layers [{start}, {end}) of model {model.model!r} from peer "
+        share = "" if experts is None else f" (experts [{experts[0]}, {experts[1]}))"
+        label = (f"fetch layers [{start}, {end}){share} of model {model.model!r} from peer "
                  f"{', '.join(nodes)}")
         directory.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + PARTIAL_SUFFIX)
@@ -237,7 +243,7 @@ class ModelTransfer:
                 await asyncio.to_thread(write_json_atomically, record, done)
 
             try:
-                await copy_rank_share(partial, file.size, copy, start, end, n_layers)
+                await copy_rank_share(partial, file.size, copy, start, end, n_layers, experts)
             except ValueError as error:
                 raise ModelNotFound(f"{label}: {error}") from error
         os.replace(partial, target)

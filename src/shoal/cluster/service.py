@@ -193,14 +193,19 @@ class ClusterService:
             self._scan_now.clear()
 
     async def _rank_source(self, instance: Instance, rank: Rank) -> ModelSource | None:
-        """A pipeline rank's own copy of its layers of a model this node does not hold,
-        from a peer that does; None to load the model as a whole."""
-        if instance.sharding != "pipeline" or rank.world_size == 1:
+        """A pipeline rank's own copy of its layers (an expert rank's, of its experts) of a
+        model this node does not hold, from a peer that does; None to load the model as a
+        whole."""
+        if instance.sharding not in ("pipeline", "expert") or rank.world_size == 1:
             return None
         if await self._pool.names.on_disk(instance.model) is not None:
             return None
+        experts = None
+        if instance.sharding == "expert" and rank.experts is not None:
+            experts = (*rank.experts, instance.facts.n_experts)
         path = await self.transfer.fetch_rank(instance.model, rank.layer_start,
-                                              rank.layer_end, instance.facts.n_layers)
+                                              rank.layer_end, instance.facts.n_layers,
+                                              experts)
         return None if path is None else ModelSource(model_id=instance.model, format="gguf",
                                                      path=path)
 
