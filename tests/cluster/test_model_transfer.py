@@ -415,3 +415,51 @@ def test_an_expert_rank_copies_only_its_experts_slices_of_each_expert_tensor(tmp
                 assert (copied_rows[held] == original_rows[held]).all(), (name, expert)
             else:
                 assert not copied_rows[held].any(), (name, expert)  # a hole: never copied
+
+
+def test_a_node_guessing_for_a_gguf_model_copies_only_its_header_for_the_tokenizer(tmp_path):
+    import gguf
+    import numpy as np
+    from engine.tokenizer_fixtures import tiny_byte_level_metadata  # tests/engine
+
+    from shoal.engine.tokenizer.tokenizer import Tokenizer
+
+    (tmp_path / "files").mkdir()
+    original = tmp_path / "files" / "tiny.gguf"
+    writer = gguf.GGUFWriter(original, "llama")
+    for key, value in tiny_byte_level_metadata().items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.ones((1024, 256), np.float32))  # 1 MiB
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    async def main():
+        hub = MemoryHub()
+        holder = Node(hub, "a", tmp_path, original)
+        asker = Node(hub, "b", tmp_path, readings=lambda: [holder.reading()])
+        assert await asker.transfer.fetch_tokenizer("nothing-held") is None
+        source = await asker.transfer.fetch_tokenizer("tiny")
+        return source, asker.transfer.fetched_bytes
+
+    source, fetched = asyncio.run(main())
+    assert source.model_id == "tiny" and source.path.stat().st_size == original.stat().st_size
+    assert fetched < 256 * 1024  # the header, not the weights
+    copied = Tokenizer.load(source, cache_dir=tmp_path / "cache")
+    whole = Tokenizer.load(ModelSource(model_id="tiny", format="gguf", path=original),
+                           cache_dir=tmp_path / "cache")
+    assert copied.encode("Once upon a time") == whole.encode("Once upon a time")
+    assert resolve_model_or_none("tiny", tmp_path / "b") is None  # not a model in the store
+
+
+def resolve_model_or_none(name, data_dir):
+    try:
+        return resolve_model(name, data_dir=data_dir)
+    except ModelNotFound:
+        return None

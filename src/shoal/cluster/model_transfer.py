@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -60,8 +60,9 @@ from shoal.cluster.file_stream import (
 )
 from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
 from shoal.cluster.model_serving import ModelFileServer
-from shoal.cluster.rank_files import Experts, copy_rank_share
+from shoal.cluster.rank_files import CopyRange, Experts, copy_header, copy_rank_share
 from shoal.cluster.telemetry import NodeReading
+from shoal.engine.config import ModelSource
 from shoal.cluster.tls import ClusterTls
 from shoal.cluster.transport.base import Subscription, Transport, TransportError
 from shoal.ids import NodeId
@@ -69,7 +70,11 @@ from shoal.ids import NodeId
 log = logging.getLogger("shoal.cluster.transfer")
 
 SOURCE = "peer"  # the label of these bytes in progress events and /metrics
-RANKS_DIR = "ranks"  # under <data dir>/models: pipeline ranks' own copies
+RANKS_DIR = "ranks"  # under <data dir>/models: ranks' own copies, and tokenizers alone
+# A checkpoint directory's files a tokenizer is read from (with the model's config).
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                             "special_tokens_map.json", "vocab.json", "merges.txt",
+                             "config.json", "generation_config.json", "added_tokens.json"})
 _RANGES_RECORD = ".ranges.json"  # the byte ranges a rank's copy already holds
 
 
@@ -207,25 +212,58 @@ class ModelTransfer:
         key = f"{model.model}@{model.files[0].sha256[:16]}:layers-{start}-{end}"
         if experts is not None:
             key += f":experts-{experts[0]}-{experts[1]}-of-{experts[2]}"
+        share = "" if experts is None else f" (experts [{experts[0]}, {experts[1]}))"
+        return await self._share(model, nodes, key, f"layers [{start}, {end}){share}",
+                                 lambda partial, size, copy: copy_rank_share(
+                                     partial, size, copy, start, end, n_layers, experts))
+
+    async def fetch_tokenizer(self, name: str) -> ModelSource | None:
+        """What a node guessing tokens for a model it does not serve needs of it: its
+        tokenizer. A GGUF keeps its tokenizer in its header, so only the header is copied,
+        into a sparse file of the original's layout that reads as the model for its
+        metadata; a checkpoint directory, only its tokenizer and config files. None when no
+        peer holds the model; ModelNotFound when every holder failed."""
+        found = self.holders(name)
+        if found is None:
+            return None
+        model, nodes = found
+        key = f"{model.model}@{_version_key(model)}:tokenizer"
+        if model.format == "gguf" and len(model.files) == 1:
+            path = await self._share(model, nodes, key, "the tokenizer (GGUF header)",
+                                     lambda partial, size, copy: copy_header(partial, size,
+                                                                             copy))
+            return ModelSource(model_id=model.model, format="gguf", path=path)
+        wanted = [f for f in model.files if f.path in TOKENIZER_FILES]
+        if model.format != "safetensors" or not any(f.path.startswith("tokenizer")
+                                                    for f in wanted):
+            return None
+        directory = self.store.models_dir / RANKS_DIR / directory_name(key)
+        label = f"fetch the tokenizer of model {model.model!r} from peer {', '.join(nodes)}"
+        failures: dict[NodeId, str] = {}
+        for file in wanted:
+            await self._fetch_file(model, file, directory, nodes, failures, label)
+        return ModelSource(model_id=model.model, format="safetensors", path=directory)
+
+    async def _share(self, model: HeldModel, nodes: list[NodeId], key: str, what: str,
+                     fill: Callable[[Path, int, CopyRange], Awaitable[Any]]) -> Path:
+        """One copy (concurrent asks share it) of part of a one-file model: fill(partial,
+        size, copy) says which ranges, in a sparse file under <models>/ranks/."""
         task = self._ranks.get(key)
         if task is None:
             task = asyncio.get_running_loop().create_task(
-                self._fetch_rank(model, nodes, key, (start, end, n_layers), experts))
+                self._fetch_share(model, nodes, key, what, fill))
             self._ranks[key] = task
             task.add_done_callback(lambda _t: self._ranks.pop(key, None))
         return await asyncio.shield(task)
 
-    async def _fetch_rank(self, model: HeldModel, nodes: list[NodeId], key: str,
-                          layers: tuple[int, int, int], experts: Experts | None) -> Path:
+    async def _fetch_share(self, model: HeldModel, nodes: list[NodeId], key: str, what: str,
+                           fill: Callable[[Path, int, CopyRange], Awaitable[Any]]) -> Path:
         [file] = model.files
-        start, end, n_layers = layers
         directory = self.store.models_dir / RANKS_DIR / directory_name(key)
         target = directory / file.path
         if target.is_file():
             return target  # renamed into place once complete
-        share = "" if experts is None else f" (experts [{experts[0]}, {experts[1]}))"
-        label = (f"fetch layers [{start}, {end}){share} of model {model.model!r} from peer "
-                 f"{', '.join(nodes)}")
+        label = f"fetch {what} of model {model.model!r} from peer {', '.join(nodes)}"
         directory.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + PARTIAL_SUFFIX)
         record = directory / _RANGES_RECORD
@@ -243,7 +281,7 @@ class ModelTransfer:
                 await asyncio.to_thread(write_json_atomically, record, done)
 
             try:
-                await copy_rank_share(partial, file.size, copy, start, end, n_layers, experts)
+                await fill(partial, file.size, copy)
             except ValueError as error:
                 raise ModelNotFound(f"{label}: {error}") from error
         os.replace(partial, target)
@@ -488,6 +526,12 @@ class ModelTransfer:
 
 def _version(model: HeldModel) -> frozenset[tuple[str, int, str]]:
     return frozenset((f.path, f.size, f.sha256) for f in model.files)
+
+
+def _version_key(model: HeldModel) -> str:
+    """A short name for a model's file version (its files' hashes)."""
+    return hashlib.sha256("".join(sorted(f.sha256 for f in model.files)).encode()
+                          ).hexdigest()[:16]
 
 
 def _describe(version: frozenset[tuple[str, int, str]]) -> str:

@@ -39,6 +39,19 @@ async def copy_rank_share(path: Path, size: int, copy: CopyRange, start: int, en
     [start, end) (and of their experts, `experts` only) need: the header first, read
     further until it parses within what was copied, then the tensors it lists for the
     rank. ValueError if the header never parses."""
+    head = await copy_header(path, size, copy)
+    for begin, length in await asyncio.to_thread(rank_ranges, path, start, end, n_layers,
+                                                 experts):
+        begin, length = max(begin, head), begin + length - max(begin, head)
+        if length > 0:
+            await copy(begin, length)
+
+
+async def copy_header(path: Path, size: int, copy: CopyRange) -> int:
+    """Fill the file at path (the original's size, sparse) with the GGUF's header (its
+    metadata, the tokenizer included, and tensor index): a first guess, read further until
+    it parses within what was copied. How many bytes from the start were copied; ValueError
+    if the header never parses."""
     head, problem = min(size, HEADER_GUESS_BYTES), "it runs past the end of the file"
     while True:
         await copy(0, head)
@@ -52,11 +65,7 @@ async def copy_rank_share(path: Path, size: int, copy: CopyRange, start: int, en
         if head == size:
             raise ValueError(f"its GGUF header does not parse ({problem})")
         head = min(size, head * 4)
-    for begin, length in await asyncio.to_thread(rank_ranges, path, start, end, n_layers,
-                                                 experts):
-        begin, length = max(begin, head), begin + length - max(begin, head)
-        if length > 0:
-            await copy(begin, length)
+    return head
 
 
 def rank_needs(name: str, start: int, end: int, n_layers: int, tied: bool) -> bool:

@@ -129,8 +129,9 @@ class ClusterService:
                                    rank_source=self._rank_source, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         # Capability cards and the proposer roles (guessing tokens for other nodes).
-        self.capabilities = Capabilities(plane.transport, pool, plane.telemetry.table,
-                                         self.config.cards, self.config.proposer)
+        self.capabilities = Capabilities(
+            plane.transport, pool, plane.telemetry.table, self.config.cards,
+            self.config.proposer, target_tokenizer=lambda m: self.transfer.fetch_tokenizer(m))
         self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
