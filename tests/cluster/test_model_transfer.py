@@ -110,6 +110,27 @@ def test_a_copy_goes_over_a_direct_stream_and_no_chunk_crosses_the_data_plane(tm
         original.stat().st_size
 
 
+def test_under_cluster_tls_the_stream_is_mutual_tls_under_the_cluster_ca(tmp_path):
+    from shoal.cluster.certs import make_cluster_certs
+    from shoal.cluster.tls import read_cluster_tls
+
+    original = model_file(tmp_path / "files")
+    make_cluster_certs(tmp_path / "tls")
+    config = TransferConfig(chunk_bytes=CHUNK, tls=read_cluster_tls(tmp_path / "tls"))
+
+    async def main():
+        hub = MemoryHub()
+        holder = Node(hub, "a", tmp_path, original, config=config)
+        asker = Node(hub, "b", tmp_path, config=config, readings=lambda: [holder.reading()])
+        assert await asker.transfer.fetch("tiny")
+        return asker
+
+    asker = asyncio.run(main())
+    assert set(asker.sent) == {FILE_STREAM_ASK_FIELD}
+    assert resolve_model("tiny", data_dir=tmp_path / "b").path.read_bytes() == \
+        original.read_bytes()
+
+
 def test_a_holder_that_cannot_offer_a_stream_serves_over_the_data_plane(tmp_path):
     original = model_file(tmp_path / "files")
 
