@@ -253,21 +253,26 @@ class StreamReceiver:
         it fails part-way."""
         sock = self._connect()
         self._sock, reached = sock, self.begin
-        waiting: deque[tuple[int, bytearray, bytes, Future[bytes]]] = deque()
+        # (piece start, its buffer, its bytes there, its digest, the check of its bytes)
+        waiting: deque[tuple[int, memoryview, memoryview, bytes, Future[bytes]]] = deque()
+        # Pieces land in a few buffers used in turn (a fresh one per piece would cost a
+        # page fault every 4 KiB): one being read, up to HASH_THREADS being checked.
+        spare = [memoryview(bytearray(self.offer.piece_bytes)) for _ in range(HASH_THREADS + 1)]
         try:
             with sock, ThreadPoolExecutor(HASH_THREADS) as hashers:
                 sock.sendall(self.offer.token)
                 for start, stop in pieces(self.begin, self.end, self.offer.piece_bytes):
                     digest = _read_exactly(sock, DIGEST_BYTES)
-                    data = bytearray(stop - start)
+                    buffer = spare.pop()
+                    data = buffer[:stop - start]
                     self._read_into(sock, data)
-                    waiting.append((start, data, digest,
+                    waiting.append((start, buffer, data, digest,
                                     hashers.submit(lambda d: hashlib.sha256(d).digest(), data)))
                     # Written in order, once checked; a few pieces are checked at once.
-                    while waiting and (len(waiting) > HASH_THREADS or waiting[0][3].done()):
-                        reached = self._write(*waiting.popleft())
+                    while waiting and (not spare or waiting[0][4].done()):
+                        reached = self._write(waiting.popleft(), spare)
                 while waiting:
-                    reached = self._write(*waiting.popleft())
+                    reached = self._write(waiting.popleft(), spare)
         except (OSError, EOFError) as error:
             why = "the stream was cancelled" if self._stopped else _describe(error)
             raise StreamBroken(reached, f"{why} at offset {reached}") from None
@@ -294,11 +299,11 @@ class StreamReceiver:
             raise StreamUnavailable("cancelled")
         return sock
 
-    def _read_into(self, sock: socket.socket, data: bytearray) -> None:
+    def _read_into(self, sock: socket.socket, view: memoryview) -> None:
         # Unpaced and plain, a whole piece in one call: the kernel fills it as bytes come
         # (far fewer wake-ups than a read per slice, which tells on a busy machine).
         whole = self._rate is None and self._context is None
-        view, got = memoryview(data), 0
+        got = 0
         while got < len(view):
             if whole:
                 n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
@@ -317,12 +322,16 @@ class StreamReceiver:
             if ahead > 0:
                 time.sleep(ahead)
 
-    def _write(self, start: int, data: bytearray, digest: bytes, checked: Future[bytes]) -> int:
+    def _write(self, piece: tuple[int, memoryview, memoryview, bytes, Future[bytes]],
+               spare: list[memoryview]) -> int:
+        """Write a checked piece at its offset and hand its buffer back; where it ends."""
+        start, buffer, data, digest, checked = piece
         if checked.result() != digest:
             raise OSError(f"the piece at offset {start} does not match its sha256")
-        view, written = memoryview(data), 0
-        while written < len(view):
-            written += os.pwrite(self._fd, view[written:], start + written)
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self._fd, data[written:], start + written)
+        spare.append(buffer)
         self._on_piece(start, len(data))
         return start + len(data)
 
