@@ -110,6 +110,32 @@ def test_a_copy_goes_over_a_direct_stream_and_no_chunk_crosses_the_data_plane(tm
         original.stat().st_size
 
 
+def test_a_stream_ask_lost_on_the_way_is_asked_again(tmp_path):
+    original = model_file(tmp_path / "files")
+
+    async def main():
+        hub = MemoryHub()
+        holder = Node(hub, "a", tmp_path, original)
+        asker = Node(hub, "b", tmp_path, readings=lambda: [holder.reading()])
+        send, lost = asker.transport.send_data, []
+
+        def lose_the_first_ask(node, message):
+            if FILE_STREAM_ASK_FIELD in message and not lost:
+                lost.append(message)
+                return None
+            return send(node, message)
+
+        asker.transport.send_data = lose_the_first_ask
+        started = time.monotonic()
+        assert await asker.transfer.fetch("tiny")
+        return asker, lost, time.monotonic() - started
+
+    asker, lost, took = asyncio.run(main())
+    assert len(lost) == 1 and FILE_ASK_FIELD not in asker.sent and took < 3
+    assert resolve_model("tiny", data_dir=tmp_path / "b").path.read_bytes() == \
+        original.read_bytes()
+
+
 def test_under_cluster_tls_the_stream_is_mutual_tls_under_the_cluster_ca(tmp_path):
     from shoal.cluster.certs import make_cluster_certs
     from shoal.cluster.tls import read_cluster_tls

@@ -41,6 +41,7 @@ from shoal.ids import NodeId
 log = logging.getLogger("shoal.cluster.transfer")
 
 SOURCE = "peer"  # the label of these bytes in progress events and /metrics
+_ASK_AGAIN_S = 1.0  # a stream ask unanswered this long is sent again
 
 
 @dataclass(frozen=True)
@@ -165,16 +166,23 @@ class RangeCopier:
 
     async def _ask_offer(self, node: NodeId, model: HeldModel, file: HeldFile, begin: int,
                          end: int) -> Offer:
-        """The holder's stream offer; StreamUnavailable when it makes none in time."""
+        """The holder's stream offer; StreamUnavailable when it makes none in time. The ask
+        goes again each second without an answer (a message to a node that only just
+        joined can be lost); the first offer wins, any other expires unused."""
         fetch_id = uuid.uuid4().hex
         answer = self._offers[fetch_id] = asyncio.get_running_loop().create_future()
+        ask = {FILE_STREAM_ASK_FIELD: {
+            "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
+            "path": file.path, "sha256": file.sha256, "offset": begin, "length": end - begin,
+            "rate": self._config.rate_bytes_per_s}}
         try:
-            self._transport.send_data(node, {FILE_STREAM_ASK_FIELD: {
-                "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
-                "path": file.path, "sha256": file.sha256, "offset": begin,
-                "length": end - begin, "rate": self._config.rate_bytes_per_s}})
             async with asyncio.timeout(self._config.connect_timeout_s):
-                wire = await answer
+                while True:
+                    self._transport.send_data(node, ask)
+                    done, _ = await asyncio.wait([answer], timeout=_ASK_AGAIN_S)
+                    if done:
+                        break
+            wire = answer.result()
             if "error" in wire:
                 raise StreamUnavailable(str(wire["error"]))
             return Offer.from_wire(wire)
