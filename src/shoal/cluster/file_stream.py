@@ -140,7 +140,8 @@ class StreamServer:
         self._connection: socket.socket | None = None
         self.token = secrets.token_bytes(TOKEN_BYTES)
         # OSError (no such address here, say) goes to the caller: no offer is made.
-        self._listener = socket.create_server((host, 0), backlog=4)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=4)
         self.offer = Offer(host, self._listener.getsockname()[1], self.token, piece_bytes)
 
     def run(self) -> None:
