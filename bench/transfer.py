@@ -1,11 +1,14 @@
 """Model files between nodes on loopback; prints one JSON object.
 
-    python bench/transfer.py [--size-mb 256] [--layers 16] [--ttft-model ID] [--skip-nodes]
+    python bench/transfer.py [--size-mb 256] [--rounds 2] [--layers 16] [--ttft-model ID]
+                             [--skip-nodes]
 
-Measures, with two Zenoh sessions in this process (msgpack, TCP loopback, the holder's
-reads and the asker's writes, per-chunk and whole-file sha256):
+Measures, with two Zenoh sessions in this process (TCP loopback, the holder's reads and the
+asker's writes, every piece's sha256 checked):
 - peer: throughput of copying a model file from a holder (ModelTransfer.fetch, no rate
-  bound) against a plain file copy of the same bytes (shutil.copyfile), and their ratio;
+  bound) against a plain file copy of the same bytes (shutil.copyfile), and their ratio,
+  each timed --rounds times interleaved and the fastest kept: over a direct stream (plain TCP, and TLS under a
+  cluster CA) and over the data plane's messages (the fallback);
 - rank: the bytes each rank of a 2-rank pipeline copies of a GGUF of --layers layers
   (ModelTransfer.fetch_rank) against the whole file.
 - ttft (real `shoal serve` processes on 127.0.0.1, bench/cluster.py's): a completion's time
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -65,8 +70,10 @@ def write_gguf(path: Path, layers: int, layer_bytes: int) -> None:
     writer.close()
 
 
-async def pair(base: Path, path: Path) -> tuple[list[ModelTransfer], list]:
+async def pair(base: Path, path: Path, config: TransferConfig | None = None
+               ) -> tuple[list[ModelTransfer], list]:
     """A holder of path and an asker that sees its reading, over Zenoh on loopback."""
+    config = config or TransferConfig(rate_bytes_per_s=None)
     ports = free_port(), free_port()
     transports = [await ZenohTransport.open(NodeId(name), ZenohConfig(
         listen=(f"tcp/127.0.0.1:{ports[i]}",), connect=(f"tcp/127.0.0.1:{ports[1 - i]}",),
@@ -77,29 +84,74 @@ async def pair(base: Path, path: Path) -> tuple[list[ModelTransfer], list]:
                       FileHashes())
     held.scan()
     reading = NodeReading(node_id=NodeId("holder"), taken_at=time.time(), models=held.current())
-    holder = ModelTransfer(transports[0], held, ModelStore(base / "holder"), lambda: [])
+    holder = ModelTransfer(transports[0], held, ModelStore(base / "holder"), lambda: [],
+                           config)
     asker = ModelTransfer(transports[1], HeldModels(lambda: [], FileHashes()),
-                          ModelStore(base / "asker"), lambda: [reading],
-                          TransferConfig(rate_bytes_per_s=None))
+                          ModelStore(base / "asker"), lambda: [reading], config)
     holder.start()
     asker.start()
     return [holder, asker], transports
 
 
-async def peer_copy(base: Path, size_mb: int) -> dict:
-    path = base / "model.gguf"
-    path.write_bytes(np.random.default_rng(1).bytes(size_mb << 20))
-    (holder, asker), transports = await pair(base, path)
-    started = time.monotonic()
+def cpu_s() -> float:
+    """This process's CPU time so far, every thread, user and kernel."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def file_copy_s(path: Path, target: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of a plain copy."""
+    started, cpu = time.monotonic(), cpu_s()
+    shutil.copyfile(path, target)
+    took = time.monotonic() - started, cpu_s() - cpu
+    target.unlink()
+    return took
+
+
+async def peer_copy_s(base: Path, path: Path, config: TransferConfig) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of both ends) to copy path from a holder into a fresh
+    store."""
+    base.mkdir()
+    (holder, asker), transports = await pair(base, path, config)
+    started, cpu = time.monotonic(), cpu_s()
     assert await asker.fetch("model")
-    peer_s = time.monotonic() - started
-    started = time.monotonic()
-    shutil.copyfile(path, base / "copy.gguf")
-    copy_s = time.monotonic() - started
+    took = time.monotonic() - started, cpu_s() - cpu
     for transport in transports:
         await transport.close()
-    return {"bytes": path.stat().st_size, "peer_mb_s": round(size_mb / peer_s, 1),
-            "copy_mb_s": round(size_mb / copy_s, 1), "ratio": round(copy_s / peer_s, 3)}
+    shutil.rmtree(base)
+    return took
+
+
+async def peer_copy(base: Path, size_mb: int, rounds: int) -> dict:
+    from shoal.cluster.certs import make_cluster_certs
+    from shoal.cluster.tls import read_cluster_tls
+
+    path = base / "model.gguf"
+    path.write_bytes(np.random.default_rng(1).bytes(size_mb << 20))
+    os.sync()  # no writeback of the source left to slow whichever copy comes first
+    make_cluster_certs(base / "tls")
+    tls = read_cluster_tls(base / "tls")
+    ways = {"stream": TransferConfig(rate_bytes_per_s=None),
+            "stream_tls": TransferConfig(rate_bytes_per_s=None, tls=tls),
+            "relay": TransferConfig(rate_bytes_per_s=None, direct=False)}
+    # Each way timed `rounds` times, interleaved with the plain copy; the fastest kept.
+    best: dict[str, tuple[float, float]] = {}
+    for round_ in range(rounds):
+        took = {"copy": file_copy_s(path, base / "copy.gguf")}
+        for way, config in ways.items():
+            took[way] = await peer_copy_s(base / f"{way}-{round_}", path, config)
+            os.sync()
+        best = {way: min(s, best.get(way, s)) for way, s in took.items()}
+    copy_s, copy_cpu = best.pop("copy")
+    # CPU seconds a GB, both ends together: what a busy host's share of cores caps.
+    result: dict = {"bytes": path.stat().st_size, "rounds": rounds,
+                    "copy_mb_s": round(size_mb / copy_s, 1),
+                    "copy_cpu_s_per_gb": round(copy_cpu * 1024 / size_mb, 2)}
+    for way, (took_s, cpu) in best.items():
+        result[f"{way}_mb_s"] = round(size_mb / took_s, 1)
+        result[f"{way}_ratio"] = round(copy_s / took_s, 3)
+        result[f"{way}_cpu_s_per_gb"] = round(cpu * 1024 / size_mb, 2)
+    return result
 
 
 async def rank_copy(base: Path, layers: int) -> dict:
@@ -173,7 +225,7 @@ async def main(args: argparse.Namespace) -> None:
         base = Path(temporary)
         (base / "peer").mkdir()
         (base / "rank").mkdir()
-        result = {"peer": await peer_copy(base / "peer", args.size_mb),
+        result = {"peer": await peer_copy(base / "peer", args.size_mb, args.rounds),
                   "rank": await rank_copy(base / "rank", args.layers)}
         if not args.skip_nodes:
             (base / "nodes").mkdir()
@@ -184,6 +236,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--ttft-model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--skip-nodes", action="store_true")

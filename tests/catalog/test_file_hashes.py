@@ -40,3 +40,19 @@ def test_a_models_files_are_its_gguf_or_the_plain_files_of_its_directory(tmp_pat
         (checkpoint / name).write_text("{}")
     files = model_files(ModelSource(model_id="c", format="safetensors", path=checkpoint))
     assert [f.relative for f in files] == ["config.json", "model.safetensors"]
+
+
+def test_the_same_read_hashes_each_chunk_kept_by_the_files_sha256(tmp_path):
+    from shoal.catalog.file_hashes import CHUNK_BYTES
+
+    weights = tmp_path / "model.gguf"
+    data = os.urandom(CHUNK_BYTES + 100)
+    weights.write_bytes(data)
+    hashes = FileHashes.of_data_dir(tmp_path / "data")
+    digest = hashes.sha256(weights)
+    expected = hashlib.sha256(data[:CHUNK_BYTES]).digest() + \
+        hashlib.sha256(data[CHUNK_BYTES:]).digest()
+    assert hashes.chunk_digests(digest) == expected
+    again = FileHashes.of_data_dir(tmp_path / "data")  # a restarted node
+    assert again.chunk_digests(digest) == expected and again.computed == 0
+    assert again.chunk_digests("0" * 64) is None

@@ -176,8 +176,13 @@ def test_a_model_has_one_id_on_every_node_whatever_name_it_was_given(tmp_path):
     assert cluster_model_id("tiny-model", data_dir=data_dir) == "tiny-model"
     assert cluster_model_id("SMOLLM2", data_dir=data_dir) == DEFAULT_MODEL_ID
     assert cluster_model_id("org/unknown", data_dir=data_dir) == "org/unknown"
-    settings = build_cluster_settings(propose_for=[f"{gguf}=ngram", "smollm2"], env={})
-    assert settings.propose_for == (("tiny-model", "ngram"), (DEFAULT_MODEL_ID, "ngram"))
+    # A path on another machine: the id the node serving it gives it, not the path.
+    assert cluster_model_id("/elsewhere/other-model.gguf", data_dir=data_dir) == "other-model"
+    assert cluster_model_id("/elsewhere/checkpoint-dir", data_dir=data_dir) == "checkpoint-dir"
+    settings = build_cluster_settings(propose_for=[f"{gguf}=ngram", "smollm2",
+                                                   "/elsewhere/other-model.gguf"], env={})
+    assert settings.propose_for == (("tiny-model", "ngram"), (DEFAULT_MODEL_ID, "ngram"),
+                                    ("other-model", "ngram"))
     assert build_cluster_settings(peer_fetch_rate="100MB", env={}).peer_fetch_rate == 100 * 10**6
     assert build_cluster_settings(env={"SHOAL_PEER_FETCH_RATE": "off"}).peer_fetch_rate is None
     with pytest.raises(ValueError, match="invalid size"):

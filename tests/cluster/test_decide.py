@@ -261,6 +261,23 @@ def test_a_node_where_a_model_failed_to_load_is_left_out_of_its_next_placements(
     assert cleared.failed_nodes("small") == {}
 
 
+def test_where_a_model_failed_to_load_survives_a_change_of_master():
+    x = placed("x", "a")
+    state = state_of(SessionStarted(master_id=NodeId("a"), nodes=(node("a"), node("b"))),
+                     InstanceCreated(instance=x),
+                     RunnerStatusChanged(status=runner_status(x, 0, "failed", "disk full")))
+    # The new master's session carries the failure in its first event, so its log (and
+    # every replica folding it) leaves a out of the model's next placement too.
+    events = decide.begin_session(state, NodeId("b"))
+    carried = apply_all(state, indexed(events, start=state.next_event_idx()))
+    assert carried.session_master == "b" and carried.failed_nodes("small") == {"a": "disk full"}
+    from_the_log = state_of(*events)  # a node that joins now, from the new log alone
+    assert from_the_log.failed_nodes("SMALL") == {"a": "disk full"}
+    inputs = facts_of(reading("a", budget=16 * 2**30), reading("b"), seed=8)
+    assert decide.on_command(carried, place_command(), inputs).events[0].instance.node_ids \
+        == ("b",)
+
+
 def test_when_it_failed_everywhere_it_is_tried_again_and_a_refusal_says_where_it_failed():
     x = placed("x", "a")
     state = state_of(SessionStarted(master_id=NodeId("a"), nodes=(node("a"),)),

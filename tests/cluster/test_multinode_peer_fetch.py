@@ -3,7 +3,8 @@ hold a tiny model; a request for it by id on the third is served after that node
 file from a holder, with the bytes counted and the copy identical to the original, even
 though the holder it copies from is killed part-way (the other holder finishes the copy).
 A 2-rank pipeline placed on the two nodes that lack the model answers as one node does, each
-rank having copied only its layers' bytes."""
+rank having copied only its layers' bytes; a 2-rank expert instance of a mixture-of-experts
+model likewise, each rank having copied only its experts' slices."""
 
 from __future__ import annotations
 
@@ -120,6 +121,46 @@ def test_a_pipeline_on_two_nodes_lacking_the_model_fetches_each_rank_s_layers_on
             [copy] = (node.data_dir / "models" / "ranks").rglob(f"{MODEL_ID}.gguf")
             assert copy.stat().st_size == size  # the original's layout, holes elsewhere
         assert not list((second.data_dir / "models" / "store").rglob("*.gguf"))
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_an_expert_instance_on_two_nodes_lacking_the_model_fetches_each_rank_s_experts_only(
+        tmp_path):
+    from test_multinode_parallel import answers, delete
+
+    metadata = tiny_byte_level_metadata()
+    checkpoint = tiny_models.build("qwen3moe", tmp_path / "moe", metadata=metadata,
+                                   vocab_size=len(metadata["tokenizer.ggml.tokens"]))
+    model_path = checkpoint.gguf_path.rename(checkpoint.gguf_path.with_name("tiny-moe.gguf"))
+    nodes = start_nodes(tmp_path / "nodes", 3,
+                        extra={i: ["--dtype", "float32"] for i in range(3)})
+    try:
+        holder, second, third = nodes
+        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 3 for n in nodes),
+                 30, "a three-node cluster")
+        expected = answers(holder, str(model_path))
+        [single] = cluster_of(holder)["instances"]
+        delete(holder, single["instance_id"], nodes)
+        wait_for(lambda: sum(any(m["model"] == "tiny-moe" for m in n.get("models", []))
+                             for n in cluster_of(second)["nodes"]) == 1, 30, "the holder listed")
+        holder_id = cluster_of(holder)["node_id"]
+        response = httpx.post(holder.url + "/instances", timeout=60, json={
+            "model": str(model_path), "sharding": "expert", "min_nodes": 2,
+            "excluded_nodes": [holder_id]})
+        assert response.status_code == 201, response.text
+        ranks = response.json()["ranks"]
+        assert holder_id not in {rank["node_id"] for rank in ranks} and len(ranks) == 2
+        wait_for(lambda: any(i["status"] == "ready" for i in cluster_of(second)["instances"]),
+                 240, "the expert instance ready")
+        assert answers(second, "tiny-moe") == expected
+        size = model_path.stat().st_size
+        for node in (second, third):
+            fetched = peer_bytes(node)  # every layer, but half of each layer's experts
+            assert 0 < fetched < 0.9 * size, (fetched, size)
+            [copy] = (node.data_dir / "models" / "ranks").rglob("tiny-moe.gguf")
+            assert copy.stat().st_size == size
     finally:
         for node in nodes:
             node.stop()

@@ -192,3 +192,70 @@ def test_a_node_proposing_for_its_own_verifier_answers_without_the_transport():
     answer, sessions, after_forget, sent = asyncio.run(main())
     assert answer["outcome"] == "ok" and answer["tokens"] == [5, 6, 7]
     assert (sessions, after_forget, sent) == (1, 0, [])
+
+
+def gguf_with_tokenizer(path, metadata):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_draft_is_checked_against_the_tokenizer_copied_for_a_target_held_elsewhere(
+        tmp_path, monkeypatch, same):
+    from engine.tokenizer_fixtures import tiny_byte_level_metadata  # tests/engine
+
+    from shoal.engine.config import ModelSource
+
+    metadata = tiny_byte_level_metadata()
+    other = dict(metadata, **{"tokenizer.ggml.tokens": ["<|other|>",
+                                                        *metadata["tokenizer.ggml.tokens"][1:]]})
+    draft_file = gguf_with_tokenizer(tmp_path / "draft.gguf", metadata)
+    target_file = gguf_with_tokenizer(tmp_path / "target.gguf", metadata if same else other)
+    copied = []
+
+    class Draft:
+        blocking = True
+
+        def files(self):
+            return ModelSource(model_id="draft", format="gguf", path=draft_file)
+
+        def propose(self, key, context, k):
+            return Proposal([7] * k, [0.5] * k)
+
+        def forget(self, key):
+            pass
+
+    async def tokenizer_from_a_peer(target):
+        copied.append(target)
+        return ModelSource(model_id=target, format="gguf", path=target_file)
+
+    monkeypatch.setitem(SOURCES, "draft", lambda target, source, data_dir: Draft())
+
+    async def main():
+        service = ProposerService(MemoryHub().connect("p"), ProposerConfig(
+            offers={"held-elsewhere": "draft:draft"}, data_dir=tmp_path / "data"),
+            target_tokenizer=tokenizer_from_a_peer)
+        ask = {"from": "v", "request_id": "r", "target": "held-elsewhere", "cut": 0,
+               "tokens": [1, 2], "k": 2}
+        answers = [await service.answer_here(dict(ask, request_id=f"r{i}")) for i in range(2)]
+        await service.stop()
+        return answers
+
+    answers = asyncio.run(main())
+    assert copied == ["held-elsewhere"]  # once, not per ask
+    assert [a["outcome"] for a in answers] == (["ok", "ok"] if same else ["none", "none"])

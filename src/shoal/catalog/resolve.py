@@ -97,8 +97,9 @@ def cluster_model_id(name: str, catalog: Sequence[ModelCard] | None = None,
                      data_dir: Path | None = None) -> str:
     """The id a model goes by on every node, for a name as a user gave it, read without
     joining, hashing or downloading anything: a catalogue id for any alias, the store's name
-    for any name it was pulled under, a local path's id (a .gguf file's stem, a directory's
-    name), else the name itself (a hub id, or a name only another node can resolve)."""
+    for any name it was pulled under, a path's id (a .gguf file's stem, a directory's name,
+    as the node serving it names it, whether or not the path is on this machine), else the
+    name itself (a hub id, or a name only another node can resolve)."""
     name = name.strip()
     card = find_card(name, load_builtin_catalog() if catalog is None else catalog)
     if card is not None:
@@ -112,6 +113,11 @@ def cluster_model_id(name: str, catalog: Sequence[ModelCard] | None = None,
             return _resolve_path(name, path).model_id
         except ModelNotFound:
             return name
+    # A path on another machine (the node serving it gives it the same id).
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    if path.is_absolute() and path.name:
+        return path.name
     return name
 
 

@@ -25,6 +25,7 @@ from shoal.cluster.events import (
     TaskFinished,
 )
 from shoal.cluster.state import ClusterState
+from shoal.ids import NodeId
 
 
 class EventOutOfOrder(ValueError):
@@ -54,11 +55,16 @@ def apply_all(state: ClusterState, events: Iterable[IndexedEvent]) -> ClusterSta
 
 
 def _session_started(state: ClusterState, event: SessionStarted) -> ClusterState:
+    failures: dict[str, dict[NodeId, str]] = {}
+    for failure in event.load_failures:
+        if any(node.node_id == failure.node_id for node in event.nodes):
+            failures.setdefault(failure.model.lower(), {})[failure.node_id] = failure.reason
     return ClusterState(
         nodes={node.node_id: node for node in event.nodes},
         instances={instance.instance_id: instance for instance in event.instances},
         session_master=event.master_id,
-        last_event_idx=state.last_event_idx)
+        last_event_idx=state.last_event_idx,
+        load_failures=failures)
 
 
 def _node_joined(state: ClusterState, event: NodeJoined) -> ClusterState:

@@ -14,7 +14,7 @@ from typing import Any
 from shoal.cluster.card_exchange import CardConfig, CardExchange
 from shoal.cluster.cards import CapabilityCard, CardLoad, ModelRole
 from shoal.cluster.proposal_relay import ProposalRelay
-from shoal.cluster.proposer_service import ProposerConfig, ProposerService
+from shoal.cluster.proposer_service import ProposerConfig, ProposerService, TargetTokenizer
 from shoal.cluster.telemetry import TelemetryTable
 from shoal.cluster.transport.base import Transport
 from shoal.pool.pool import ModelPool
@@ -22,13 +22,15 @@ from shoal.pool.pool import ModelPool
 
 class Capabilities:
     def __init__(self, transport: Transport, pool: ModelPool, telemetry: TelemetryTable,
-                 cards: CardConfig, proposer: ProposerConfig) -> None:
+                 cards: CardConfig, proposer: ProposerConfig,
+                 target_tokenizer: TargetTokenizer | None = None) -> None:
+        """target_tokenizer: a target model's tokenizer copied from a node holding it."""
         self._node_id = transport.node_id
         self._pool = pool
         self._telemetry = telemetry
         # model -> (tokens generated, when counted, last measured tokens/s)
         self._throughput: dict[str, tuple[int, float, float | None]] = {}
-        self.proposer = ProposerService(transport, proposer)
+        self.proposer = ProposerService(transport, proposer, target_tokenizer=target_tokenizer)
         self.exchange = CardExchange(transport, cards, self._build_card)
         self.relay = ProposalRelay(transport, self.exchange.cards, local=self.proposer)
 

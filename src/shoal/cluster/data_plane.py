@@ -33,10 +33,14 @@ KV_PART_FIELD = "kv_part"
 # Model files between nodes (model_transfer.py): a request for a range, and a part of a file.
 FILE_ASK_FIELD = "model_file_ask"
 FILE_PART_FIELD = "model_file_part"
+# ... and over a direct stream (file_stream.py): a request for one, and the holder's offer.
+FILE_STREAM_ASK_FIELD = "model_file_stream_ask"
+FILE_STREAM_OFFER_FIELD = "model_file_stream_offer"
 # Messages on the data key that are not token chunks (queries.py, card_exchange.py,
 # proposer_service.py, prefix_share.py, model_transfer.py) carry one of these fields.
 _OTHER_FIELDS = (ANSWER_FIELD, CARDS_FIELD, PROPOSAL_FIELD, KV_FETCH_FIELD,
-                 KV_PART_FIELD, FILE_ASK_FIELD, FILE_PART_FIELD)
+                 KV_PART_FIELD, FILE_ASK_FIELD, FILE_PART_FIELD, FILE_STREAM_ASK_FIELD,
+                 FILE_STREAM_OFFER_FIELD)
 
 
 def chunk_message(request_id: str, seq: int, chunk: Any) -> dict[str, Any]:

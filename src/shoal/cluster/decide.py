@@ -27,6 +27,7 @@ from shoal.cluster.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    LoadFailure,
     NodeJoined,
     NodeLeft,
     PlaceInstance,
@@ -228,10 +229,15 @@ def _replace(draft: _Draft, gone: Mapping[InstanceId, str], wanted: Sequence[Wan
 
 
 def begin_session(seed: ClusterState, master_id: NodeId) -> list[Event]:
-    """A new session's first events: the carried-over nodes and instances, and a failure for
-    each task that was in flight (its stream ran through the previous session's plumbing)."""
+    """A new session's first events: the carried-over nodes, instances and load failures, and
+    a failure for each task that was in flight (its stream ran through the previous
+    session's plumbing)."""
+    failures = tuple(LoadFailure(model=model, node_id=node, reason=reason)
+                     for model, failed in sorted(seed.load_failures.items())
+                     for node, reason in sorted(failed.items()))
     events: list[Event] = [SessionStarted(master_id=master_id, nodes=tuple(seed.nodes.values()),
-                                          instances=tuple(seed.instances.values()))]
+                                          instances=tuple(seed.instances.values()),
+                                          load_failures=failures)]
     events += [TaskFailed(task_id=task.task_id, code="unavailable",
                           message=f"the cluster master changed (now {master_id}) while this "
                                   "request was in flight; retry it")

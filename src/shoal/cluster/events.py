@@ -76,17 +76,27 @@ Command = Annotated[
 # -- events -------------------------------------------------------------------------------
 
 
+class LoadFailure(Frozen):
+    """A model's download or load failed on a node, and why (ClusterState.load_failures)."""
+
+    model: str  # lower case
+    node_id: NodeId
+    reason: str
+
+
 class SessionStarted(Frozen):
     """A new master's first event (idx 0): what survives failover, nothing else.
 
-    Nodes and instances carry over; runner statuses and tasks do not (they belonged to the
-    old session's plumbing). Applying it replaces the whole state.
+    Nodes, instances and the nodes where a model failed to load carry over (so a new master
+    does not place a model again where it just failed); runner statuses and tasks do not
+    (they belonged to the old session's plumbing). Applying it replaces the whole state.
     """
 
     kind: Literal["session_started"] = "session_started"
     master_id: NodeId
     nodes: tuple[NodeInfo, ...] = ()
     instances: tuple[Instance, ...] = ()
+    load_failures: tuple[LoadFailure, ...] = ()
 
 
 class NodeJoined(Frozen):

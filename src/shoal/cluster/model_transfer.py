@@ -1,15 +1,16 @@
-"""Model files between nodes, over the data plane: a node that lacks a model another node
-holds copies it from that node instead of from the outside source.
+"""Model files between nodes: a node that lacks a model another node holds copies it from
+that node instead of from the outside source; a rank copies only its share of a GGUF, and
+a node guessing for a model it does not serve only the model's tokenizer.
 
-The asking node sends {"model_file_ask": {fetch, from, model, path, offset, length}} to a
-holder's data key; the holder reads that range of a file it advertises (held_models.py;
-nothing else is ever read) and answers {"model_file_part": {fetch, offset, data, sha256}},
-or {..., "error"}. The asker keeps `window` chunks asked ahead, checks each chunk's hash,
-writes them in order to <file>.partial in the store's staging directory, and paces itself
-to `rate_bytes_per_s` so that serving on both nodes goes on. A finished file is checked
-against the size and sha256 its holder advertised, then renamed into place; the model is
-installed into the store in one rename (the pull package's staging, verification and
-landing). A partial file is resumed from where it stopped, by this holder or another.
+Each range of a file is copied over a direct stream from the holder, else over the data
+plane itself (range_copy.py; model_serving.py is the holder's side). The copy lands in
+<file>.partial in the store's staging directory, paced to `rate_bytes_per_s` so that
+serving on both nodes goes on. A finished file is checked against the size and sha256 its
+holder advertised (a file whose every byte came over streams in this fetch was checked
+piece by piece against the holder's digests of that very version, so it is not read again),
+then renamed into place; the model is installed into the store in one rename (the pull
+package's staging, verification and landing). A partial file is resumed from where it
+stopped, by this holder or another.
 
 Every wait is bounded: a holder silent for `chunk_wait_s` (killed, or gone from the
 cluster) is dropped and the next holder of the same files resumes the file; when none is
@@ -20,17 +21,16 @@ outside source.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from shoal.catalog.pull.download import PARTIAL_SUFFIX, RemoteFile, verify_file
 from shoal.catalog.pull.errors import NotEnoughDisk, PullError
@@ -38,49 +38,26 @@ from shoal.catalog.pull.progress import Progress, PullEvent
 from shoal.catalog.pull.puller import STAGED_PLAN, forget_stale_files
 from shoal.catalog.resolve import ModelNotFound
 from shoal.catalog.store import ModelStore, directory_name, write_json_atomically
-from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD
+from shoal.cluster.file_stream import server_context
 from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
-from shoal.cluster.rank_files import copy_rank_share
+from shoal.cluster.model_serving import ModelFileServer
+from shoal.cluster.range_copy import SOURCE, RangeCopier, TransferConfig
+from shoal.cluster.rank_files import CopyRange, Experts, copy_header, copy_rank_share
 from shoal.cluster.telemetry import NodeReading
-from shoal.cluster.transport.base import Subscription, Transport, TransportError
+from shoal.cluster.transport.base import Subscription, Transport
+from shoal.engine.config import ModelSource
 from shoal.ids import NodeId
+
+__all__ = ["ModelTransfer", "TransferConfig"]
 
 log = logging.getLogger("shoal.cluster.transfer")
 
-SOURCE = "peer"  # the label of these bytes in progress events and /metrics
-MAX_ASK_BYTES = 16 * 1024 * 1024  # the most one ask may read (whatever the asker's chunk)
-RANKS_DIR = "ranks"  # under <data dir>/models: pipeline ranks' own copies
+RANKS_DIR = "ranks"  # under <data dir>/models: ranks' own copies, and tokenizers alone
+# A checkpoint directory's files a tokenizer is read from (with the model's config).
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                             "special_tokens_map.json", "vocab.json", "merges.txt",
+                             "config.json", "generation_config.json", "added_tokens.json"})
 _RANGES_RECORD = ".ranges.json"  # the byte ranges a rank's copy already holds
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    chunk_bytes: int = 1024 * 1024
-    window: int = 4  # chunks asked ahead of the one being written
-    chunk_wait_s: float = 10.0  # a holder silent this long is given up
-    # --peer-fetch-rate: at most this many bytes a second per fetch; None: unbounded.
-    rate_bytes_per_s: float | None = 256 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.window < 1 or self.chunk_wait_s <= 0:
-            raise ValueError("peer fetch chunk_bytes, window and chunk_wait_s must be positive")
-        if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
-            raise ValueError("--peer-fetch-rate must be positive")
-
-    @property
-    def chunk_size(self) -> int:
-        """Bytes per chunk: chunk_bytes, or a quarter second at the rate when that is less
-        (pacing then stays smooth; never under 4 KiB)."""
-        if self.rate_bytes_per_s is None:
-            return self.chunk_bytes
-        return max(4096, min(self.chunk_bytes, int(self.rate_bytes_per_s // 4)))
-
-
-class _HolderFailed(Exception):
-    """This holder cannot finish the file (silent, gone, refused, or sent bad bytes);
-    reached: the offset up to which its bytes were written."""
-
-    reached = 0
 
 
 Readings = Callable[[], Sequence[NodeReading]]
@@ -89,26 +66,42 @@ Readings = Callable[[], Sequence[NodeReading]]
 class ModelTransfer:
     """Serves this node's advertised files to peers, and fetches missing models from them.
 
-    readings(): the live telemetry readings of the other nodes (what each holds)."""
+    readings(): the live telemetry readings of the other nodes (what each holds); host():
+    the address other nodes reach this one at (where it offers streams)."""
 
     def __init__(self, transport: Transport, held: HeldModels, store: ModelStore,
-                 readings: Readings, config: TransferConfig | None = None) -> None:
+                 readings: Readings, config: TransferConfig | None = None,
+                 host: Callable[[], str] = lambda: "127.0.0.1") -> None:
         self._transport = transport
         self.held = held
         self.store = store
         self._readings = readings
         self.config = config or TransferConfig()
-        self.observers: list[Progress] = []  # every fetch's progress (the node's metrics)
+        tls = self.config.tls
+        self.server = ModelFileServer(transport, held, host, self.config.chunk_wait_s,
+                                      server_context(tls) if tls is not None else None)
+        self.copier = RangeCopier(transport, self.config)
         # (model bytes, bytes missing, label): evicts for --models-disk and checks the free
         # disk (the node's puller sets it); NotEnoughDisk when there is no room.
         self.make_room: Callable[[int, int, str], None] = self._check_disk
-        self._parts: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._fetching: dict[str, asyncio.Task[bool]] = {}
         self._ranks: dict[str, asyncio.Task[Path]] = {}
-        self._serving: set[asyncio.Task] = set()
         self._subscription: Subscription | None = None
-        self.fetched_bytes = 0  # bytes received from peers
-        self.served_bytes = 0  # bytes sent to peers
+
+    @property
+    def observers(self) -> list[Progress]:
+        """Every fetch's progress (the node's metrics)."""
+        return self.copier.observers
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes received from peers."""
+        return self.copier.fetched_bytes
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes sent to peers."""
+        return self.server.served_bytes
 
     def start(self) -> None:
         self._subscription = self._transport.subscribe_data(self._on_data)
@@ -117,7 +110,8 @@ class ModelTransfer:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-        for task in [*self._serving, *self._fetching.values(), *self._ranks.values()]:
+        self.server.stop()
+        for task in [*self._fetching.values(), *self._ranks.values()]:
             task.cancel()
 
     def holders(self, name: str) -> tuple[HeldModel, list[NodeId]] | None:
@@ -156,34 +150,73 @@ class ModelTransfer:
             task.add_done_callback(lambda _t: self._fetching.pop(key, None))
         return await asyncio.shield(task)
 
-    async def fetch_rank(self, name: str, start: int, end: int, n_layers: int) -> Path | None:
-        """A pipeline rank's own copy of a one-file GGUF model other nodes hold: only the
-        bytes layers [start, end) need (rank_files.py), in a sparse file of the original's
-        layout under <models>/ranks/. None when no peer holds the model or it is not one
-        GGUF file (the caller copies it whole); ModelNotFound when every holder failed."""
+    async def fetch_rank(self, name: str, start: int, end: int, n_layers: int,
+                         experts: Experts | None = None) -> Path | None:
+        """A pipeline or expert rank's own copy of a one-file GGUF model other nodes hold:
+        only the bytes layers [start, end) need, of their expert tensors only the experts
+        [first, last) of n_experts when `experts` says so (rank_files.py), in a sparse file
+        of the original's layout under <models>/ranks/. None when no peer holds the model or
+        it is not one GGUF file (the caller copies it whole); ModelNotFound when every
+        holder failed."""
         found = self.holders(name)
         if found is None or found[0].format != "gguf" or len(found[0].files) != 1:
             return None
         model, nodes = found
         key = f"{model.model}@{model.files[0].sha256[:16]}:layers-{start}-{end}"
+        if experts is not None:
+            key += f":experts-{experts[0]}-{experts[1]}-of-{experts[2]}"
+        share = "" if experts is None else f" (experts [{experts[0]}, {experts[1]}))"
+        return await self._share(model, nodes, key, f"layers [{start}, {end}){share}",
+                                 lambda partial, size, copy: copy_rank_share(
+                                     partial, size, copy, start, end, n_layers, experts))
+
+    async def fetch_tokenizer(self, name: str) -> ModelSource | None:
+        """What a node guessing tokens for a model it does not serve needs of it: its
+        tokenizer. A GGUF keeps its tokenizer in its header, so only the header is copied,
+        into a sparse file of the original's layout that reads as the model for its
+        metadata; a checkpoint directory, only its tokenizer and config files. None when no
+        peer holds the model; ModelNotFound when every holder failed."""
+        found = self.holders(name)
+        if found is None:
+            return None
+        model, nodes = found
+        key = f"{model.model}@{_version_key(model)}:tokenizer"
+        if model.format == "gguf" and len(model.files) == 1:
+            path = await self._share(model, nodes, key, "the tokenizer (GGUF header)",
+                                     lambda partial, size, copy: copy_header(partial, size,
+                                                                             copy))
+            return ModelSource(model_id=model.model, format="gguf", path=path)
+        wanted = [f for f in model.files if f.path in TOKENIZER_FILES]
+        if model.format != "safetensors" or not any(f.path.startswith("tokenizer")
+                                                    for f in wanted):
+            return None
+        directory = self.store.models_dir / RANKS_DIR / directory_name(key)
+        label = f"fetch the tokenizer of model {model.model!r} from peer {', '.join(nodes)}"
+        failures: dict[NodeId, str] = {}
+        for file in wanted:
+            await self._fetch_file(model, file, directory, nodes, failures, label)
+        return ModelSource(model_id=model.model, format="safetensors", path=directory)
+
+    async def _share(self, model: HeldModel, nodes: list[NodeId], key: str, what: str,
+                     fill: Callable[[Path, int, CopyRange], Awaitable[Any]]) -> Path:
+        """One copy (concurrent asks share it) of part of a one-file model: fill(partial,
+        size, copy) says which ranges, in a sparse file under <models>/ranks/."""
         task = self._ranks.get(key)
         if task is None:
             task = asyncio.get_running_loop().create_task(
-                self._fetch_rank(model, nodes, key, (start, end, n_layers)))
+                self._fetch_share(model, nodes, key, what, fill))
             self._ranks[key] = task
             task.add_done_callback(lambda _t: self._ranks.pop(key, None))
         return await asyncio.shield(task)
 
-    async def _fetch_rank(self, model: HeldModel, nodes: list[NodeId], key: str,
-                          layers: tuple[int, int, int]) -> Path:
+    async def _fetch_share(self, model: HeldModel, nodes: list[NodeId], key: str, what: str,
+                           fill: Callable[[Path, int, CopyRange], Awaitable[Any]]) -> Path:
         [file] = model.files
-        start, end, n_layers = layers
         directory = self.store.models_dir / RANKS_DIR / directory_name(key)
         target = directory / file.path
         if target.is_file():
             return target  # renamed into place once complete
-        label = (f"fetch layers [{start}, {end}) of model {model.model!r} from peer "
-                 f"{', '.join(nodes)}")
+        label = f"fetch {what} of model {model.model!r} from peer {', '.join(nodes)}"
         directory.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + PARTIAL_SUFFIX)
         record = directory / _RANGES_RECORD
@@ -195,13 +228,13 @@ class ModelTransfer:
             async def copy(begin: int, length: int) -> None:
                 if any(b <= begin and begin + length <= b + n for b, n in done):
                     return  # copied by an earlier, interrupted fetch
-                await self._copy_with_failover(model, file, out, begin, begin + length,
-                                               nodes, failures, label)
+                await self.copier.copy_with_failover(model, file, out, begin, begin + length,
+                                               nodes, failures, label, set())
                 done.append((begin, length))
                 await asyncio.to_thread(write_json_atomically, record, done)
 
             try:
-                await copy_rank_share(partial, file.size, copy, start, end, n_layers)
+                await fill(partial, file.size, copy)
             except ValueError as error:
                 raise ModelNotFound(f"{label}: {error}") from error
         os.replace(partial, target)
@@ -236,7 +269,7 @@ class ModelTransfer:
                                "sha256": f.sha256} for f in model.files]}
         (staging / STAGED_PLAN).unlink(missing_ok=True)  # all fetched: it is the model now
         await asyncio.to_thread(self.store.install, staging, manifest)
-        self._report(PullEvent("success", source=SOURCE))
+        self.copier.report(PullEvent("success", source=SOURCE))
         log.info("%s: installed in %s", label, self.store.root)
         return True
 
@@ -252,100 +285,20 @@ class ModelTransfer:
         have = partial.stat().st_size if partial.exists() else 0
         if have > file.size:  # not this file's bytes: start over
             have = 0
+        ways: set[str] = set()  # "stream", "relay": how this fetch's bytes came
         with partial.open("r+b" if have else "wb") as out:
             # Resumed where an interrupted copy stopped (bytes are written in order).
-            await self._copy_with_failover(model, file, out, have, file.size, nodes,
-                                           failures, label)
+            await self.copier.copy_with_failover(model, file, out, have, file.size, nodes,
+                                           failures, label, ways)
+        if not have and ways == {"stream"}:
+            # Every byte was checked against the holder's digests of the version whose
+            # sha256 was asked for (file_stream.py): only the size is left to check.
+            remote = dataclasses.replace(remote, sha256=None)
         try:
             await asyncio.to_thread(verify_file, remote, partial, label)
         except PullError as error:
             raise ModelNotFound(str(error)) from error
         os.replace(partial, target)
-
-    async def _copy_with_failover(self, model: HeldModel, file: HeldFile, out: BinaryIO,
-                                  begin: int, end: int, nodes: list[NodeId],
-                                  failures: dict[NodeId, str], label: str) -> None:
-        """file's bytes [begin, end) into out at the same offsets, from the first holder
-        that can; a holder that fails is left out and the next resumes where it stopped."""
-        for node in nodes:
-            if node in failures:
-                continue
-            try:
-                await self._copy_range(node, model, file, out, begin, end)
-                break
-            except _HolderFailed as error:
-                failures[node] = str(error)
-                begin = error.reached
-                log.warning("%s: %s of %s from %s: %s; trying another holder", label,
-                            file.path, model.model, node, error)
-        else:
-            reasons = "; ".join(f"{node}: {why}" for node, why in failures.items())
-            raise ModelNotFound(f"{label}: no holder could finish {file.path} ({reasons}); "
-                                f"fetch again to resume it")
-        await asyncio.to_thread(_sync, out)
-
-    async def _copy_range(self, node: NodeId, model: HeldModel, file: HeldFile,
-                          out: BinaryIO, begin: int, end: int) -> None:
-        """file's bytes [begin, end) from node into out, chunk by chunk in order;
-        _HolderFailed (with how far it got) when node cannot finish them."""
-        config, chunk = self.config, self.config.chunk_size
-        fetch_id = uuid.uuid4().hex
-        parts = self._parts[fetch_id] = asyncio.Queue()
-        have, asked, early = begin, begin, {}
-        started, copied = time.monotonic(), 0
-        try:
-            while have < end:
-                while asked < end and asked - have < config.window * chunk:
-                    length = min(chunk, end - asked)
-                    self._ask(node, fetch_id, model, file, asked, length)
-                    asked += length
-                part = await self._next_part(node, parts)
-                early[int(part["offset"])] = part
-                while (part := early.pop(have, None)) is not None:
-                    # Hashing and writing off the event loop (sha256 lets go of the GIL).
-                    data = await asyncio.to_thread(_check_and_write, part, have, file, out)
-                    have += len(data)
-                    copied += len(data)
-                    self.fetched_bytes += len(data)
-                    self._report(PullEvent(f"pulling {file.sha256[:12]}",
-                                           f"sha256:{file.sha256}", file.size, have,
-                                           new_bytes=len(data), source=SOURCE))
-                await self._pace(started, copied)
-        except _HolderFailed as error:
-            error.reached = have
-            raise
-        finally:
-            self._parts.pop(fetch_id, None)
-
-    def _ask(self, node: NodeId, fetch_id: str, model: HeldModel, file: HeldFile,
-             offset: int, length: int) -> None:
-        try:
-            self._transport.send_data(node, {FILE_ASK_FIELD: {
-                "fetch": fetch_id, "from": self._transport.node_id, "model": model.model,
-                "path": file.path, "offset": offset, "length": length}})
-        except TransportError as error:
-            raise _HolderFailed(f"cannot reach it ({error})") from error
-
-    async def _next_part(self, node: NodeId, parts: asyncio.Queue[dict[str, Any]]
-                         ) -> dict[str, Any]:
-        try:
-            async with asyncio.timeout(self.config.chunk_wait_s):
-                part = await parts.get()
-        except TimeoutError:
-            gone = "" if node in self._transport.peers else " and left the cluster"
-            raise _HolderFailed(f"sent nothing for {self.config.chunk_wait_s:g} s{gone}") \
-                from None
-        if "error" in part:
-            raise _HolderFailed(str(part["error"]))
-        return part
-
-    async def _pace(self, started: float, copied: int) -> None:
-        """Sleep while this fetch is ahead of --peer-fetch-rate."""
-        rate = self.config.rate_bytes_per_s
-        if rate is not None:
-            ahead = copied / rate - (time.monotonic() - started)
-            if ahead > 0:
-                await asyncio.sleep(ahead)
 
     def _check_disk(self, _model_size: int, missing: int, label: str) -> None:
         place = self.store.models_dir
@@ -356,95 +309,25 @@ class ModelTransfer:
             raise NotEnoughDisk(f"{label}: not enough free disk: {missing:,} bytes are needed "
                                 f"in {self.store.models_dir} and {free:,} are free")
 
-    def _report(self, event: PullEvent) -> None:
-        for observer in list(self.observers):
-            try:
-                observer(event)
-            except Exception:  # noqa: BLE001 - a metrics hiccup must not stop a fetch
-                log.exception("a fetch progress observer failed")
-
-    # --- serving -------------------------------------------------------------------------
+    # --- the data key ---------------------------------------------------------------------
 
     def _on_data(self, message: Any) -> None:
-        if not isinstance(message, dict):
-            return
-        if FILE_PART_FIELD in message:
-            part = message[FILE_PART_FIELD]
-            queue = self._parts.get(str(part.get("fetch"))) if isinstance(part, dict) else None
-            if queue is not None:
-                queue.put_nowait(part)
-        elif FILE_ASK_FIELD in message and isinstance(message[FILE_ASK_FIELD], dict):
-            task = asyncio.get_running_loop().create_task(self._serve(message[FILE_ASK_FIELD]))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, ask: dict[str, Any]) -> None:
-        try:
-            asker, fetch_id = NodeId(str(ask["from"])), str(ask["fetch"])
-            offset, length = int(ask["offset"]), int(ask["length"])
-            path = self.held.path_of(str(ask["model"]), str(ask["path"]))
-        except (KeyError, TypeError, ValueError):
-            log.warning("malformed model file ask dropped")
-            return
-        answer: dict[str, Any] = {"fetch": fetch_id, "offset": offset}
-        if path is None or offset < 0 or not 0 < length <= MAX_ASK_BYTES:
-            answer["error"] = f"node {self._transport.node_id} does not hold {ask['path']}"
-        else:
-            try:
-                data, digest = await asyncio.to_thread(_read_and_hash, path, offset, length)
-                answer.update(data=data, sha256=digest)
-                self.served_bytes += len(data)
-            except OSError as error:
-                answer["error"] = f"cannot read {ask['path']}: {error}"
-        try:
-            self._transport.send_data(asker, {FILE_PART_FIELD: answer})
-        except TransportError as error:
-            log.warning("cannot send a model file part to %s: %s", asker, error)
+        if isinstance(message, dict) and not self.server.handle(message):
+            self.copier.take(message)
 
 
 def _version(model: HeldModel) -> frozenset[tuple[str, int, str]]:
     return frozenset((f.path, f.size, f.sha256) for f in model.files)
 
 
+def _version_key(model: HeldModel) -> str:
+    """A short name for a model's file version (its files' hashes)."""
+    return hashlib.sha256("".join(sorted(f.sha256 for f in model.files)).encode()
+                          ).hexdigest()[:16]
+
+
 def _describe(version: frozenset[tuple[str, int, str]]) -> str:
     return ", ".join(f"{path} sha256 {sha256[:12]}" for path, _, sha256 in sorted(version))
-
-
-def _checked(part: dict[str, Any], offset: int, file: HeldFile) -> bytes:
-    """A chunk's bytes once they match the hash they came with and fit the file."""
-    data = part.get("data")
-    if not isinstance(data, bytes) or not data or offset + len(data) > file.size:
-        raise _HolderFailed(f"sent a malformed chunk at offset {offset}")
-    if hashlib.sha256(data).hexdigest() != part.get("sha256"):
-        raise _HolderFailed(f"the chunk at offset {offset} does not match its sha256")
-    return data
-
-
-def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
-    out.seek(offset)
-    out.write(data)
-
-
-def _check_and_write(part: dict[str, Any], offset: int, file: HeldFile, out: BinaryIO) -> bytes:
-    data = _checked(part, offset, file)
-    _write_at(out, offset, data)
-    return data
-
-
-def _read_and_hash(path: Path, offset: int, length: int) -> tuple[bytes, str]:
-    data = _read_range(path, offset, length)
-    return data, hashlib.sha256(data).hexdigest()
-
-
-def _sync(out: BinaryIO) -> None:
-    out.flush()
-    os.fsync(out.fileno())
-
-
-def _read_range(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as file:
-        file.seek(offset)
-        return file.read(length)
 
 
 def _read_ranges(record: Path) -> list[tuple[int, int]]:

@@ -12,7 +12,10 @@ Where guesses come from is pluggable per target model: SOURCES maps a source kin
 text before any ":", as in "draft:MODEL") to a factory of Proposer objects
 (engine/speculation/proposer.py); "ngram" is built in. A source marked `blocking = True`
 (a draft model) runs on one worker thread, off the event loop; sessions are kept on the
-loop either way.
+loop either way. Before a draft model's first guess its tokenizer is checked against the
+target's: the target's files where this node has them, else only its tokenizer copied from
+a node that holds the model (target_tokenizer: a GGUF's header, a checkpoint's tokenizer
+files); a draft whose tokenizer differs answers "none" (its guesses would be other words).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.catalog.resolve import resolve_model
+from shoal.catalog.resolve import ModelNotFound, resolve_model
+from shoal.engine.config import ModelSource
 from shoal.cluster.transport.base import Subscription, Transport, TransportError
 from shoal.engine.speculation.config import MAX_NUM_DRAFTS
 from shoal.engine.speculation.ngram import NgramProposer
@@ -80,12 +84,20 @@ class _Session:
     used_at: float
 
 
+# A target model's tokenizer from a node that holds it (None when none does).
+TargetTokenizer = Callable[[str], Awaitable[ModelSource | None]]
+
+
 class ProposerService:
     def __init__(self, transport: Transport, config: ProposerConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 target_tokenizer: TargetTokenizer | None = None) -> None:
         self._transport = transport
         self.config = config
         self._clock = clock
+        self._target_tokenizer = target_tokenizer
+        # target -> why its draft cannot guess for it (None: it can), checked once.
+        self._tokenizer_checks: dict[str, asyncio.Task[str | None]] = {}
         self._sources = {target.lower(): SOURCES[_kind(source)](target, source, config.data_dir)
                          for target, source in config.offers.items()}
         self._sessions: dict[tuple[NodeId, str], _Session] = {}
@@ -183,12 +195,52 @@ class ProposerService:
             return prepared
         source, key, context, k = prepared
         if self._worker is not None and getattr(source, "blocking", False):
+            if await self._tokenizer_problem(str(ask["target"]).lower(), source) is not None:
+                return _reply(ask, "none")
             # A copy: the session may grow on the loop while the worker reads it.
             proposal = await asyncio.get_running_loop().run_in_executor(
                 self._worker, source.propose, key, list(context), k)
         else:
             proposal = source.propose(key, context, k)
         return self._reply_with(ask, proposal, k)
+
+    async def _tokenizer_problem(self, target: str, source: Proposer) -> str | None:
+        """Why source (a draft model) cannot guess for target, or None; checked once."""
+        check = self._tokenizer_checks.get(target)
+        if check is None:
+            check = asyncio.get_running_loop().create_task(self._check_tokenizer(target,
+                                                                                 source))
+            self._tokenizer_checks[target] = check
+        return await asyncio.shield(check)
+
+    async def _check_tokenizer(self, target: str, source: Proposer) -> str | None:
+        files = getattr(source, "files", None)
+        if files is None:
+            return None
+        try:
+            target_files = await asyncio.to_thread(resolve_model, target,
+                                                   data_dir=self.config.data_dir)
+        except ModelNotFound:
+            target_files = None
+        try:
+            if target_files is None and self._target_tokenizer is not None:
+                target_files = await self._target_tokenizer(target)
+        except ModelNotFound as error:
+            log.warning("cannot copy the tokenizer of %s from a peer: %s", target, error)
+        if target_files is None:
+            log.info("no tokenizer of %s to check the draft model %s against; guessing "
+                     "unchecked (the verifier keeps its output exact)", target, files)
+            return None
+        from shoal.engine.speculation.draft import DraftMismatch, check_draft_pair
+
+        try:
+            draft_files = await asyncio.to_thread(files)
+            await asyncio.get_running_loop().run_in_executor(
+                self._worker, check_draft_pair, target_files, draft_files)
+        except DraftMismatch as error:
+            log.error("%s; this node answers no guesses for %s", error, target)
+            return str(error)
+        return None
 
     def _on_data(self, message: Any) -> None:
         if not isinstance(message, dict):

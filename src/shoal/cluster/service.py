@@ -24,7 +24,7 @@ from shoal.cluster import traces
 from shoal.cluster.capabilities import Capabilities
 from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ControlPlane
-from shoal.cluster.decide import place_avoiding_failures
+from shoal.cluster.decide import place_avoiding_failures, rendezvous_host
 from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
 from shoal.cluster.events import (
     CancelTask,
@@ -129,8 +129,9 @@ class ClusterService:
                                    rank_source=self._rank_source, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         # Capability cards and the proposer roles (guessing tokens for other nodes).
-        self.capabilities = Capabilities(plane.transport, pool, plane.telemetry.table,
-                                         self.config.cards, self.config.proposer)
+        self.capabilities = Capabilities(
+            plane.transport, pool, plane.telemetry.table, self.config.cards,
+            self.config.proposer, target_tokenizer=lambda m: self.transfer.fetch_tokenizer(m))
         self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
@@ -140,7 +141,7 @@ class ClusterService:
             lambda: ((source, ()) for source in pool.names.sources().values()), FileHashes())
         self.transfer = ModelTransfer(
             plane.transport, self.held, ModelStore.of_data_dir(data_dir_or_default(data_dir)),
-            self._peer_readings, self.config.transfer)
+            self._peer_readings, self.config.transfer, host=self._own_host)
         pool.names.fetch_from_peers = self.transfer.fetch
         self._scanning: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()  # a model newly resolved here: list it at once
@@ -193,16 +194,26 @@ class ClusterService:
             self._scan_now.clear()
 
     async def _rank_source(self, instance: Instance, rank: Rank) -> ModelSource | None:
-        """A pipeline rank's own copy of its layers of a model this node does not hold,
-        from a peer that does; None to load the model as a whole."""
-        if instance.sharding != "pipeline" or rank.world_size == 1:
+        """A pipeline rank's own copy of its layers (an expert rank's, of its experts) of a
+        model this node does not hold, from a peer that does; None to load the model as a
+        whole."""
+        if instance.sharding not in ("pipeline", "expert") or rank.world_size == 1:
             return None
         if await self._pool.names.on_disk(instance.model) is not None:
             return None
+        experts = None
+        if instance.sharding == "expert" and rank.experts is not None:
+            experts = (*rank.experts, instance.facts.n_experts)
         path = await self.transfer.fetch_rank(instance.model, rank.layer_start,
-                                              rank.layer_end, instance.facts.n_layers)
+                                              rank.layer_end, instance.facts.n_layers,
+                                              experts)
         return None if path is None else ModelSource(model_id=instance.model, format="gguf",
                                                      path=path)
+
+    def _own_host(self) -> str:
+        """The address other nodes reach this one at (where its rank groups meet too)."""
+        node = self.state.nodes.get(self.node_id)
+        return rendezvous_host(node.addresses if node is not None else ())
 
     def _peer_readings(self) -> list[NodeReading]:
         """The latest readings of the other live nodes (what model files each holds)."""

@@ -116,7 +116,8 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     service_config = ServiceConfig(
         cards=CardConfig(settings.card_interval_s, settings.card_ttl_s),
         proposer=ProposerConfig(offers=dict(settings.propose_for), data_dir=data_dir),
-        transfer=TransferConfig(rate_bytes_per_s=settings.peer_fetch_rate))
+        transfer=TransferConfig(rate_bytes_per_s=settings.peer_fetch_rate,
+                                tls=settings.tls))
     transport = await open_transport(settings, node_id)
     plane = ControlPlane(transport, cluster_config(settings, data_dir, kv_cache_dtype), read)
     service = ClusterService(plane, pool, usable_memory, service_config, held=held,

@@ -209,6 +209,10 @@ class DraftSource:
     def propose(self, request_id: str, context: Sequence[int], k: int) -> Proposal | None:
         return self._loaded().propose(request_id, context, k)
 
+    def files(self) -> ModelSource:
+        """Where the draft model's files are (blocking: may resolve them)."""
+        return self._resolve(self.model)
+
     def forget(self, request_id: str) -> None:
         if self._draft is not None:
             self._draft.forget(request_id)
