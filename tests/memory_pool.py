@@ -104,14 +104,15 @@ class MemorySupervisor:
 
 @pytest.fixture
 def sources(tmp_path) -> dict[str, ModelSource]:
-    weights = tmp_path / "weights.gguf"
+    weights, other = tmp_path / "weights.gguf", tmp_path / "other.gguf"
     write_fake_gguf(weights)
+    write_fake_gguf(other)  # its own file: a size measured for "chat" is not its size
     directory = tmp_path / "encoder"
     directory.mkdir()
     (directory / "config.json").write_text(
         '{"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}')
     return {"chat": ModelSource("chat", "gguf", weights),
-            "other": ModelSource("other", "gguf", weights),
+            "other": ModelSource("other", "gguf", other),
             "broken": ModelSource("broken", "gguf", weights),
             "embedder": ModelSource("embedder", "safetensors", Path(directory), task="embed")}
 

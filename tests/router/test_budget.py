@@ -18,7 +18,7 @@ from memory_pool import (
 )
 
 from shoal.cluster.model_facts import model_facts_from_source
-from shoal.cluster.placement import shard_bytes
+from shoal.cluster.placement import bytes_to_find, shard_bytes
 from shoal.router.ladders import Ladder
 
 MIB = 2**20
@@ -30,7 +30,8 @@ def one_model_budget(sources) -> int:
     facts = model_facts_from_source(sources["chat"])
     needed = shard_bytes(facts, facts.n_layers)
     assert needed > 2 * HELD_BYTES
-    return needed + HELD_BYTES // 2
+    # An estimate is tried when at most 15% over the room: that much room is enough.
+    return bytes_to_find(facts, needed, whole=True) + HELD_BYTES // 2
 
 
 def kinds(chunks) -> list[str]:

@@ -57,7 +57,7 @@ class Engine(NoEmbedding, NotFollower):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         if config.parallel is None:  # a rank's share was checked when it was placed
-            check_weights_fit(config.source)
+            check_weights_fit(config.source, limit_bytes=config.memory_limit_bytes)
         report("tokenizer", 0.0)
         self.tokenizer = Tokenizer.load(config.source, cache_dir=config.cache_dir)
         self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
@@ -259,6 +259,9 @@ class Engine(NoEmbedding, NotFollower):
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.loaded, self.config.block_size)
+
+    def grant_kv_blocks(self, num_blocks: int) -> None:
+        self.scheduler.pool.set_grant(num_blocks)
 
     def close(self) -> None:
         """Release the engine's group (the other ranks of a parallel instance stop) and
