@@ -223,6 +223,9 @@ class FakeEngine(NoEmbedding, NotFollower):
     def grant_kv_blocks(self, num_blocks: int) -> None:
         self.kv_grant = num_blocks
 
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -342,6 +345,11 @@ class FakeGrantEngine(FakeKVEngine):
 
     def grant_kv_blocks(self, num_blocks: int) -> None:
         self.kv_grant = min(num_blocks, GRANT_NUM_BLOCKS)
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        before = self.kv_grant
+        self.kv_grant = max(keep_blocks, super().stats()["kv_blocks_used"])
+        return max(0, before - self.kv_grant)
 
     def stats(self) -> dict:
         return {**super().stats(), "kv_blocks_total": GRANT_NUM_BLOCKS,

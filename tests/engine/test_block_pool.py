@@ -140,3 +140,22 @@ def test_within_the_grant_a_fresh_block_goes_before_a_cached_one_is_evicted():
     pool.free([block])
     assert pool.allocate(1) == [1] and pool.num_evictions == 0
     assert pool.allocate(1) == [block] and pool.num_evictions == 1  # the grant is spent
+
+
+def test_the_free_tail_is_given_back_down_to_the_highest_block_in_use():
+    from shoal.engine.kv.block_pool import BlockPool
+
+    pool = BlockPool(16)
+    pool.set_grant(12)
+    blocks = pool.allocate(10)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    pool.cache_block(block_hash, blocks[8])
+    pool.free(blocks[6:])  # blocks 6..9 free (8 cached), 0..5 in use
+    released = pool.release_free_tail(keep_blocks=4)
+    assert list(released) == [6, 7, 8, 9]  # 5 is in use: nothing below it goes
+    assert pool.num_touched_blocks == 6 and pool.granted_blocks == 6
+    assert pool.find_cached([block_hash]) == []  # its prefix went with it
+    assert pool.num_resident_free_blocks == 0 and not pool.can_allocate(1)
+    pool.free(blocks[:6])
+    assert list(pool.release_free_tail(keep_blocks=4)) == [4, 5]
+    assert pool.granted_blocks == 4 and pool.allocate(4) == [0, 1, 2, 3]  # resident ones

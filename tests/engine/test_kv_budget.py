@@ -95,3 +95,14 @@ def test_weights_larger_than_available_memory_are_refused_before_loading(source)
         check_weights_fit(source, available_bytes=500)
     with pytest.raises(ModelDoesNotFit, match="needs about"):  # the runner's share
         check_weights_fit(source, available_bytes=10**6, limit_bytes=500)
+
+
+def test_released_slots_read_as_zeros_and_the_rest_is_kept():
+    from shoal.engine.kv.tensors import release_slots
+
+    cache = torch.ones(2, 4096, 64, dtype=torch.bfloat16)  # 128 bytes a slot: 32 a page
+    released = release_slots([cache], 1024, 3072)
+    # Whole pages inside each row's range: all of it but for at most a page at either end.
+    assert 2 * (2048 * 128 - 2 * 4096) <= released <= 2 * 2048 * 128
+    assert cache[:, 1024 + 64:3072 - 64].sum() == 0
+    assert bool((cache[:, :1024] == 1).all()) and bool((cache[:, 3072:] == 1).all())

@@ -9,7 +9,7 @@ from fakes import FakeClock, fake_engine_config
 from shoal.engine.kv.block_pool import BlockPool
 from shoal.runner import kv_grant
 from shoal.runner.kv_grant import GrantFigures, KVGrantKeeper, blocks_to_ask
-from shoal.runner.messages import AskKV, GrantKV, MemoryUsage
+from shoal.runner.messages import AskKV, GrantKV, MemoryUsage, ReleasedKV
 from shoal.runner.supervisor import RunnerSupervisor
 
 BYTES_PER_BLOCK = 1000
@@ -28,6 +28,9 @@ class PoolEngine:
 
     def grant_kv_blocks(self, num_blocks: int) -> None:
         self.pool.set_grant(num_blocks)
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        return len(self.pool.release_free_tail(keep_blocks))
 
     def stats(self) -> dict:
         return {"num_running": 0, "kv_blocks_used": self.pool.num_used_blocks,
@@ -147,3 +150,34 @@ def test_a_runner_s_grant_grows_through_its_supervisor_only_while_the_node_has_r
 
     assert asyncio.run(main()) == [step * KV_BYTES_PER_BLOCK, step * KV_BYTES_PER_BLOCK,
                                    2 * step * KV_BYTES_PER_BLOCK]
+
+
+def test_an_idle_runner_gives_its_kv_back_to_the_first_step_once_per_idle_spell():
+    engine = PoolEngine()
+    sent: list = []
+    clock = FakeClock()
+    grants = KVGrantKeeper(engine, sent.append, clock=clock)
+    grants.start()
+    engine.pool.set_grant(512)
+    engine.pool.free(engine.pool.allocate(400))
+    grants.rest()
+    assert grants.seconds_until_release() == kv_grant.IDLE_RELEASE_S
+    clock.now += kv_grant.IDLE_RELEASE_S
+    grants.rest()
+    assert sent == [ReleasedKV(granted_blocks=256, bytes_per_block=BYTES_PER_BLOCK)]
+    assert engine.pool.num_touched_blocks == 256 and grants.seconds_until_release() is None
+    clock.now += kv_grant.IDLE_RELEASE_S
+    grants.rest()
+    assert len(sent) == 1
+    grants.busy()  # a new spell of work, then of rest
+    grants.rest()
+    assert grants.seconds_until_release() == kv_grant.IDLE_RELEASE_S
+
+
+def test_the_supervisor_counts_a_released_grant_down(tmp_path):
+    supervisor = RunnerSupervisor(fake_engine_config(tmp_path))
+    supervisor.memory = MemoryUsage(rss_bytes=10_000, kv_bytes_in_use=0,
+                                    kv_bytes_granted=8 * BYTES_PER_BLOCK)
+    supervisor._record_memory(supervisor.memory)
+    supervisor._dispatch(None, ReleasedKV(granted_blocks=4, bytes_per_block=BYTES_PER_BLOCK))
+    assert supervisor.memory.kv_bytes_granted == 4 * BYTES_PER_BLOCK

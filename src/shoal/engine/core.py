@@ -124,6 +124,10 @@ class EngineCore(Protocol):
     def grant_kv_blocks(self, num_blocks: int) -> None:
         """Let the KV cache touch up to num_blocks blocks (the node's grant)."""
 
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        """Hand back the memory of the free KV blocks above keep_blocks (the grant shrinks
+        to what stays resident); returns how many blocks went."""
+
     def close(self) -> None:
         """Release what it holds (the other ranks of a split model stop too)."""
 
@@ -173,6 +177,9 @@ class NoGeneration:
 
     def grant_kv_blocks(self, num_blocks: int) -> None:
         pass  # a follower's KV blocks are the ones rank 0 allocates; an embedder has none
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        return 0
 
 
 class NoEmbedding:

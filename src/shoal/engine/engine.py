@@ -21,6 +21,7 @@ from shoal.engine.errors import check_context
 from shoal.engine.grammar import GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
 from shoal.engine.kv.block_pool import BlockPool
+from shoal.engine.kv.tensors import release_slots
 from shoal.engine.kv.disk_prefixes import open_disk_prefixes
 from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer
 from shoal.engine.kv_budget import check_weights_fit, kv_bytes_per_block, plan_kv_cache
@@ -262,6 +263,14 @@ class Engine(NoEmbedding, NotFollower):
 
     def grant_kv_blocks(self, num_blocks: int) -> None:
         self.scheduler.pool.set_grant(num_blocks)
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        released = self.scheduler.pool.release_free_tail(keep_blocks)
+        if released:  # their pages go back to the system; touched afresh when needed
+            size = self.config.block_size
+            release_slots(self.runner.block_tensors(), released.start * size,
+                          released.stop * size)
+        return len(released)
 
     def close(self) -> None:
         """Release the engine's group (the other ranks of a parallel instance stop) and

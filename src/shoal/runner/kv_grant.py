@@ -9,6 +9,10 @@ runner's grant as held), else the grant stays and the runner asks again ASK_RETR
 meanwhile its requests wait or are preempted as in any full pool. One ask is out at a time,
 so a runner holds at most its grant, and the node never grants past its budget.
 
+Once the runner has been idle IDLE_RELEASE_S, it gives back the pages of its free blocks
+above the first step (the prefix cache there goes with them) and tells the supervisor its
+smaller grant (ReleasedKV), so what it holds shrinks again after a burst.
+
 Runs on the loop's thread between steps; a check is a stats() read every GRANT_CHECK_S.
 """
 
@@ -22,10 +26,11 @@ from typing import Any
 
 from shoal.engine.core import EngineCore
 from shoal.engine.kv_budget import KV_GRANT_STEP_TOKENS
-from shoal.runner.messages import AskKV, GrantKV
+from shoal.runner.messages import AskKV, GrantKV, ReleasedKV
 
 GRANT_CHECK_S = 0.05  # how often the loop looks at the grant while it steps
 ASK_RETRY_S = 2.0  # after a refusal, the next ask waits this long
+IDLE_RELEASE_S = 30.0  # idle this long, the runner gives back its KV beyond the first step
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ def blocks_to_ask(figures: GrantFigures, step_blocks: int) -> int:
 class KVGrantKeeper:
     """Sets the engine's first grant and asks the node for more as its requests grow."""
 
-    def __init__(self, engine: EngineCore, send: Callable[[AskKV], None],
+    def __init__(self, engine: EngineCore, send: Callable[[AskKV | ReleasedKV], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._engine = engine
         self._send = send
@@ -73,6 +78,8 @@ class KVGrantKeeper:
         self._asking = False
         self._refused = False  # the node's last answer kept the grant as it was
         self._next_check = 0.0
+        self._idle_since: float | None = None  # when the loop last began to rest
+        self._rested = False  # this idle spell's release is done
 
     def start(self) -> None:
         """The first grant: one step, what placement reserved for the model's KV."""
@@ -108,6 +115,35 @@ class KVGrantKeeper:
             self._asking = True
             self._send(AskKV(granted_blocks=figures.granted, more_blocks=more,
                              bytes_per_block=self._per_block))
+
+    def busy(self) -> None:
+        """The loop stepped: the idle clock starts again at the next rest."""
+        self._idle_since = None
+        self._rested = False
+
+    def rest(self) -> None:
+        """The loop has nothing to step: after IDLE_RELEASE_S of that, give back the pages
+        of the free blocks above the first step (once per idle spell)."""
+        if not self._enabled or self._rested:
+            return
+        now = self._clock()
+        if self._idle_since is None:
+            self._idle_since = now
+        if self._asking or now - self._idle_since < IDLE_RELEASE_S:
+            return
+        self._rested = True
+        if self._engine.release_kv_blocks(self.step_blocks) > 0:
+            figures = grant_figures(self._engine.stats())
+            assert self._per_block is not None and figures is not None  # enabled
+            self._send(ReleasedKV(granted_blocks=figures.granted,
+                                  bytes_per_block=self._per_block))
+
+    def seconds_until_release(self) -> float | None:
+        """How long an idle loop may wait before rest() has something to do (None: never
+        this idle spell)."""
+        if not self._enabled or self._rested or self._asking or self._idle_since is None:
+            return None  # an answer to the ask wakes the loop first
+        return max(0.0, self._idle_since + IDLE_RELEASE_S - self._clock())
 
     def on_grant(self, message: GrantKV) -> None:
         """The node's answer: a larger grant takes effect now; an unchanged one (a refusal)

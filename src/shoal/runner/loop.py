@@ -113,18 +113,23 @@ class RunnerLoop:
             if self.has_work():
                 self.step()
                 if self.kv_grant is not None:
+                    self.kv_grant.busy()
                     self.kv_grant.maybe_ask()
             else:
                 self.rest(keepalive=tick_s is not None)
+                if self.kv_grant is not None:
+                    self.kv_grant.rest()
             if self.memory is not None:
                 self.memory.maybe_report()
 
     def _wait_s(self, tick_s: float | None, starved: bool = False) -> float | None:
         """How long an idle loop may wait for a message: until the next keep-alive, memory
-        check or ask for KV, whichever comes first (None: until a message comes)."""
+        check, ask for KV or release of it, whichever comes first (None: until a message
+        comes)."""
         waits = [tick_s, self.memory.seconds_until_due() if self.memory else None,
                  self.share.wait_s() if self.share is not None else None,
-                 self.kv_grant.seconds_until_due() if starved and self.kv_grant else None]
+                 self.kv_grant.seconds_until_due() if starved and self.kv_grant else None,
+                 self.kv_grant.seconds_until_release() if self.kv_grant else None]
         waits = [w for w in waits if w is not None]
         return min(waits) if waits else None
 

@@ -2,7 +2,7 @@
 
 supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown, Proposed, GrantKV
 runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed,
-                      Propose, ForgetProposals, AskKV
+                      Propose, ForgetProposals, AskKV, ReleasedKV
 Prefix KV between nodes (prefix_messages.py) adds supervisor -> runner PrefixPart,
 PrefixFetched, PrefixExport and runner -> supervisor PrefixReport, PrefixWanted,
 PrefixExportPart.
@@ -181,6 +181,15 @@ class AskKV(RunnerMessage):
     bytes_per_block: int = Field(gt=0)
 
 
+class ReleasedKV(RunnerMessage):
+    """The runner, idle, gave the memory of its spare KV blocks back: its grant is now
+    granted_blocks (sent only while no AskKV is out, so no GrantKV crosses it)."""
+
+    type: Literal["released_kv"] = "released_kv"
+    granted_blocks: int = Field(ge=0)
+    bytes_per_block: int = Field(gt=0)
+
+
 class GrantKV(RunnerMessage):
     """The node's answer to AskKV: the blocks the runner may now touch in all (unchanged
     when the node's budget has no room for more)."""
@@ -200,8 +209,8 @@ class Failed(RunnerMessage):
 ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | Proposed | GrantKV
                      | PrefixPart | PrefixFetched | PrefixExport, Field(discriminator="type")]
 FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed
-                       | Propose | ForgetProposals | AskKV | PrefixReport | PrefixWanted
-                       | PrefixExportPart, Field(discriminator="type")]
+                       | Propose | ForgetProposals | AskKV | ReleasedKV | PrefixReport
+                       | PrefixWanted | PrefixExportPart, Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)

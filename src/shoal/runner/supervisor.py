@@ -38,6 +38,7 @@ from shoal.runner.messages import (
     MemoryUsage,
     ModelInfo,
     Propose,
+    ReleasedKV,
     RunnerMessage,
     Shutdown,
     Status,
@@ -321,6 +322,12 @@ class RunnerSupervisor:
             self._record_memory(message)
         elif isinstance(message, AskKV):
             self._send(self._answer_kv(message))
+        elif isinstance(message, ReleasedKV):
+            # The one way the count of a grant goes down: the runner gave the pages back.
+            self._kv_granted_bytes = message.granted_blocks * message.bytes_per_block
+            if self.memory is not None:
+                self.memory = self.memory.model_copy(
+                    update={"kv_bytes_granted": self._kv_granted_bytes})
         elif isinstance(message, Inspection):
             self._inspections.answered(message)
         elif isinstance(message, Status):

@@ -96,6 +96,24 @@ class BlockPool:
         self.granted_blocks = max(self.num_touched_blocks, min(num_blocks, self.num_blocks))
         self.shortfall_blocks = 0
 
+    def release_free_tail(self, keep_blocks: int) -> range:
+        """Give back the resident blocks above keep_blocks that no request holds, from the
+        top down to the highest one in use: they leave the free list and the prefix cache,
+        and the grant shrinks to what stays resident. Returns the ids given back (the caller
+        hands their pages back to the system); they are touched afresh when needed again."""
+        top = self.num_touched_blocks
+        floor = max(1, keep_blocks)  # block 0 holds the zeroed slot that padding reads
+        while top > floor and self._ref_counts[top - 1] == 0:
+            top -= 1
+        released = range(top, self.num_touched_blocks)
+        for block_id in released:
+            del self._free[block_id]
+            if self.prefix_cache.hash_of(block_id) is not None:
+                self.prefix_cache.forget(block_id)
+        self.num_touched_blocks = top
+        self.granted_blocks = min(self.granted_blocks, max(top, keep_blocks))
+        return released
+
     # ---- allocation -----------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> list[int]:
