@@ -108,7 +108,7 @@ def test_a_pinned_model_is_never_evicted(tmp_path):
         refused = complete(pinned, "gemma3:270m")
         assert refused.status_code == 503
         message = refused.json()["error"]["message"]
-        assert "memory budget is 1.17 GiB" in message and "smollm2" in message
+        assert "memory budget is 0.88 GiB" in message and "smollm2" in message
         assert "pinned" in message
         assert loaded(pinned) == ["smollm2-135m-instruct"], httpx.get(pinned.url + "/api/ps").text
         ps = httpx.get(pinned.url + "/api/ps").json()["models"][0]

@@ -57,7 +57,7 @@ class PlacementPolicy:
     """The estimate of what a rank holds once loaded, before it has measured itself.
 
     Fitted to runners of the catalogue's models after loading (resident memory plus the
-    first KV grant; within 7% for each): weights held at about their file size (packed GGUF
+    first KV grant; within 10% for each): weights held at about their file size (packed GGUF
     blocks; a few tensors dequantized), a runtime floor, a generating model's sampler and
     grammar machinery, its tokenizer's tables per vocabulary entry, and its first KV grant.
     """
