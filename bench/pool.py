@@ -1,6 +1,6 @@
 """Model swaps and queue overhead of the memory-gated pool; prints JSON.
 
-    python bench/pool.py [--budget 1200MiB] [--rounds 3] [--queued 64] [--admits 2000]
+    python bench/pool.py [--budget 900MiB] [--rounds 3] [--queued 64] [--admits 2000]
 
 Swaps: one `shoal serve --standalone --no-preload` node whose --budget holds SmolLM2 or
 Gemma 3 270M but not both. Time to first token (streamed, 1-token prompt budget) of:
@@ -132,7 +132,7 @@ async def admission_us(queued: int, admits: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="1200MiB")
+    parser.add_argument("--budget", default="900MiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--queued", type=int, default=64)
     parser.add_argument("--admits", type=int, default=2000)

@@ -1,6 +1,6 @@
 """A runner process that serves a fake engine, for tests that spawn runners:
 
-    python tests/fake_runner.py --fake-engine text|kv|embedding --socket PATH --parent-pid PID
+    python tests/fake_runner.py --fake-engine text|kv|grant|embedding --socket PATH --parent-pid PID
 
 It is shoal's runner (shoal.runner.entrypoint.main) given a fake engine factory in place of
 shoal's engines; fakes.fake_supervisor_options points a supervisor's runner_command here.
@@ -12,12 +12,12 @@ import argparse
 import sys
 
 from fake_embedding import make_engine as make_fake_embedding_engine
-from fakes import make_fake_engine, make_fake_kv_engine
+from fakes import make_fake_engine, make_fake_grant_engine, make_fake_kv_engine
 
 from shoal.runner.entrypoint import main
 
 FAKE_ENGINES = {"text": make_fake_engine, "kv": make_fake_kv_engine,
-                "embedding": make_fake_embedding_engine}
+                "grant": make_fake_grant_engine, "embedding": make_fake_embedding_engine}
 
 
 if __name__ == "__main__":

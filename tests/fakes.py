@@ -220,6 +220,12 @@ class FakeEngine(NoEmbedding, NotFollower):
     def kv_bytes_per_block(self):
         return None  # no KV cache
 
+    def grant_kv_blocks(self, num_blocks: int) -> None:
+        self.kv_grant = num_blocks
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -325,6 +331,35 @@ def make_fake_kv_engine(config, progress=None) -> FakeKVEngine:
     return FakeKVEngine(config, progress)
 
 
+GRANT_NUM_BLOCKS = 1024  # a FakeGrantEngine's capacity: four grant steps
+
+
+class FakeGrantEngine(FakeKVEngine):
+    """FakeKVEngine whose KV pool is bounded by the node's grant, as the real Engine's:
+    stats() reports the blocks granted and grant_kv_blocks() moves the bound."""
+
+    def __init__(self, config, progress=None) -> None:
+        super().__init__(config, progress)
+        self.kv_grant = GRANT_NUM_BLOCKS
+        self.max_model_len = GRANT_NUM_BLOCKS * KV_BLOCK_SIZE  # prompts long enough to grow
+
+    def grant_kv_blocks(self, num_blocks: int) -> None:
+        self.kv_grant = min(num_blocks, GRANT_NUM_BLOCKS)
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        before = self.kv_grant
+        self.kv_grant = max(keep_blocks, super().stats()["kv_blocks_used"])
+        return max(0, before - self.kv_grant)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "kv_blocks_total": GRANT_NUM_BLOCKS,
+                "kv_blocks_granted": self.kv_grant}
+
+
+def make_fake_grant_engine(config, progress=None) -> FakeGrantEngine:
+    return FakeGrantEngine(config, progress)
+
+
 # ---- helpers for tests that spawn runners with the fake engine ----------------------------
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -368,7 +403,8 @@ def fake_engine_config(tmp_dir, model_id: str = "fake-model"):
 
 def fake_supervisor_options(fake_engine: str = "text", **overrides):
     """Options whose runners serve a fake engine (tests/fake_runner.py): "text" (FakeEngine),
-    "kv" (FakeKVEngine) or "embedding" (FakeEmbeddingEngine for task "embed", else text)."""
+    "kv" (FakeKVEngine), "grant" (FakeGrantEngine) or "embedding" (FakeEmbeddingEngine for
+    task "embed", else text)."""
     from shoal.runner.options import SupervisorOptions
 
     values = dict(runner_command=(sys.executable, FAKE_RUNNER, "--fake-engine", fake_engine),

@@ -155,6 +155,11 @@ class NodeConfig:
         speculative = self.engine.speculation_for(source.model_id)
         return EngineConfig(source=source, dtype=self.engine.dtype,  # type: ignore[arg-type]
                             threads=self.engine.threads,
+                            # The queue lets --parallel requests of a model run at once:
+                            # the engine's batch, and the KV capacity, are sized for that.
+                            max_num_seqs=self.pool.queue.parallel,
+                            max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens,
+                                                       self.pool.queue.parallel),
                             kv_cache_bytes=self.engine.kv_cache_bytes,
                             max_model_len=self.engine.max_model_len,
                             kv_cache_dtype=self.engine.kv_cache_dtype,  # type: ignore[arg-type]

@@ -135,7 +135,10 @@ def _runner_metrics(pool: Any) -> Iterator[Metric]:
         in_use, cached = memory.kv_bytes_in_use or 0, memory.kv_bytes_cached or 0
         kv.add_metric([model, "in_use"], in_use)
         kv.add_metric([model, "cached"], cached)
-        kv.add_metric([model, "free"], max(0, memory.kv_bytes_capacity - in_use - cached))
+        # Free within what the node granted it (the capacity beyond is address space).
+        room = (memory.kv_bytes_granted if memory.kv_bytes_granted is not None
+                else memory.kv_bytes_capacity)
+        kv.add_metric([model, "free"], max(0, room - in_use - cached))
     loads = CounterMetricFamily("shoal_model_loads", "Models started on this node",
                                 labels=["model"])
     for model, count in sorted(pool.counts.loads.items()):

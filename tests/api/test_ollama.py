@@ -150,12 +150,11 @@ def test_ps_show_version_and_liveness(fake_node):
     running = httpx.get(fake_node.url + "/api/ps").json()["models"]
     assert [m["model"] for m in running] == ["fake-model"]  # a model that failed is not running
     assert running[0]["context_length"] == 128
-    # The fake engine cannot tell its weights or KV cache: "size" is the file's, RSS is known.
-    weights = fake_node.config.data_dir / "fake-model.gguf"
-    assert running[0]["size"] == weights.stat().st_size and running[0]["size_vram"] == 0
+    # The fake engine cannot tell its weights or KV cache: "size" is what its runner holds,
+    # its RSS.
     held = running[0]["shoal"]
+    assert running[0]["size"] == held["rss_bytes"] > 0 and running[0]["size_vram"] == 0
     assert held["weights_bytes"] is None and held["kv_bytes_in_use"] is None
-    assert held["rss_bytes"] > 0
     shown = post(fake_node, "/api/show", {"model": "fake-model:latest"})
     assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion", "tools"]
     assert shown.json()["model_info"]["unknown.context_length"] == 128

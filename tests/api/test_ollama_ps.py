@@ -25,7 +25,7 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
     router.supervisors = [
         ready_supervisor(tmp_path, "measured", MemoryUsage(
             weights_bytes=100_000, kv_bytes_in_use=3_000, kv_bytes_cached=2_000,
-            kv_bytes_capacity=50_000, rss_bytes=900_000)),
+            kv_bytes_granted=20_000, kv_bytes_capacity=50_000, rss_bytes=900_000)),
         ready_supervisor(tmp_path, "unreported", None),  # loaded, no report yet
         ready_supervisor(tmp_path, "blind", MemoryUsage(rss_bytes=800_000)),
     ]
@@ -37,19 +37,20 @@ def test_ps_size_is_what_the_runner_holds_now(tmp_path):
     file_size = (tmp_path / "unreported.gguf").stat().st_size
     assert list(models) == ["measured", "unreported", "blind"]
     measured = models["measured"]
-    # weights + the blocks requests hold + those kept for the prefix cache
-    assert measured["size"] == 105_000 and measured["size_vram"] == 0
+    # what the runner holds (its RSS: weights, KV touched, its floor) + the KV granted
+    # but not yet touched; never the KV capacity
+    assert measured["size"] == 900_000 + 15_000 and measured["size_vram"] == 0
     assert measured["shoal"] == {"weights_bytes": 100_000, "kv_bytes_in_use": 3_000,
-                                 "kv_bytes_cached": 2_000, "kv_bytes_capacity": 50_000,
-                                 "rss_bytes": 900_000}
+                                 "kv_bytes_cached": 2_000, "kv_bytes_granted": 20_000,
+                                 "kv_bytes_capacity": 50_000, "rss_bytes": 900_000}
     assert measured["expires_at"] is None and measured["context_length"] == 64
     assert models["unreported"]["size"] == file_size and "shoal" not in models["unreported"]
-    assert models["blind"]["size"] == file_size  # weights unknown: the file's size stands
+    assert models["blind"]["size"] == 800_000  # no KV figures: its RSS
     assert models["blind"]["shoal"]["weights_bytes"] is None
     assert models["blind"]["shoal"]["rss_bytes"] == 800_000
     tags = {m["model"]: m for m in client.get("/api/tags").json()["models"]}
     assert tags["measured"]["size"] == file_size  # /api/tags keeps the weight file's size
     assert tags["measured"]["digest"] == measured["digest"]
     health = {m["model"]: m for m in client.get("/health").json()["models"]}
-    assert health["measured"]["size_bytes"] == 105_000
+    assert health["measured"]["size_bytes"] == 915_000
     assert health["unreported"]["size_bytes"] is None

@@ -28,7 +28,7 @@ from shoal.cluster.placement import (
 # tokens in bf16, no floor unless a test sets one.
 RENDEZVOUS = Rendezvous(host="127.0.0.1", port=29500)
 POLICY = PlacementPolicy(overhead_factor=1.25, kv_reservation_tokens=1024, kv_element_bytes=2,
-                         floor_bytes=0)
+                         floor_bytes=0, generation_floor_bytes=0)
 MODEL = facts(weight_bytes=8 * GIB, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128)
 # KV per token per layer: 2 (K and V) * 8 heads * 128 * 2 bytes = 4 KiB; x 1024 tokens = 4 MiB.
 KV_PER_LAYER = 4 * 2**20
@@ -48,7 +48,8 @@ def test_shard_bytes_follows_the_memory_model():
     assert shard_bytes(MODEL, 8, 1, POLICY) == 10 * GIB // 4 + 8 * KV_PER_LAYER
     # Tensor rank of 4: a quarter of the weights and of the 8 KV heads.
     assert shard_bytes(MODEL, 32, 4, POLICY) == 10 * GIB // 4 + 32 * KV_PER_LAYER // 4
-    floored = PlacementPolicy(overhead_factor=1.25, kv_reservation_tokens=1024, floor_bytes=GIB)
+    floored = PlacementPolicy(overhead_factor=1.25, kv_reservation_tokens=1024, floor_bytes=GIB,
+                              generation_floor_bytes=0)
     assert shard_bytes(MODEL, 32, 1, floored) == shard_bytes(MODEL, 32, 1, POLICY) + GIB
 
 
@@ -392,3 +393,44 @@ def test_a_pipeline_takes_the_holders_first_where_they_fit():
     d = NodeCapacity("d", GIB // 8, holds=frozenset({MODEL.model.lower()}))
     placed = place_exact(request(), [a, b, d], "pipeline", 2, POLICY)
     assert [s.node_id for s in placed.shards] == ["a", "b"]
+
+
+def test_a_kv_grant_fits_the_budget_beside_what_every_instance_holds_now():
+    from shoal.cluster.node_budget import has_room_for
+    from shoal.cluster.state import ClusterState
+
+    from shoal.ids import InstanceId, NodeId
+
+    model = facts(weight_bytes=100 * 2**20, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                  intermediate_size=64)
+    placed = place(request(model=model), nodes(a=8)).to_instance(InstanceId("i1"))
+    state = ClusterState(instances={placed.instance_id: placed})
+    estimate = shard_bytes(model, 4)
+    assert has_room_for(state, NodeId("a"), estimate + 10, 10, {})
+    assert not has_room_for(state, NodeId("a"), estimate + 10, 11, {})
+    # The runner's live figure (every grant counted) replaces the state's.
+    assert has_room_for(state, NodeId("a"), 2**30, 2**30 - 5, {"i1": 5})
+    assert not has_room_for(state, NodeId("a"), 2**30, 2**30 - 5, {"i1": 6})
+
+
+def test_a_measured_size_replaces_the_estimate_for_a_whole_copy_only():
+    model = facts(weight_bytes=100 * 2**20, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                  intermediate_size=64)
+    measured = model.model_copy(update={"measured_bytes": 42 * 2**20})
+    assert shard_bytes(measured, 4) == 42 * 2**20
+    assert shard_bytes(measured, 2) == shard_bytes(model, 2)  # a pipeline rank: estimated
+
+
+def test_an_estimate_at_most_15_percent_over_the_room_is_tried_a_measurement_is_not():
+    from shoal.cluster.placement import bytes_to_find
+
+    model = facts(weight_bytes=100 * 2**20, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                  intermediate_size=64)
+    estimate = shard_bytes(model, 4)
+    room = int(estimate / 1.14)
+    assert isinstance(place(request(model=model), nodes(a=room / GIB)), Placement)
+    assert not isinstance(place(request(model=model), nodes(a=estimate / 1.16 / GIB)),
+                          Placement)
+    measured = model.model_copy(update={"measured_bytes": estimate})
+    assert bytes_to_find(measured, estimate, whole=True) == estimate
+    assert not isinstance(place(request(model=measured), nodes(a=room / GIB)), Placement)

@@ -108,3 +108,54 @@ def test_resident_free_blocks_are_cached_and_spent_ones():
     pool.allocate(3)  # the cached block is evicted only after the never-used ones
     assert (pool.num_touched_blocks, pool.num_resident_free_blocks) == (5, 1)
     assert pool.num_cached_free_blocks == 1
+
+
+def test_the_grant_bounds_the_blocks_ever_touched():
+    from shoal.engine.kv.block_pool import BlockPool
+
+    pool = BlockPool(8)
+    pool.set_grant(3)
+    assert pool.num_free_blocks == 3  # the rest of the capacity waits for a larger grant
+    first = pool.allocate(3)
+    assert first == [0, 1, 2] and pool.num_touched_blocks == 3
+    assert not pool.can_allocate(2)
+    assert pool.shortfall_blocks == 2  # what the next grant should add
+    pool.free(first)
+    assert sorted(pool.allocate(3)) == [0, 1, 2]  # spent blocks come back; no fresh one is touched
+    assert pool.num_touched_blocks == 3
+    pool.set_grant(5)
+    assert pool.shortfall_blocks == 0 and pool.allocate(2) == [3, 4]
+    pool.set_grant(1)  # a grant never takes back resident blocks
+    assert pool.granted_blocks == 5
+
+
+def test_within_the_grant_a_fresh_block_goes_before_a_cached_one_is_evicted():
+    from shoal.engine.kv.block_pool import BlockPool
+
+    pool = BlockPool(4)
+    pool.set_grant(2)
+    (block,) = pool.allocate(1)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    pool.cache_block(block_hash, block)
+    pool.free([block])
+    assert pool.allocate(1) == [1] and pool.num_evictions == 0
+    assert pool.allocate(1) == [block] and pool.num_evictions == 1  # the grant is spent
+
+
+def test_the_free_tail_is_given_back_down_to_the_highest_block_in_use():
+    from shoal.engine.kv.block_pool import BlockPool
+
+    pool = BlockPool(16)
+    pool.set_grant(12)
+    blocks = pool.allocate(10)
+    (block_hash,) = extend_block_hashes([], [1, 2, 3, 4], 4)
+    pool.cache_block(block_hash, blocks[8])
+    pool.free(blocks[6:])  # blocks 6..9 free (8 cached), 0..5 in use
+    released = pool.release_free_tail(keep_blocks=4)
+    assert list(released) == [6, 7, 8, 9]  # 5 is in use: nothing below it goes
+    assert pool.num_touched_blocks == 6 and pool.granted_blocks == 6
+    assert pool.find_cached([block_hash]) == []  # its prefix went with it
+    assert pool.num_resident_free_blocks == 0 and not pool.can_allocate(1)
+    pool.free(blocks[:6])
+    assert list(pool.release_free_tail(keep_blocks=4)) == [4, 5]
+    assert pool.granted_blocks == 4 and pool.allocate(4) == [0, 1, 2, 3]  # resident ones

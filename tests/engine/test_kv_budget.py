@@ -62,14 +62,25 @@ def test_the_decode_stage_is_capped(source):
     assert plan.num_blocks * 16 + plan.row_buffer_tokens <= 2**20
 
 
-def test_default_budget_is_a_share_of_available_memory_capped_by_need(source):
+def test_default_capacity_is_full_contexts_for_every_slot_whatever_is_free(source, monkeypatch):
     config = EngineConfig(source=source, max_num_seqs=2)
-    plenty = plan_kv_cache(config, CONFIG, Loaded(), available_bytes=2**40)
-    # two full contexts, no more (stage included)
-    assert plenty.num_blocks * 16 + plenty.row_buffer_tokens == 2 * 8192
-    assert plenty.max_model_len == 8192
-    tight = plan_kv_cache(config, CONFIG, Loaded(), available_bytes=512 * PER_TOKEN * 4)
-    assert (tight.num_blocks, tight.row_buffer_tokens) == (448 // 16, 64)
+    plan = plan_kv_cache(config, CONFIG, Loaded())
+    # two full contexts, no more, and the decode row buffer beside them
+    assert plan.num_blocks * 16 == 2 * 8192 and plan.row_buffer_tokens == 2 * 8192 // 8
+    assert plan.max_model_len == 8192
+    # Free memory does not enter it: a node that is nearly full plans the same pool.
+    import psutil
+
+    class Scarce:
+        available = 10**6
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Scarce())
+    assert plan_kv_cache(config, CONFIG, Loaded()) == plan
+
+
+def test_kv_cache_memory_caps_the_capacity(source):
+    config = EngineConfig(source=source, max_num_seqs=2, kv_cache_bytes=512 * PER_TOKEN)
+    plan = plan_kv_cache(config, CONFIG, Loaded())
+    assert (plan.num_blocks, plan.row_buffer_tokens) == (448 // 16, 64)
 
 
 def test_a_budget_below_the_minimum_context_is_refused_clearly(source):
@@ -82,3 +93,16 @@ def test_weights_larger_than_available_memory_are_refused_before_loading(source)
     check_weights_fit(source, available_bytes=10**6)
     with pytest.raises(ModelDoesNotFit, match="needs about"):
         check_weights_fit(source, available_bytes=500)
+    with pytest.raises(ModelDoesNotFit, match="needs about"):  # the runner's share
+        check_weights_fit(source, available_bytes=10**6, limit_bytes=500)
+
+
+def test_released_slots_read_as_zeros_and_the_rest_is_kept():
+    from shoal.engine.kv.tensors import release_slots
+
+    cache = torch.ones(2, 4096, 64, dtype=torch.bfloat16)  # 128 bytes a slot: 32 a page
+    released = release_slots([cache], 1024, 3072)
+    # Whole pages inside each row's range: all of it but for at most a page at either end.
+    assert 2 * (2048 * 128 - 2 * 4096) <= released <= 2 * 2048 * 128
+    assert cache[:, 1024 + 64:3072 - 64].sum() == 0
+    assert bool((cache[:, :1024] == 1).all()) and bool((cache[:, 3072:] == 1).all())

@@ -71,7 +71,9 @@ def test_the_same_memory_holds_more_tokens_by_the_row_sizes_ratio(tiny_checkpoin
     tokens = {}
     for kv_dtype in ("bfloat16", "int8"):
         loaded = load(checkpoint, "gguf", dtype="bfloat16", kv_cache_dtype=kv_dtype)
-        config = EngineConfig(source=source, kv_cache_bytes=4 * 2**20, kv_cache_dtype=kv_dtype)
+        # Enough slots that the model's need is above the budget: the budget decides.
+        config = EngineConfig(source=source, kv_cache_bytes=4 * 2**20, kv_cache_dtype=kv_dtype,
+                              max_num_seqs=1024)
         plan = plan_kv_cache(config, loaded.config, loaded)
         tokens[kv_dtype] = plan.num_blocks * config.block_size + plan.row_buffer_tokens
     d = loaded.config.head_dim

@@ -64,9 +64,18 @@ def test_worth_sending_on_first_change_or_heartbeat():
 
 
 def test_kv_blocks_from_engine_stats():
-    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_total": 10, "num_running": 1}) == (3, 0, 10)
-    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_cached": 4, "kv_blocks_total": 10}) == (3, 4, 10)
+    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_total": 10,
+                      "num_running": 1}) == (3, 0, 10, None)
+    assert kv_blocks({"kv_blocks_used": 3, "kv_blocks_cached": 4, "kv_blocks_total": 10,
+                      "kv_blocks_granted": 6}) == (3, 4, 10, 6)
     assert kv_blocks({"num_running": 1}) is None
+
+
+def test_the_footprint_counts_granted_kv_not_yet_touched_never_the_capacity():
+    usage = MemoryUsage(rss_bytes=100, kv_bytes_in_use=10, kv_bytes_cached=5,
+                        kv_bytes_granted=40, kv_bytes_capacity=10**9)
+    assert usage.footprint_bytes == 100 + 40 - 15
+    assert usage.model_copy(update={"kv_bytes_granted": None}).footprint_bytes == 100
 
 
 def test_held_bytes_is_weights_plus_kv_in_use():
@@ -163,7 +172,7 @@ def test_supervisor_keeps_the_runner_s_latest_report(tmp_path):
     assert loaded.rss_bytes > 0
     assert busy.kv_bytes_in_use % KV_BYTES_PER_BLOCK == 0
     assert idle.weights_bytes == WEIGHT_BYTES
-    assert described["size_bytes"] == WEIGHT_BYTES
+    assert described["size_bytes"] == idle.footprint_bytes == idle.rss_bytes  # no grant
     assert after is None
 
 

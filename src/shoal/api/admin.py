@@ -60,6 +60,9 @@ async def _placement_request(body: PlaceBody, request: Request) -> PlacementRequ
     try:
         source = await _resolved(request, body.model)
         facts = await asyncio.to_thread(model_facts_from_source, source)
+        cluster = getattr(request.app.state, "cluster", None)
+        if cluster is not None:
+            facts = cluster.with_measured_size(facts, source)
     except ModelNotFound as error:
         raise APIError(404, str(error), param="model", code="model_not_found") from None
     except (UnsupportedModel, ValueError) as error:

@@ -39,7 +39,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per runner (SHOAL_THREADS)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                        help="KV cache size per model, e.g. 2GiB (SHOAL_KV_CACHE_MEMORY)")
+                        help="the most KV cache one model may hold, e.g. 2GiB (default: its "
+                             "context for every parallel slot; SHOAL_KV_CACHE_MEMORY)")
 
 
 def add_parser(commands) -> None:

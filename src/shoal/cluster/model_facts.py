@@ -25,7 +25,9 @@ class ModelFacts(BaseModel):
     """Size and attention shape of one model, as placement sees it.
 
     weight_bytes is the size of the weight files (every expert's included); placement
-    multiplies it by an engine overhead factor. intermediate_size is None when the
+    multiplies it by an engine overhead factor. measured_bytes: what a runner holding the
+    whole model held once loaded (catalog/measured_sizes.py), which placement counts for a
+    whole copy in place of its estimate; None before the model's first load. intermediate_size is None when the
     checkpoint does not say. n_experts: the experts of each mixture-of-experts layer (0 for
     a dense model); expert_bytes: the part of weight_bytes those routed experts take (what
     expert sharding splits; a shared expert is not among them).
@@ -42,6 +44,11 @@ class ModelFacts(BaseModel):
     intermediate_size: int | None = None
     n_experts: int = 0
     expert_bytes: int = 0
+    # Tokens in its vocabulary (0: unknown): its tokenizer's tables grow with it.
+    vocab_size: int = 0
+    # False for an embedding model: no KV cache, no sampler or grammar machinery.
+    generates: bool = True
+    measured_bytes: int | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelFacts:
@@ -61,6 +68,10 @@ class ModelFacts(BaseModel):
             raise ValueError("expert_bytes must be between 0 and weight_bytes")
         if self.expert_bytes and not self.n_experts:
             raise ValueError("expert_bytes needs n_experts")
+        if self.vocab_size < 0:
+            raise ValueError("vocab_size must be >= 0")
+        if self.measured_bytes is not None and self.measured_bytes < 1:
+            raise ValueError("measured_bytes must be >= 1")
         return self
 
     def kv_bytes_per_token_per_layer(self, element_bytes: int, kv_heads: int | None = None,
@@ -128,7 +139,16 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
         n_experts=int(metadata.get(f"{arch}.expert_count") or 0),
         # A layer's routed experts are one 3-D tensor each: ffn_{gate,up,down}_exps.
         expert_bytes=sum(info.nbytes for name, info in reader.tensors.items()
-                         if "_exps." in name))
+                         if "_exps." in name),
+        vocab_size=_gguf_vocab_size(reader),
+        generates=family is None or family.task == "generate")
+
+
+def _gguf_vocab_size(reader) -> int:
+    """The vocabulary's size from the token embedding's shape ([hidden, vocab] in GGUF
+    order; decoding the token list itself would read every token string)."""
+    embedding = reader.tensors.get("token_embd.weight")
+    return int(embedding.dims[-1]) if embedding is not None and embedding.dims else 0
 
 
 def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
@@ -156,7 +176,9 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             head_dim=int(hf.get(keys["head_dim"]) or int(hf[keys["hidden_size"]]) // heads),
             intermediate_size=hf.get(keys["intermediate_size"]),
             n_experts=experts,
-            expert_bytes=_safetensors_expert_bytes(directory) if experts else 0)
+            expert_bytes=_safetensors_expert_bytes(directory) if experts else 0,
+            vocab_size=int(hf.get("vocab_size") or 0),
+            generates=family is None or family.task == "generate")
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error
 

@@ -4,8 +4,8 @@ Every node reports a memory budget (--memory-budget, or by default what placemen
 it can use: usable memory plus what its own runners hold) and, optionally, how many models
 it may hold (--max-loaded-models). Every instance with a rank on a node counts against that
 node's budget: what the rank measured after it loaded (RunnerStatus.memory_bytes: resident
-memory plus the KV blocks it reserved but has not touched yet), and placement's estimate
-until then. Counting from the state, not from the next memory reading, means two placements
+memory plus the KV blocks it was granted but has not touched yet), and placement's estimate
+until then. A runner's KV grows only by grants the node checks here first (has_room_for). Counting from the state, not from the next memory reading, means two placements
 made a moment apart never both take the same free bytes.
 
 Pure functions: the master places with them and each node's pool evicts with them.
@@ -13,7 +13,7 @@ Pure functions: the master places with them and each node's pool evicts with the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shoal.cluster.instances import Instance
@@ -62,6 +62,16 @@ def holdings(state: ClusterState, node_id: NodeId,
 def held_bytes(state: ClusterState, node_id: NodeId,
                policy: PlacementPolicy = DEFAULT_POLICY) -> int:
     return sum(h.bytes for h in holdings(state, node_id, policy))
+
+
+def has_room_for(state: ClusterState, node_id: NodeId, budget: int, extra_bytes: int,
+                 live: Mapping[str, int], policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """Whether node_id's budget holds extra_bytes more beside what its instances hold.
+    live: instance id -> what its rank here holds now (the runner's latest report with
+    every grant counted), which replaces the state's figure, a report or two behind."""
+    held = sum(live.get(h.instance.instance_id, h.bytes)
+               for h in holdings(state, node_id, policy))
+    return held + extra_bytes <= budget
 
 
 def loaded_count(state: ClusterState, node_id: NodeId) -> int:

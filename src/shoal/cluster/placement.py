@@ -2,8 +2,10 @@
 an InstanceCreated event.
 
 Memory model, per rank: its share of the weight bytes x an engine overhead factor, plus a KV
-reservation for `kv_reservation_tokens` tokens of its layers and KV heads, plus a fixed floor
-for the runner process. It must fit the node's usable memory.
+reservation for `kv_reservation_tokens` tokens of its layers and KV heads (the runner's first
+KV grant), plus a fixed floor for the runner process; for a whole copy of a model that
+loaded before, what it held then (ModelFacts.measured_bytes). It must fit the node's usable
+memory, an estimate within ESTIMATE_TOLERANCE.
 
   single    one node holds everything; the node with the most usable memory wins.
   pipeline  w nodes, layers split in proportion to usable memory (each at least one layer).
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous
 from shoal.cluster.model_facts import ModelFacts
-from shoal.engine.kv_budget import LOAD_OVERHEAD_FACTOR
+from shoal.engine.kv_budget import KV_GRANT_STEP_TOKENS
 from shoal.ids import InstanceId, NodeId, runner_id_for
 from shoal.sharding import MULTI_RANK_SHARDINGS, Sharding
 
@@ -42,24 +44,43 @@ RAM_USABLE_FRACTION = 0.9
 DEVICE_USABLE_FRACTION = 0.95
 # How far a rank's share may exceed live usable memory at load before the worker refuses.
 LOAD_FIT_TOLERANCE = 0.10
+# Weights as a runner holds them, per byte of their files (packed GGUF stays near its size).
+ESTIMATE_OVERHEAD_FACTOR = 1.05
+# How far the estimate for a model never measured may exceed the room and still be tried:
+# the estimate is within this of what the model then holds, and the runner's own pre-load
+# guard (engine/kv_budget.check_weights_fit) decides.
+ESTIMATE_TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)
 class PlacementPolicy:
-    overhead_factor: float = LOAD_OVERHEAD_FACTOR
-    kv_reservation_tokens: int = 4096
+    """The estimate of what a rank holds once loaded, before it has measured itself.
+
+    Fitted to runners of the catalogue's models after loading (resident memory plus the
+    first KV grant; within 10% for each): weights held at about their file size (packed GGUF
+    blocks; a few tensors dequantized), a runtime floor, a generating model's sampler and
+    grammar machinery, its tokenizer's tables per vocabulary entry, and its first KV grant.
+    """
+
+    overhead_factor: float = ESTIMATE_OVERHEAD_FACTOR
+    kv_reservation_tokens: int = KV_GRANT_STEP_TOKENS
     kv_element_bytes: int = 2  # bf16 / fp16 cache
     # Bytes each KV row (a token's key or value of one head) holds beside its elements per
     # 16 channels: an int8 cache's bf16 scales.
     kv_scale_bytes: int = 0
     # A runner process (interpreter, torch, buffers) before any weights.
-    floor_bytes: int = 512 * 2**20
+    floor_bytes: int = 200 * 2**20
+    # What a generating runner adds (scheduler, sampler, grammar compiler, row buffers).
+    generation_floor_bytes: int = 64 * 2**20
+    # Tokenizer tables (the tokenizer's own, the grammar's) per vocabulary entry.
+    vocab_entry_bytes: int = 448
 
     def __post_init__(self) -> None:
         if self.overhead_factor < 1.0:
             raise ValueError("overhead_factor must be >= 1.0")
-        if self.kv_reservation_tokens < 0 or self.kv_element_bytes < 1 or self.floor_bytes < 0:
-            raise ValueError("KV reservation and floor must not be negative")
+        if (self.kv_reservation_tokens < 0 or self.kv_element_bytes < 1 or self.floor_bytes < 0
+                or self.generation_floor_bytes < 0 or self.vocab_entry_bytes < 0):
+            raise ValueError("KV reservation and floors must not be negative")
         if self.kv_scale_bytes < 0:
             raise ValueError("kv_scale_bytes must not be negative")
 
@@ -236,7 +257,8 @@ def _place_on(request: PlacementRequest, chosen: Sequence[NodeCapacity], shardin
     shards = []
     for node, start, end, tp_rank, tp_size in plans:
         needed = shard_bytes(facts, end - start, tp_size, policy)
-        if needed > node.usable_bytes:
+        whole = end - start == facts.n_layers and tp_size == 1
+        if bytes_to_find(facts, needed, whole) > node.usable_bytes:
             return PlacementError(
                 f"over {width} node(s) node {node.node_id} needs {gib(needed)} for layers "
                 f"[{start}, {end}) but has {gib(node.usable_bytes)} usable")
@@ -259,7 +281,7 @@ def _place_experts(request: PlacementRequest, chosen: Sequence[NodeCapacity],
     shards, start = [], 0
     for node, count in zip(chosen, counts):
         needed = shard_bytes(facts, facts.n_layers, 1, policy, experts_held=count)
-        if needed > node.usable_bytes:
+        if bytes_to_find(facts, needed, whole=False) > node.usable_bytes:
             return PlacementError(
                 f"over {width} node(s) node {node.node_id} needs {gib(needed)} for experts "
                 f"[{start}, {start + count}) but has {gib(node.usable_bytes)} usable")
@@ -319,7 +341,8 @@ def load_refusal(instance: Instance, node_id: NodeId, usable_bytes: int,
     if rank is None:
         raise ValueError(f"instance {instance.instance_id} has no rank on node {node_id}")
     needed = rank_needed_bytes(instance.facts, rank, policy)
-    if needed <= usable_bytes * (1 + tolerance):
+    whole = len(instance.ranks) == 1
+    if bytes_to_find(instance.facts, needed, whole) <= usable_bytes * (1 + tolerance):
         return None
     return (f"node {node_id} needs {gib(needed)} for rank {rank.rank} of model "
             f"{instance.model!r} but has {gib(usable_bytes)} usable now")
@@ -336,22 +359,37 @@ def rank_needed_bytes(facts: ModelFacts, rank: Rank,
                        experts_held=None if experts is None else experts[1] - experts[0])
 
 
+def bytes_to_find(facts: ModelFacts, needed: int, whole: bool) -> int:
+    """The room a rank that counts `needed` bytes must find: all of it for a whole copy of
+    a model whose size was measured, else its estimate less ESTIMATE_TOLERANCE."""
+    if whole and facts.measured_bytes is not None:
+        return needed
+    return math.ceil(needed / (1 + ESTIMATE_TOLERANCE))
+
+
 def shard_bytes(facts: ModelFacts, layers: int, tp_size: int = 1,
                 policy: PlacementPolicy = DEFAULT_POLICY,
                 experts_held: int | None = None) -> int:
     """Memory one rank needs for `layers` layers, holding its tensor share of each (the
     busiest rank's, when the split is uneven) and, for an expert rank, experts_held of each
-    mixture-of-experts layer's experts (None: all)."""
+    mixture-of-experts layer's experts (None: all). A whole copy of a model measured before
+    counts what it held then (facts.measured_bytes)."""
+    if (facts.measured_bytes is not None and layers == facts.n_layers and tp_size == 1
+            and experts_held is None):
+        return facts.measured_bytes
     model_bytes = facts.weight_bytes
     if experts_held is not None:
         model_bytes -= facts.expert_bytes * (facts.n_experts - experts_held) // facts.n_experts
     weights = math.ceil(model_bytes * layers / facts.n_layers
                         * tensor_share(facts, tp_size) * policy.overhead_factor)
+    if not facts.generates:  # an embedding model keeps no KV and samples nothing
+        return weights + policy.floor_bytes + facts.vocab_size * policy.vocab_entry_bytes
     kv_heads = kv_heads_per_rank(facts.n_kv_heads, tp_size)
     kv = (facts.kv_bytes_per_token_per_layer(policy.kv_element_bytes, kv_heads,
                                              policy.kv_scale_bytes)
           * layers * policy.kv_reservation_tokens)
-    return weights + kv + policy.floor_bytes
+    return (weights + kv + policy.floor_bytes + policy.generation_floor_bytes
+            + facts.vocab_size * policy.vocab_entry_bytes)
 
 
 def tensor_share(facts: ModelFacts, tp_size: int) -> float:

@@ -46,7 +46,9 @@ from shoal.catalog.store import ModelStore
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.held_models import HeldModels
 from shoal.cluster.instances import Instance, PlacementRequest, Rank
+from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
+from shoal.catalog.measured_sizes import MeasuredSizes
 from shoal.cluster.node_budget import held_bytes, node_capacities
 from shoal.cluster.prefix_share import PrefixShare
 from shoal.cluster.queries import ClusterQueries
@@ -124,9 +126,12 @@ class ClusterService:
         self._pool = pool
         # Which instance holds which prefix KV (the router reads prefixes.index).
         self.prefixes = PrefixShare(plane.transport, pool.registry, lambda: self.state)
+        # What models held once loaded here (replaces placement's estimate for them).
+        self.measured_sizes = MeasuredSizes.of_data_dir(data_dir)
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
-                                   rank_source=self._rank_source, **worker_options)
+                                   rank_source=self._rank_source,
+                                   measured_sizes=self.measured_sizes, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
         # Capability cards and the proposer roles (guessing tokens for other nodes).
         self.capabilities = Capabilities(
@@ -372,6 +377,13 @@ class ClusterService:
     @property
     def policy(self) -> PlacementPolicy:
         return self.plane.config.master.policy
+
+    def with_measured_size(self, facts: ModelFacts, source: ModelSource) -> ModelFacts:
+        """facts with what the model held when it last loaded here, if it has: placement
+        counts that for a whole copy instead of its estimate."""
+        measured = self.measured_sizes.get(source)
+        return facts if measured is None else facts.model_copy(
+            update={"measured_bytes": measured})
 
     def budget(self) -> tuple[int | None, int | None]:
         """This node's (memory budget, max loaded models) as it last reported them."""

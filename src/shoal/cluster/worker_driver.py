@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shoal.catalog.measured_sizes import MeasuredSizes
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.data_plane import ChunkSender
 from shoal.cluster.events import (
@@ -31,7 +32,7 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.cluster.instances import Instance, Rank
-from shoal.cluster.node_budget import holdings
+from shoal.cluster.node_budget import has_room_for, holdings
 from shoal.cluster.placement import load_refusal
 from shoal.cluster.state import ClusterState, RunnerPhase, RunnerStatus, Task
 from shoal.cluster.transport.base import Transport
@@ -52,6 +53,7 @@ from shoal.engine.parallel.config import ParallelConfig
 from shoal.ids import InstanceId, NodeId, RequestId, RunnerId, new_command_id
 from shoal.pool.pool import ModelPool
 from shoal.protocol import ErrorChunk
+from shoal.runner.supervisor import RunnerSupervisor
 from shoal.sharding import MULTI_RANK_SHARDINGS
 
 log = logging.getLogger("shoal.cluster.worker")
@@ -144,7 +146,8 @@ class WorkerDriver:
                  usable_memory: Callable[[], int], config: WorkerConfig | None = None,
                  group_connect_s: float = DEFAULT_GROUP_CONNECT_S,
                  memory_budget: Callable[[], int | None] = lambda: None,
-                 rank_source: RankSource | None = None) -> None:
+                 rank_source: RankSource | None = None,
+                 measured_sizes: MeasuredSizes | None = None) -> None:
         """pool: this node's model pool (its registry runs the runners); usable_memory: bytes
         this node can give a model now (checked before starting a rank); rank_source: a
         rank's own copy of only what it needs, when the model is not on disk here (None:
@@ -159,12 +162,14 @@ class WorkerDriver:
         self.config = config or WorkerConfig()
         self._group_connect_s = group_connect_s
         self._rank_source = rank_source
+        self._measured_sizes = measured_sizes or MeasuredSizes()
         self._runners: dict[RunnerId, _Runner] = {}
         self._progress: dict[RequestId, TaskProgress] = {}
         self._forwarders: dict[RequestId, asyncio.Task] = {}
         self._resends = _Resends(self.config.resend_s)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._registry.kv_room = self._kv_room
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="worker")
@@ -221,11 +226,22 @@ class WorkerDriver:
                 runner.message = ((supervisor.last_error or "failed")
                                   if runner.phase == "failed" else "")
                 memory = supervisor.memory
+                measured = runner.memory_bytes
                 runner.memory_bytes = (memory.footprint_bytes if memory is not None
                                        and runner.phase == "ready" else None)
+                if measured is None and runner.memory_bytes is not None:
+                    self._record_size(state, runner, supervisor, runner.memory_bytes)
             elif runner.phase not in ("failed", "stopped"):
                 runner.phase = "failed"
                 runner.message = runner.message or "the model's runner stopped"
+
+    def _record_size(self, state: ClusterState, runner: _Runner,
+                     supervisor: RunnerSupervisor, held_bytes: int) -> None:
+        """A runner's first figure after loading a whole model is what the model holds:
+        kept for placement in place of its estimate (a rank's share is not the model's)."""
+        instance = state.instances.get(runner.instance_id)
+        if instance is not None and len(instance.ranks) == 1:
+            self._measured_sizes.record(supervisor.config.source, held_bytes)
 
     # --- actions -----------------------------------------------------------------------------
 
@@ -305,6 +321,22 @@ class WorkerDriver:
         others = sum(h.bytes for h in holdings(state, self.node_id)
                      if h.instance.instance_id != instance.instance_id)
         return max(0, budget - others)
+
+    def _kv_room(self, key: tuple[str, int], extra_bytes: int) -> bool:
+        """Whether a runner here may grow its KV by extra_bytes: the node's budget, less
+        what every instance here holds (local runners as they hold it now), has the room."""
+        budget = self._memory_budget()
+        if budget is None:
+            return True
+        live = {instance_id: memory.footprint_bytes
+                for (instance_id, _), supervisor in self._registry.items()
+                if (memory := supervisor.memory) is not None
+                and memory.footprint_bytes is not None}
+        granted = has_room_for(self._link.state, self.node_id, budget, extra_bytes, live)
+        if not granted:
+            log.debug("no room in the memory budget for %s to grow its KV cache by %.0f MiB",
+                     key[0], extra_bytes / 2**20)
+        return granted
 
     def _tear_down(self, runner_id: RunnerId, reason: str) -> None:
         runner = self._runners.pop(runner_id)

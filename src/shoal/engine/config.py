@@ -72,7 +72,7 @@ class EngineConfig:
     dtype: DType = "auto"
     device: str = "cpu"
     threads: int | None = None
-    # KV cache memory; None sizes it from SHOAL's default share of available memory.
+    # The most the KV cache may hold (--kv-cache-memory); None: max_num_seqs full contexts.
     kv_cache_bytes: int | None = None
     block_size: int = 16
     # Token budget per step: decode tokens first, the rest goes to prefill chunks.
@@ -88,8 +88,8 @@ class EngineConfig:
     cache_dir: Path | None = None
     # This runner's rank in a multi-rank instance; None for a model served whole.
     parallel: ParallelConfig | None = None
-    # The most this runner may hold in all (its share of the node's memory budget): the KV
-    # cache is sized within what is left of it once the weights are loaded. None: no share.
+    # The most this runner may hold in all (its share of the node's memory budget): the
+    # pre-load guard refuses weights that would not fit in it. None: no share.
     memory_limit_bytes: int | None = None
     # Speculative decoding for every request of this model (--speculative); None: only
     # requests asking for it (x_speculative) speculate.

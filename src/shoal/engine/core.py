@@ -118,8 +118,15 @@ class EngineCore(Protocol):
         """Bytes one KV block takes over the layers this rank holds; None: no KV cache."""
 
     def stats(self) -> dict[str, Any]:
-        """Scheduler figures; with a block pool, kv_blocks_used, kv_blocks_cached and
-        kv_blocks_total among them."""
+        """Scheduler figures; with a block pool, kv_blocks_used, kv_blocks_cached,
+        kv_blocks_granted, kv_blocks_short and kv_blocks_total among them."""
+
+    def grant_kv_blocks(self, num_blocks: int) -> None:
+        """Let the KV cache touch up to num_blocks blocks (the node's grant)."""
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        """Hand back the memory of the free KV blocks above keep_blocks (the grant shrinks
+        to what stays resident); returns how many blocks went."""
 
     def close(self) -> None:
         """Release what it holds (the other ranks of a split model stop too)."""
@@ -167,6 +174,12 @@ class NoGeneration:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def grant_kv_blocks(self, num_blocks: int) -> None:
+        pass  # a follower's KV blocks are the ones rank 0 allocates; an embedder has none
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        return 0
 
 
 class NoEmbedding:

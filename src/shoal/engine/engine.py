@@ -21,6 +21,7 @@ from shoal.engine.errors import check_context
 from shoal.engine.grammar import GrammarCompiler
 from shoal.engine.grammar_spec import GrammarSpec
 from shoal.engine.kv.block_pool import BlockPool
+from shoal.engine.kv.tensors import release_slots
 from shoal.engine.kv.disk_prefixes import open_disk_prefixes
 from shoal.engine.kv.transfer import PrefixBlocks, PrefixTransfer
 from shoal.engine.kv_budget import check_weights_fit, kv_bytes_per_block, plan_kv_cache
@@ -57,7 +58,7 @@ class Engine(NoEmbedding, NotFollower):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         if config.parallel is None:  # a rank's share was checked when it was placed
-            check_weights_fit(config.source)
+            check_weights_fit(config.source, limit_bytes=config.memory_limit_bytes)
         report("tokenizer", 0.0)
         self.tokenizer = Tokenizer.load(config.source, cache_dir=config.cache_dir)
         self.sampler = Sampler(eos_token_ids=self.tokenizer.eos_token_ids)
@@ -259,6 +260,17 @@ class Engine(NoEmbedding, NotFollower):
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.loaded, self.config.block_size)
+
+    def grant_kv_blocks(self, num_blocks: int) -> None:
+        self.scheduler.pool.set_grant(num_blocks)
+
+    def release_kv_blocks(self, keep_blocks: int) -> int:
+        released = self.scheduler.pool.release_free_tail(keep_blocks)
+        if released:  # their pages go back to the system; touched afresh when needed
+            size = self.config.block_size
+            release_slots(self.runner.block_tensors(), released.start * size,
+                          released.stop * size)
+        return len(released)
 
     def close(self) -> None:
         """Release the engine's group (the other ranks of a parallel instance stop) and

@@ -92,6 +92,9 @@ class Scheduler:
             "kv_blocks_used": self.pool.num_used_blocks,
             # Free blocks still holding memory: prefix-cache entries and spent blocks.
             "kv_blocks_cached": self.pool.num_resident_free_blocks,
+            "kv_blocks_granted": self.pool.granted_blocks,
+            # The most blocks a request lacked for want of a grant since the grant changed.
+            "kv_blocks_short": self.pool.shortfall_blocks,
             "kv_usage": self.pool.usage,
             "prefix_cache_blocks": len(cache),
             "prefix_cache_query_tokens": cache.query_tokens,

@@ -110,6 +110,8 @@ class Placer:
             await asyncio.sleep(_RETRY_S)
 
     async def _facts_of(self, model_id: str, source: ModelSource) -> ModelFacts:
+        """The model's facts from its headers (read once), with what it held when it last
+        loaded here, if it has (that replaces placement's estimate)."""
         facts = self._facts.get(model_id)
         if facts is None:
             try:
@@ -117,7 +119,7 @@ class Placer:
             except (OSError, ValueError) as error:
                 raise ModelUnavailable(f"cannot read model {model_id!r}: {error}") from error
             self._facts[model_id] = facts
-        return facts
+        return self.cluster.with_measured_size(facts, source)
 
 
 

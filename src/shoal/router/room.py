@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.node_budget import describe_holdings, holdings, loaded_count
-from shoal.cluster.placement import gib, shard_bytes
+from shoal.cluster.placement import bytes_to_find, gib, shard_bytes
 from shoal.cluster.service import ClusterService
 from shoal.pool.eviction import choose_victims
 from shoal.pool.pool import ModelPool
@@ -41,7 +41,9 @@ def room_for(cluster: ClusterService, pool: ModelPool, facts: ModelFacts,
     if budget is None:
         return Room(needed=needed, budget=None)
     state, here = cluster.state, cluster.node_id
-    if needed > budget:
+    # An estimate a little over the room is tried: the runner's pre-load guard decides.
+    to_find = bytes_to_find(facts, needed, whole=True)
+    if to_find > budget:
         return Room(needed=needed, budget=budget, never=(
             f"model {facts.model!r} needs about {gib(needed)} but this node's memory budget "
             f"is {gib(budget)}"))
@@ -53,7 +55,7 @@ def room_for(cluster: ClusterService, pool: ModelPool, facts: ModelFacts,
     served_here = [h for h in held if h.instance.ranks[0].node_id == here]
     residents = [pool.resident(h.instance.instance_id, h.instance.model, h.bytes, busy_models)
                  for h in served_here]
-    victims = choose_victims(residents, needed, free, slots)
+    victims = choose_victims(residents, to_find, free, slots)
     if victims is not None:
         return Room(needed=needed, budget=budget,
                     victims=tuple(v.instance_id for v in victims))
@@ -61,7 +63,7 @@ def room_for(cluster: ClusterService, pool: ModelPool, facts: ModelFacts,
     why = (f"model {facts.model!r} needs about {gib(needed)}; this node's memory budget is "
            f"{gib(budget)}{limit}, and {describe_holdings(held)} hold {gib(budget - free)}")
     idle_later = [dataclasses.replace(r, busy=False) for r in residents]
-    if choose_victims(idle_later, needed, free, slots) is None:
+    if choose_victims(idle_later, to_find, free, slots) is None:
         # Even with every request finished it would not fit: pinned models (or ranks served
         # from other nodes) hold the rest. Waiting cannot help.
         return Room(needed=needed, budget=budget,

@@ -31,6 +31,7 @@ from shoal.engine.errors import GroupError
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.chat_format import choose_chat_format
 from shoal.runner.loop import EngineBroken, RunnerLoop
+from shoal.runner.kv_grant import KVGrantKeeper
 from shoal.runner.memory import MemoryReporter, loading_heap
 from shoal.runner.messages import Failed, Load, ModelInfo, Status, parse_to_runner
 from shoal.runner.proposals import attach_remote_proposer
@@ -124,12 +125,15 @@ def serve(sock: socket.socket, engine_factory: EngineFactory,
 def serve_engine(engine: EngineCore, channel: Channel, early: list[Any]) -> int:
     """Serve the loaded engine: rank 0's loop, or a follower rank's; early: messages that
     came with Load."""
+    kv_grant = None if engine.is_follower else KVGrantKeeper(engine, channel.send)
+    if kv_grant is not None:
+        kv_grant.start()  # the first grant, before the first report counts it
     memory = MemoryReporter(engine, channel.send)
     memory.report()  # before ready: the supervisor knows the figures once it is ready
     if engine.is_follower:
         return serve_rank(engine, channel, early, memory)
     channel.send(Status(state="ready", stage="ready", progress=1.0, model=model_info(engine)))
-    loop = RunnerLoop(engine, channel, memory)
+    loop = RunnerLoop(engine, channel, memory, kv_grant)
     try:
         for raw in early:
             if not loop.handle(raw):

@@ -30,12 +30,14 @@ from shoal.protocol import (
 )
 from shoal.runner.channel import EOF, Channel, SupervisorGone
 from shoal.runner.framing import FrameTooLarge
+from shoal.runner.kv_grant import KVGrantKeeper
 from shoal.runner.memory import MemoryReporter, return_freed_heap
 from shoal.runner.messages import (
     Cancel,
     ChunkBatch,
     ChunkMessage,
     Embed,
+    GrantKV,
     Shutdown,
     Submit,
     parse_to_runner,
@@ -72,13 +74,15 @@ class RunnerLoop:
     """Serves Submit/Cancel against one engine until Shutdown or the socket closes."""
 
     def __init__(self, engine: EngineCore, channel: Channel,
-                 memory: MemoryReporter | None = None) -> None:
+                 memory: MemoryReporter | None = None,
+                 kv_grant: KVGrantKeeper | None = None) -> None:
         if engine.tokenizer is None:
             raise ValueError("a follower rank serves its rank 0's plans, not requests")
         self.engine = engine
         self.tokenizer: PromptTokenizer = engine.tokenizer
         self.channel = channel
         self.memory = memory  # reports what the runner holds, between steps
+        self.kv_grant = kv_grant  # asks the node before the KV cache outgrows its grant
         self.in_flight: set[str] = set()
         self.embeds = engine.task == "embed"
         # Requests whose text is read: tool calls taken out, reasoning split from the answer.
@@ -95,8 +99,11 @@ class RunnerLoop:
         parallel = self.engine.config.parallel
         tick_s = parallel.keepalive_s / 2 if parallel is not None else None
         while True:
-            block = not self.has_work()
-            for raw in self.channel.receive(block, self._wait_s(tick_s)):
+            # Requests that wait only for a grant the node refused: wait for a message
+            # (the grant, a cancel) or the next ask rather than spin on empty steps.
+            starved = self.kv_grant is not None and self.kv_grant.starved
+            block = starved or not self.has_work()
+            for raw in self.channel.receive(block, self._wait_s(tick_s, starved)):
                 if not self.handle(raw):
                     return
             if self.share is not None:
@@ -105,16 +112,24 @@ class RunnerLoop:
                 self.share.maybe_report()
             if self.has_work():
                 self.step()
+                if self.kv_grant is not None:
+                    self.kv_grant.busy()
+                    self.kv_grant.maybe_ask()
             else:
                 self.rest(keepalive=tick_s is not None)
+                if self.kv_grant is not None:
+                    self.kv_grant.rest()
             if self.memory is not None:
                 self.memory.maybe_report()
 
-    def _wait_s(self, tick_s: float | None) -> float | None:
-        """How long an idle loop may wait for a message: until the next keep-alive or
-        memory check, whichever comes first (None: until a message comes)."""
+    def _wait_s(self, tick_s: float | None, starved: bool = False) -> float | None:
+        """How long an idle loop may wait for a message: until the next keep-alive, memory
+        check, ask for KV or release of it, whichever comes first (None: until a message
+        comes)."""
         waits = [tick_s, self.memory.seconds_until_due() if self.memory else None,
-                 self.share.wait_s() if self.share is not None else None]
+                 self.share.wait_s() if self.share is not None else None,
+                 self.kv_grant.seconds_until_due() if starved and self.kv_grant else None,
+                 self.kv_grant.seconds_until_release() if self.kv_grant else None]
         waits = [w for w in waits if w is not None]
         return min(waits) if waits else None
 
@@ -162,6 +177,9 @@ class RunnerLoop:
                 self._admit(held.request, held.token_ids)
         elif self.share is not None and isinstance(message, PrefixExport):
             self.share.export(message)
+        elif isinstance(message, GrantKV):
+            if self.kv_grant is not None:
+                self.kv_grant.on_grant(message)
         elif isinstance(message, Shutdown):
             return False
         else:

@@ -1,8 +1,8 @@
 """What a runner holds in memory, read from its engine, and when to tell the supervisor.
 
-Weights come from the engine (`weight_bytes()`); the KV cache in use is the scheduler's
-referenced blocks (`stats()`) times the bytes one block takes over this rank's layers
-(`kv_bytes_per_block()`); RSS is the runner process's own. An engine that cannot tell a
+Weights come from the engine (`weight_bytes()`); the KV cache in use, kept resident and
+granted is the scheduler's blocks (`stats()`) times the bytes one block takes over this
+rank's layers (`kv_bytes_per_block()`); RSS is the runner process's own. An engine that cannot tell a
 figure leaves it None. Measuring never raises into the loop.
 """
 
@@ -27,21 +27,23 @@ HEARTBEAT_S = 10.0  # a report goes out at least this often, changed or not
 RSS_STEP_BYTES = 4 * 2**20  # smaller RSS moves are noise, not a change worth a report
 
 
-def kv_blocks(stats: dict[str, Any]) -> tuple[int, int, int] | None:
-    """(blocks in use, free blocks kept for the prefix cache, blocks in all) from
-    engine.stats(); None if it has no block pool."""
+def kv_blocks(stats: dict[str, Any]) -> tuple[int, int, int, int | None] | None:
+    """(blocks in use, free blocks kept resident, blocks in all, blocks granted or None)
+    from engine.stats(); None if it has no block pool."""
     used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
     if not isinstance(used, int) or not isinstance(total, int):
         return None
-    cached = stats.get("kv_blocks_cached")
-    return used, cached if isinstance(cached, int) else 0, total
+    cached, granted = stats.get("kv_blocks_cached"), stats.get("kv_blocks_granted")
+    return (used, cached if isinstance(cached, int) else 0, total,
+            granted if isinstance(granted, int) else None)
 
 
 def worth_sending(last: MemoryUsage | None, now: MemoryUsage, since_sent_s: float) -> bool:
     """A report is due when it is the first, the heartbeat is due, or a figure moved."""
     if last is None or since_sent_s >= HEARTBEAT_S:
         return True
-    figures = ("weights_bytes", "kv_bytes_in_use", "kv_bytes_cached", "kv_bytes_capacity")
+    figures = ("weights_bytes", "kv_bytes_in_use", "kv_bytes_cached", "kv_bytes_capacity",
+               "kv_bytes_granted")
     if any(getattr(last, name) != getattr(now, name) for name in figures):
         return True
     if last.rss_bytes is None or now.rss_bytes is None:
@@ -87,10 +89,11 @@ class MemoryReporter:
         self._emit(self.measure(), now)
 
     def measure(self) -> MemoryUsage:
-        in_use, cached, capacity = self._read(self._kv_bytes, (None, None, None))
+        in_use, cached, capacity, granted = self._read(self._kv_bytes, (None,) * 4)
         return MemoryUsage(weights_bytes=self._read(self._engine.weight_bytes, None),
                            kv_bytes_in_use=in_use, kv_bytes_cached=cached,
-                           kv_bytes_capacity=capacity, rss_bytes=self._read(self._rss, None))
+                           kv_bytes_capacity=capacity, kv_bytes_granted=granted,
+                           rss_bytes=self._read(self._rss, None))
 
     def _read(self, read: Callable[[], Any], unknown: Any) -> Any:
         try:
@@ -101,13 +104,14 @@ class MemoryReporter:
             self._warned = True
             return unknown
 
-    def _kv_bytes(self) -> tuple[int | None, int | None, int | None]:
+    def _kv_bytes(self) -> tuple[int | None, ...]:
         per_block = self._bytes_per_block()
         blocks = kv_blocks(self._engine.stats()) if per_block is not None else None
         if blocks is None or per_block is None:
-            return None, None, None
-        used, cached, total = blocks
-        return used * per_block, cached * per_block, total * per_block
+            return None, None, None, None
+        used, cached, total, granted = blocks
+        return (used * per_block, cached * per_block, total * per_block,
+                None if granted is None else granted * per_block)
 
     def _bytes_per_block(self) -> int | None:
         if not self._per_block_known:  # constant for the engine's life

@@ -1,8 +1,8 @@
 """Messages between the supervisor (node process) and one runner subprocess.
 
-supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown, Proposed
+supervisor -> runner: Load, Submit, Embed, Cancel, Inspect, Shutdown, Proposed, GrantKV
 runner -> supervisor: Status, ChunkMessage, ChunkBatch, MemoryUsage, Inspection, Failed,
-                      Propose, ForgetProposals
+                      Propose, ForgetProposals, AskKV, ReleasedKV
 Prefix KV between nodes (prefix_messages.py) adds supervisor -> runner PrefixPart,
 PrefixFetched, PrefixExport and runner -> supervisor PrefixReport, PrefixWanted,
 PrefixExportPart.
@@ -148,7 +148,10 @@ class MemoryUsage(RunnerMessage):
     weights_bytes: int | None = None  # the weights as held (packed GGUF stays near file size)
     kv_bytes_in_use: int | None = None  # KV cache blocks that requests hold now
     kv_bytes_cached: int | None = None  # free blocks kept resident (prefix cache, spent)
-    kv_bytes_capacity: int | None = None  # every KV cache block (reserved, touched lazily)
+    kv_bytes_capacity: int | None = None  # every KV cache block (address space, touched lazily)
+    # The KV blocks the node lets it touch (runner/kv_grant.py); None: no grant (a
+    # follower rank or an embedder, whose KV is what it touched).
+    kv_bytes_granted: int | None = None
     rss_bytes: int | None = None  # resident memory of the runner process
 
     @property
@@ -161,12 +164,40 @@ class MemoryUsage(RunnerMessage):
 
     @property
     def footprint_bytes(self) -> int | None:
-        """What the runner holds with its KV pool full: its resident memory plus the KV
-        blocks it reserved but has not touched yet. Counted against the node's budget."""
+        """What the runner may hold without asking: its resident memory (weights, KV blocks
+        touched, its runtime floor) plus the granted KV blocks it has not touched yet.
+        Counted against the node's budget and shown by /api/ps."""
         if self.rss_bytes is None:
             return None
         touched = (self.kv_bytes_in_use or 0) + (self.kv_bytes_cached or 0)
-        return self.rss_bytes + max(0, (self.kv_bytes_capacity or 0) - touched)
+        return self.rss_bytes + max(0, (self.kv_bytes_granted or 0) - touched)
+
+
+class AskKV(RunnerMessage):
+    """The runner's KV blocks in use near its grant: it asks the node for more_blocks more
+    (bytes_per_block each) on top of granted_blocks. Answered by one GrantKV."""
+
+    type: Literal["ask_kv"] = "ask_kv"
+    granted_blocks: int = Field(ge=0)
+    more_blocks: int = Field(gt=0)
+    bytes_per_block: int = Field(gt=0)
+
+
+class ReleasedKV(RunnerMessage):
+    """The runner, idle, gave the memory of its spare KV blocks back: its grant is now
+    granted_blocks (sent only while no AskKV is out, so no GrantKV crosses it)."""
+
+    type: Literal["released_kv"] = "released_kv"
+    granted_blocks: int = Field(ge=0)
+    bytes_per_block: int = Field(gt=0)
+
+
+class GrantKV(RunnerMessage):
+    """The node's answer to AskKV: the blocks the runner may now touch in all (unchanged
+    when the node's budget has no room for more)."""
+
+    type: Literal["grant_kv"] = "grant_kv"
+    granted_blocks: int = Field(ge=0)
 
 
 class Failed(RunnerMessage):
@@ -177,11 +208,11 @@ class Failed(RunnerMessage):
     error_type: str = ""
 
 
-ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | Proposed
+ToRunner = Annotated[Load | Submit | Embed | Cancel | Inspect | Shutdown | Proposed | GrantKV
                      | PrefixPart | PrefixFetched | PrefixExport, Field(discriminator="type")]
 FromRunner = Annotated[Status | ChunkMessage | ChunkBatch | MemoryUsage | Inspection | Failed
-                       | Propose | ForgetProposals | PrefixReport | PrefixWanted
-                       | PrefixExportPart, Field(discriminator="type")]
+                       | Propose | ForgetProposals | AskKV | ReleasedKV | PrefixReport
+                       | PrefixWanted | PrefixExportPart, Field(discriminator="type")]
 
 _to_runner = TypeAdapter(ToRunner)
 _from_runner = TypeAdapter(FromRunner)

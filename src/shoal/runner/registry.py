@@ -42,6 +42,9 @@ class RunnerRegistry:
         self.on_prefix: Callable[[RunnerKey, Any], None] | None = None
         # Every runner's asks for guesses from other nodes (the cluster sets its relay).
         self.proposals = ProposalHook()
+        # Whether the node's budget has room for a runner to hold this many more bytes of
+        # KV (the cluster's worker sets it); None: no budget, every ask is granted.
+        self.kv_room: Callable[[RunnerKey, int], bool] | None = None
 
     # ---- starting and stopping ----------------------------------------------------------------
 
@@ -56,6 +59,7 @@ class RunnerRegistry:
         supervisor = self._make_supervisor(source, parallel)
         supervisor.on_prefix = lambda message: self._prefix_message(key, message)
         supervisor.proposals = self.proposals
+        supervisor.kv_room = lambda extra: self._kv_room(key, extra)
         if memory_limit is not None:
             supervisor.limit_memory(memory_limit)
         self._runners[key] = supervisor
@@ -67,6 +71,9 @@ class RunnerRegistry:
         finally:
             await self._notify()
         return supervisor
+
+    def _kv_room(self, key: RunnerKey, extra_bytes: int) -> bool:
+        return self.kv_room is None or self.kv_room(key, extra_bytes)
 
     def _prefix_message(self, key: RunnerKey, message: Any) -> None:
         if self.on_prefix is not None and self._runners.get(key) is not None:

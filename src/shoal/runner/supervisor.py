@@ -27,17 +27,20 @@ from shoal.runner.framing import FrameTooLarge, read_frame, write_frame
 from shoal.runner.image.messages import SubmitImages
 from shoal.runner.inflight import TERMINAL_KINDS, InFlight
 from shoal.runner.messages import (
+    AskKV,
     Cancel,
     ChunkBatch,
     ChunkMessage,
     Embed,
     Failed,
     ForgetProposals,
+    GrantKV,
     Inspection,
     Load,
     MemoryUsage,
     ModelInfo,
     Propose,
+    ReleasedKV,
     RunnerMessage,
     Shutdown,
     Status,
@@ -94,6 +97,11 @@ class RunnerSupervisor:
         self.on_prefix: Callable[[PrefixMessage], None] | None = None
         # Where the runner's asks for guesses go (set by the registry); None: answered "none".
         self.proposals: ProposalHook | None = None
+        # Whether the node's budget has room for this many more bytes of KV (set by the
+        # registry); None: every ask is granted (no budget to keep).
+        self.kv_room: Callable[[int], bool] | None = None
+        # KV bytes granted to the current process (grants only grow while it lives).
+        self._kv_granted_bytes = 0
         self.generated_tokens = 0  # tokens streamed back over the runner's life (throughput)
         # request id -> (denoising steps done, steps in all): image requests drawing now.
         self.image_steps: dict[str, tuple[int, int]] = {}
@@ -230,6 +238,7 @@ class RunnerSupervisor:
                     await process.reader_task
         self._process = None
         self.memory = None
+        self._kv_granted_bytes = 0
         self._set_state("stopped")
 
     def describe(self) -> dict[str, Any]:
@@ -238,7 +247,7 @@ class RunnerSupervisor:
                 "in_flight": self.num_in_flight, "restarts": self.restarts,
                 "error": self.last_error,
                 "task": info.task if info else self.config.source.task,
-                "size_bytes": self.memory.held_bytes if self.memory else None,
+                "size_bytes": self.memory.footprint_bytes if self.memory else None,
                 "expires_at": self.expires_at,
                 "load": {"stage": self.load_stage, "progress": self.load_progress},
                 "image_steps": [{"request_id": request_id, "step": step, "steps": steps}
@@ -334,7 +343,15 @@ class RunnerSupervisor:
             if self.proposals is not None:
                 self.proposals.forget(self.model_id, message.request_id)
         elif isinstance(message, MemoryUsage):
-            self.memory = message
+            self._record_memory(message)
+        elif isinstance(message, AskKV):
+            self._send(self._answer_kv(message))
+        elif isinstance(message, ReleasedKV):
+            # The one way the count of a grant goes down: the runner gave the pages back.
+            self._kv_granted_bytes = message.granted_blocks * message.bytes_per_block
+            if self.memory is not None:
+                self.memory = self.memory.model_copy(
+                    update={"kv_bytes_granted": self._kv_granted_bytes})
         elif isinstance(message, Inspection):
             self._inspections.answered(message)
         elif isinstance(message, Status):
@@ -361,6 +378,26 @@ class RunnerSupervisor:
             self.image_steps[chunk.request_id] = (chunk.step, chunk.steps)
         self._requests.deliver(chunk)
 
+    def _record_memory(self, usage: MemoryUsage) -> None:
+        """Keep the runner's report, with a grant it may not have seen yet when it measured
+        (a report in flight must not count the KV pool smaller than the node granted)."""
+        if usage.kv_bytes_granted is not None:
+            self._kv_granted_bytes = max(self._kv_granted_bytes, usage.kv_bytes_granted)
+            usage = usage.model_copy(update={"kv_bytes_granted": self._kv_granted_bytes})
+        self.memory = usage
+
+    def _answer_kv(self, ask: AskKV) -> GrantKV:
+        """Grant the runner more KV blocks if the node's budget has the room; the grant
+        counts as held from now on (footprint_bytes), before the runner touches a block."""
+        extra = ask.more_blocks * ask.bytes_per_block
+        if self.kv_room is not None and not self.kv_room(extra):
+            return GrantKV(granted_blocks=ask.granted_blocks)
+        granted = ask.granted_blocks + ask.more_blocks
+        self._kv_granted_bytes = max(self._kv_granted_bytes, granted * ask.bytes_per_block)
+        if self.memory is not None:
+            self._record_memory(self.memory)
+        return GrantKV(granted_blocks=granted)
+
     async def _relay_proposal(self, ask: Propose) -> None:
         """Answer the runner's ask for guesses; the relay bounds its own wait."""
         hook = self.proposals or ProposalHook()
@@ -378,6 +415,7 @@ class RunnerSupervisor:
             return
         self._process = None
         self.memory = None
+        self._kv_granted_bytes = 0
         message = f"the runner for {self.model_id!r} died: {reason}"
         if process.load_failed:
             message = f"loading {self.model_id!r} failed: {process.load_failed}"

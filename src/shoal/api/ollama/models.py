@@ -124,11 +124,12 @@ def running_json(model: ListedModel) -> dict[str, Any]:
                  "context_length": model.max_model_len}
     memory = supervisor.memory
     if memory is not None:
-        if memory.held_bytes is not None:
-            described["size"] = memory.held_bytes
+        if memory.footprint_bytes is not None:  # what the node counts it holding
+            described["size"] = memory.footprint_bytes
         described["shoal"] = {"weights_bytes": memory.weights_bytes,
                               "kv_bytes_in_use": memory.kv_bytes_in_use,
                               "kv_bytes_cached": memory.kv_bytes_cached,
+                              "kv_bytes_granted": memory.kv_bytes_granted,
                               "kv_bytes_capacity": memory.kv_bytes_capacity,
                               "rss_bytes": memory.rss_bytes}
     return described

@@ -1,9 +1,16 @@
-"""A fixed pool of KV blocks with reference counts and an LRU free list (pure Python).
+"""A pool of KV blocks with reference counts, an LRU free list and a grant (pure Python).
 
 A block is in use while some request references it (ref count > 0). When its last user lets
 go, it joins the free list but keeps its prefix-cache entry, so a later request with the same
 prefix can take it back without recomputing. Allocation takes free blocks in LRU order and
 only then drops their cache entries (eviction).
+
+The pool's blocks are address space (kv/tensors.py commits no page up front); a block's
+memory becomes resident when it is first written. Blocks are first used in id order, so the
+resident ones are always ids [0, num_touched_blocks). The grant bounds that: the pool never
+touches more than granted_blocks, whatever its capacity, so what the runner holds grows only
+as far as the node has agreed (runner/kv_grant.py asks for more). Allocation prefers a spent
+block (resident, uncached), then a fresh one within the grant, then evicts a cached one.
 """
 
 from __future__ import annotations
@@ -22,24 +29,34 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache()
         self._ref_counts = [0] * num_blocks
-        # Free blocks, least recently freed first; values unused (an ordered set).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Blocks ever allocated: their memory is resident (a block's pages are touched on
-        # first use); the rest of the pool is reserved address space only.
-        self._touched = [False] * num_blocks
+        # Free resident blocks, spent (uncached) ones first, then cached ones least recently
+        # freed first; values unused (an ordered set). Untouched blocks are not listed.
+        self._free: OrderedDict[int, None] = OrderedDict()
+        # Blocks ever allocated, ids [0, num_touched_blocks): their memory is resident; the
+        # rest of the pool is reserved address space only.
         self.num_touched_blocks = 0
+        # The most blocks the pool may touch (the node's grant); all of them until limited.
+        self.granted_blocks = num_blocks
+        # The most blocks an allocation lacked for want of a grant since the grant last
+        # changed: what the next one should add at least.
+        self.shortfall_blocks = 0
         self.num_evictions = 0
 
     # ---- queries ------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no request references, cached or not (cached ones are evictable)."""
-        return len(self._free)
+        """Blocks an allocation may take: free resident ones (cached ones are evictable) and
+        untouched ones within the grant."""
+        return len(self._free) + self._num_fresh_allowed
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_touched_blocks - len(self._free)
+
+    @property
+    def _num_fresh_allowed(self) -> int:
+        return min(self.granted_blocks, self.num_blocks) - self.num_touched_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -50,7 +67,7 @@ class BlockPool:
     def num_resident_free_blocks(self) -> int:
         """Free blocks whose memory is resident: cached prefixes, and spent blocks (a
         request's uncached tail) that the next allocation reuses first."""
-        return self.num_touched_blocks - self.num_used_blocks
+        return len(self._free)
 
     @property
     def usage(self) -> float:
@@ -61,10 +78,41 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        short = num_blocks - len(self._free) - self._num_fresh_allowed
+        if short > 0 and self.granted_blocks < self.num_blocks:
+            self.shortfall_blocks = max(self.shortfall_blocks, short)  # a grant would help
+        return short <= 0
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
+
+    # ---- the grant -----------------------------------------------------------------------
+
+    def set_grant(self, num_blocks: int) -> None:
+        """Let the pool touch up to num_blocks blocks (within its capacity). A grant below
+        what is already resident holds the pool where it is: touched pages stay."""
+        if num_blocks < 0:
+            raise ValueError("a KV grant must not be negative")
+        self.granted_blocks = max(self.num_touched_blocks, min(num_blocks, self.num_blocks))
+        self.shortfall_blocks = 0
+
+    def release_free_tail(self, keep_blocks: int) -> range:
+        """Give back the resident blocks above keep_blocks that no request holds, from the
+        top down to the highest one in use: they leave the free list and the prefix cache,
+        and the grant shrinks to what stays resident. Returns the ids given back (the caller
+        hands their pages back to the system); they are touched afresh when needed again."""
+        top = self.num_touched_blocks
+        floor = max(1, keep_blocks)  # block 0 holds the zeroed slot that padding reads
+        while top > floor and self._ref_counts[top - 1] == 0:
+            top -= 1
+        released = range(top, self.num_touched_blocks)
+        for block_id in released:
+            del self._free[block_id]
+            if self.prefix_cache.hash_of(block_id) is not None:
+                self.prefix_cache.forget(block_id)
+        self.num_touched_blocks = top
+        self.granted_blocks = min(self.granted_blocks, max(top, keep_blocks))
+        return released
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -74,19 +122,28 @@ class BlockPool:
             raise ValueError("num_blocks must be >= 0")
         if not self.can_allocate(num_blocks):
             raise RuntimeError(f"cannot allocate {num_blocks} KV blocks: "
-                               f"only {len(self._free)} are free")
+                               f"only {self.num_free_blocks} are free")
         taken = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            if self.prefix_cache.hash_of(block_id) is not None:
-                self.prefix_cache.forget(block_id)
-                self.num_evictions += 1
+            block_id = self._take_one()
             self._ref_counts[block_id] = 1
-            if not self._touched[block_id]:
-                self._touched[block_id] = True
-                self.num_touched_blocks += 1
             taken.append(block_id)
         return taken
+
+    def _take_one(self) -> int:
+        """A spent block, else a fresh one within the grant, else the LRU cached one."""
+        spent = next(iter(self._free), None)
+        if spent is not None and self.prefix_cache.hash_of(spent) is None:
+            del self._free[spent]
+            return spent
+        if self._num_fresh_allowed > 0:
+            self.num_touched_blocks += 1
+            return self.num_touched_blocks - 1
+        block_id, _ = self._free.popitem(last=False)
+        if self.prefix_cache.hash_of(block_id) is not None:
+            self.prefix_cache.forget(block_id)
+            self.num_evictions += 1
+        return block_id
 
     def find_cached(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Block ids holding the longest cached prefix of block_hashes (no references taken)."""

@@ -10,6 +10,9 @@ twice as fast at batch-1 decode as a slot-major [slots, 2 * H_kv, D] cache).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import torch
 
 from shoal.engine.kv.quant import row_width
@@ -44,3 +47,38 @@ def _lazy_cache(shape: tuple[int, int, int], dtype: torch.dtype,
     cache = torch.empty(shape, dtype=dtype, device=device)
     cache[:, 0].zero_()
     return cache
+
+
+_MADV_DONTNEED = 4  # Linux: the pages read back as zeros, their memory is freed now
+
+
+def release_slots(caches: list[torch.Tensor], first_slot: int, end_slot: int) -> int:
+    """Hand the pages of slots [first_slot, end_slot) of every [rows, slots, W] cache tensor
+    back to the system (they come back zeroed when next written). Only whole pages inside
+    each row's range go; a CPU tensor on Linux only (elsewhere nothing is released).
+    Returns the bytes released."""
+    madvise = _madvise()
+    if madvise is None or end_slot <= first_slot:
+        return 0
+    page = mmap.PAGESIZE
+    released = 0
+    for cache in caches:
+        if cache.device.type != "cpu" or not cache.is_contiguous():
+            continue
+        rows, slots = cache.shape[0], cache.shape[1]
+        slot_bytes = cache.stride(1) * cache.element_size()
+        for row in range(rows):
+            row_start = cache.data_ptr() + row * slots * slot_bytes
+            start = -(-(row_start + first_slot * slot_bytes) // page) * page
+            end = (row_start + end_slot * slot_bytes) // page * page
+            if end > start and madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                       _MADV_DONTNEED) == 0:
+                released += end - start
+    return released
+
+
+def _madvise():
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
