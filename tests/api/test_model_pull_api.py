@@ -111,7 +111,7 @@ def test_a_models_params_layer_gives_defaults_the_request_overrides(node, hub):
 
 
 def test_health_shows_a_pull_in_progress_for_the_dashboard(node, hub):
-    hub.delay_s = 0.01  # ~0.1 s per MiB: the pull is seen under way
+    hub.delay_s = 0.04  # ~0.4 s per MiB: the pull is seen under way, even on a busy host
     seen = []
     try:
         pulling = threading.Thread(target=lambda: ollama.Client(host=node.url).pull("slow"))
