@@ -274,3 +274,29 @@ def test_a_node_that_cannot_fit_its_share_refuses_and_the_master_widens(tmp_path
     assert all(len(i.ranks) <= 3 for i in created)  # bounded by the cluster's size
     assert len(created) <= 2 + 3 * 2  # and by the re-placement attempts
     assert instances == {} and loaded_on_c == []
+
+
+def test_get_cluster_names_a_present_master_or_none_while_electing(tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a = nodes["a"]  # c is the master
+        try:
+            assert a.service.describe()["master_id"] == "c"
+            nodes["hub"].drop(NodeId("c"))
+            seen = []
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                described = a.service.describe()
+                seen.append((described["master_id"],
+                             {node["node_id"] for node in described["nodes"]}))
+                if described["master_id"] is not None and seen[0][0] is None:
+                    break
+                await asyncio.sleep(0.005)
+            return seen
+        finally:
+            await stop_cluster(nodes)
+
+    seen = asyncio.run(main())
+    assert all(master is None or master in present for master, present in seen), seen
+    assert seen[0][0] is None  # the dead master is not named while the election runs
+    assert seen[-1][0] == "b"

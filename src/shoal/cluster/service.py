@@ -224,7 +224,11 @@ class ClusterService:
 
     @property
     def master_id(self) -> NodeId | None:
-        return self.plane.election.master
+        """The master this node follows while its presence lasts; None while an election runs.
+        (A dead master's presence goes at once; the election notices only its silence.)"""
+        master = self.plane.election.master
+        present = master == self.node_id or master in self.plane.transport.peers
+        return master if present else None
 
     @property
     def ready(self) -> bool:
@@ -449,7 +453,10 @@ class ClusterService:
                 "models": [{"model": m.model, "size": m.size, "files": len(m.files)}
                            for m in reading.models] if reading else [],
                 "last_seen": reading.taken_at if reading else None})
-        return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
+        master = self.master_id
+        if master not in {node["node_id"] for node in nodes}:
+            master = None  # not yet in the state's nodes: as good as still electing
+        return {"node_id": self.node_id, "master_id": master, "nodes": nodes,
                 "instances": self.describe_instances(),
                 # Nodes left out of a model's placements after its download or load failed.
                 "load_failures": {model: dict(failed)
