@@ -52,11 +52,11 @@ def test_a_failed_stream_ends_with_one_error_and_ignores_later_chunks():
         streams.start()
         stream = streams.open("r")
         sender = ChunkSender(server, NodeId("owner"), "r")
-        sender.send(token(0))
+        await sender.send(token(0))
         first = await stream.next(1.0)
         stream.fail("unavailable", "node server left")
         stream.fail("timeout", "second failure is ignored")
-        sender.send(token(1))
+        await sender.send(token(1))
         await asyncio.sleep(0.01)
         error = await stream.next(1.0)
         with pytest.raises(ValueError):

@@ -33,6 +33,9 @@ KV_PART_FIELD = "kv_part"
 # Model files between nodes (model_transfer.py): a request for a range, and a part of a file.
 FILE_ASK_FIELD = "model_file_ask"
 FILE_PART_FIELD = "model_file_part"
+# How long a bulk sender waits for room in a congested transport before it gives up with a
+# TransportError (the receiver then hears of the failure, or its own bound ends the wait).
+SEND_ROOM_WAIT_S = 10.0
 # Messages on the data key that are not token chunks (queries.py, card_exchange.py,
 # proposer_service.py, prefix_share.py, model_transfer.py) carry one of these fields.
 _OTHER_FIELDS = (ANSWER_FIELD, CARDS_FIELD, PROPOSAL_FIELD, KV_FETCH_FIELD,
@@ -45,7 +48,8 @@ def chunk_message(request_id: str, seq: int, chunk: Any) -> dict[str, Any]:
 
 
 class ChunkSender:
-    """Numbers one task's chunks and sends them to its owner."""
+    """Numbers one task's chunks and sends them to its owner, waiting for room in the
+    transport (back-pressure on the runner's stream) rather than losing one."""
 
     def __init__(self, transport: Transport, owner: NodeId, request_id: str) -> None:
         self._transport = transport
@@ -53,7 +57,9 @@ class ChunkSender:
         self._request_id = request_id
         self.seq = 0
 
-    def send(self, chunk: Any) -> None:
+    async def send(self, chunk: Any) -> None:
+        """TransportError when the link stays congested for SEND_ROOM_WAIT_S."""
+        await self._transport.room(SEND_ROOM_WAIT_S)
         self._transport.send_data(self._owner, chunk_message(self._request_id, self.seq, chunk))
         self.seq += 1
 

@@ -38,7 +38,7 @@ from shoal.catalog.pull.progress import Progress, PullEvent
 from shoal.catalog.pull.puller import STAGED_PLAN, forget_stale_files
 from shoal.catalog.resolve import ModelNotFound
 from shoal.catalog.store import ModelStore, directory_name, write_json_atomically
-from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD
+from shoal.cluster.data_plane import FILE_ASK_FIELD, FILE_PART_FIELD, SEND_ROOM_WAIT_S
 from shoal.cluster.held_models import HeldFile, HeldModel, HeldModels
 from shoal.cluster.rank_files import copy_rank_share
 from shoal.cluster.telemetry import NodeReading
@@ -397,6 +397,7 @@ class ModelTransfer:
             except OSError as error:
                 answer["error"] = f"cannot read {ask['path']}: {error}"
         try:
+            await self._transport.room(SEND_ROOM_WAIT_S)  # parts are large: back-pressure
             self._transport.send_data(asker, {FILE_PART_FIELD: answer})
         except TransportError as error:
             log.warning("cannot send a model file part to %s: %s", asker, error)
