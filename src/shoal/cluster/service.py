@@ -304,7 +304,7 @@ class ClusterService:
         finally:
             self.streams.close(task_id)
             self._accepted.discard(task_id)
-            if not stream.finished:
+            if not stream.finished or stream.failed_here:  # the producer may still run
                 self.send_command(CancelTask(command_id=new_command_id(), task_id=task_id))
 
     async def _receive(self, stream: RemoteStream, submit: SubmitTask,
