@@ -226,7 +226,7 @@ def test_closing_a_remote_stream_cancels_its_task(tmp_path, sources):  # noqa: F
     assert [c.kind for c in first] == ["accepted", "token", "token"]
 
 
-def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, sources):  # noqa: F811
+def test_a_serving_node_that_vanishes_after_the_first_token_ends_the_stream_with_an_error(tmp_path, sources):  # noqa: F811
     async def main():
         nodes = await start_cluster(tmp_path, sources)
         a, b = nodes["a"], nodes["b"]  # c is the master; b serves
@@ -235,6 +235,7 @@ def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, so
             await wait_until(lambda: statuses(a, "chat") == [(True, "b", "ready")])
             stream = a.router.submit(generate("chat", "tokens:500:0.01"))
             assert (await anext(stream)).kind == "accepted"
+            assert (await anext(stream)).kind == "token"  # past the first token: no retry
             nodes["hub"].drop(NodeId("b"))
             started = time.monotonic()
             chunks = [chunk async for chunk in stream]
@@ -300,3 +301,35 @@ def test_get_cluster_names_a_present_master_or_none_while_electing(tmp_path, sou
     assert all(master is None or master in present for master, present in seen), seen
     assert seen[0][0] is None  # the dead master is not named while the election runs
     assert seen[-1][0] == "b"
+
+
+def test_a_request_whose_serving_node_vanishes_before_its_first_token_is_retried_unseen(
+        tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a = nodes["a"]  # c is the master; chat runs on b and on c
+        try:
+            for other in ("b", "c"):
+                await a.service.place(PlacementRequest(
+                    facts=facts(model="chat", weight_bytes=GIB, n_layers=4),
+                    excluded_nodes=(NodeId("a"), NodeId(other))))
+            await wait_until(lambda: sorted(statuses(a, "chat")) == [
+                (False, "b", "ready"), (False, "c", "ready")], what="two instances ready")
+            stream = a.router.submit(generate("chat", "tokens:3:0.5"))
+            assert (await anext(stream)).kind == "accepted"
+            [task] = a.state.tasks.values()
+            server = a.state.instances[task.instance_id].ranks[0].node_id
+            nodes["hub"].drop(server)
+            started = time.monotonic()
+            rest = [chunk async for chunk in stream]
+            survivor = nodes["c" if server == "b" else "b"]
+            served = [rid for s in survivor.router.pool.registry.supervisors
+                      for rid in s.submitted]
+            return rest, time.monotonic() - started, served
+        finally:
+            await stop_cluster(nodes)
+
+    rest, waited, served_by_survivor = asyncio.run(main())
+    assert [c.kind for c in rest] == ["token", "token", "token", "finish"]
+    assert served_by_survivor == ["g-tokens:3:0.5~retry"]
+    assert waited < SERVICE.silence_timeout_s + 2.0
