@@ -41,11 +41,12 @@ class Node:
 
     def __init__(self, hub: MemoryHub, name: str, tmp: Path, model_sources,
                  memory: int = 64 * GIB, usable: int = 64 * GIB,
-                 queue: QueueLimits | None = None) -> None:
+                 queue: QueueLimits | None = None, config: dict | None = None) -> None:
         self.name = NodeId(name)
         self.events: list = []
         transport = hub.connect(name)
-        plane = ControlPlane(transport, ClusterConfig(event_log_dir=tmp / name, **CONFIG),
+        plane = ControlPlane(transport, ClusterConfig(event_log_dir=tmp / name,
+                                                      **(config or CONFIG)),
                              lambda: NodeReading(node_id=self.name, taken_at=time.time(),
                                                  name=name, memory_total=memory,
                                                  memory_available=memory))
@@ -66,7 +67,8 @@ class Node:
 
 async def start_cluster(tmp: Path, model_sources, names=("a", "b", "c"),
                         **node_options: dict) -> dict[str, Node]:
-    """node_options: per node name, keyword arguments of Node (memory, usable, queue)."""
+    """node_options: per node name, keyword arguments of Node (memory, usable, queue,
+    config)."""
     hub = MemoryHub()
     nodes = {name: Node(hub, name, tmp, model_sources, **node_options.get(name, {}))
              for name in names}

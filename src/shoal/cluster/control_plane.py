@@ -3,7 +3,10 @@ role while this node holds it.
 
 The election decides; this class only follows it: the replica is told which master to
 follow, and when this node wins it starts a Master seeded from the replica's state (so
-instances survive a failover), and stops it when another node wins.
+instances survive a failover), and stops it when another node wins. The role is held only
+with a quorum of the cluster's nodes in reach (quorum.py): a node cut off with a minority
+steps down, and while it holds no role its election rank says so, so that after the
+partition heals the majority's master stays master.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from shoal.cluster.election import Election, ElectionConfig
 from shoal.cluster.event_log import EventLog
 from shoal.cluster.events import Command, WorkerEvent, to_wire
 from shoal.cluster.master import Master, MasterConfig
+from shoal.cluster.quorum import describe_quorum, holds_quorum
 from shoal.cluster.replica import Replica, ReplicaConfig
+from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading, Telemetry, TelemetryConfig
 from shoal.cluster.transport.base import Transport
 from shoal.cluster.transport.topics import Topic
@@ -48,13 +53,20 @@ class ControlPlane:
         self.telemetry = Telemetry(transport, config.telemetry, read=read_telemetry)
         self.replica = Replica(transport, config.replica)
         self.election = Election(transport, config.election,
-                                 has_state=lambda: self.replica.session is not None)
+                                 has_state=lambda: self.replica.session is not None,
+                                 leads=lambda: self.master is not None)
         self.master: Master | None = None
         self._wanted: asyncio.Queue[NodeId | None] = asyncio.Queue()
         self._roles: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.election.on_master_changed(self._on_master_changed)
+        # Whether this node may hold the role is weighed again after every campaign (a
+        # healed partition may restore its quorum), and on every change of peers while it
+        # holds the role (losing the quorum steps it down at once; taking the role waits
+        # for the campaign a change of peers starts, never a stale result).
+        self.election.on_settled(self._wanted.put_nowait)
+        self.transport.on_peers_changed(self._on_peers_changed)
         await self.telemetry.start()
         await self.replica.start()
         self._roles = asyncio.create_task(self._follow_roles(), name="cluster-roles")
@@ -76,6 +88,22 @@ class ControlPlane:
         """Report a runner or task change for the master to index."""
         self.transport.publish(Topic.LOCAL_EVENTS, to_wire(event))
 
+    def has_quorum(self) -> bool:
+        """Whether this node reaches a quorum of the cluster's nodes (quorum.py)."""
+        state = self._state()
+        return holds_quorum(state.nodes, self.transport.peers | {self.node_id},
+                            state.session_master)
+
+    def describe_quorum(self) -> str:
+        return describe_quorum(self._state().nodes, self.transport.peers | {self.node_id})
+
+    def _state(self) -> ClusterState:
+        return self.master.state if self.master is not None else self.replica.state
+
+    def _on_peers_changed(self, _peers: frozenset[NodeId]) -> None:
+        if self.master is not None:
+            self._wanted.put_nowait(self.election.master)
+
     def _on_master_changed(self, master: NodeId | None) -> None:
         self.replica.follow(master)
         self._wanted.put_nowait(master)
@@ -87,9 +115,13 @@ class ControlPlane:
             while not self._wanted.empty():
                 master = self._wanted.get_nowait()
             try:
-                if master == self.node_id and self.master is None:
+                lead = master == self.node_id and self.has_quorum()
+                if master == self.node_id and not lead:
+                    log.warning("node %s won the election but holds no master role: %s",
+                                self.node_id, self.describe_quorum())
+                if lead and self.master is None:
                     await self._take_over()
-                elif master != self.node_id and self.master is not None:
+                elif not lead and self.master is not None:
                     await self._step_down()
             except Exception:  # a failed switch must not end role-following for good
                 log.exception("node %s could not switch its master role", self.node_id)

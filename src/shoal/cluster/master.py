@@ -33,6 +33,7 @@ from shoal.cluster.decide import Decision, Facts
 from shoal.cluster.event_log import EventLog, EventsUnavailable
 from shoal.cluster.events import Command, Event, IndexedEvent, parse_command, parse_worker_event
 from shoal.cluster.placement import DEFAULT_POLICY, PlacementPolicy
+from shoal.cluster.quorum import describe_quorum, holds_quorum
 from shoal.cluster.state import ClusterState
 from shoal.cluster.sync import SessionEvent, SyncRequest, SyncResponse, parse_sync_message
 from shoal.cluster.telemetry import TelemetryTable
@@ -141,7 +142,19 @@ class Master:
                      rendezvous_ports=self.config.rendezvous_ports,
                      seed=random.getrandbits(64), settled=settled, departed=departed)
 
+    def holds_quorum(self) -> bool:
+        """Whether this master sees a quorum of the state's nodes (quorum.py): it indexes
+        nothing without one."""
+        return holds_quorum(self.state.nodes, self._transport.peers | {self.node_id},
+                            self.state.session_master)
+
     def _carry_out(self, decision: Decision) -> list[IndexedEvent]:
+        if decision.events and not self.holds_quorum():
+            # Cut off from most of the cluster: whatever this side decides, the other side
+            # may decide otherwise. The control plane steps this master down.
+            log.warning("master %s indexes nothing: %s", self.node_id, describe_quorum(
+                self.state.nodes, self._transport.peers | {self.node_id}))
+            return []
         for level, message in decision.notes:
             log.log(level, message)
         return [self._index(event) for event in decision.events]

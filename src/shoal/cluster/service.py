@@ -75,6 +75,11 @@ class ClusterNotReady(RuntimeError):
     """Cluster information is still arriving (no master yet, or no memory readings)."""
 
 
+class NoQuorum(ClusterNotReady):
+    """This node is cut off from most of the cluster: nothing is placed from here until the
+    network heals (waiting for it would only hang the request)."""
+
+
 class PlacementRefused(ValueError):
     """The placement asked for is impossible; the message says why."""
 
@@ -227,8 +232,9 @@ class ClusterService:
         """The master this node follows while its presence lasts; None while an election runs.
         (A dead master's presence goes at once; the election notices only its silence.)"""
         master = self.plane.election.master
-        present = master == self.node_id or master in self.plane.transport.peers
-        return master if present else None
+        if master == self.node_id:  # elected, but a master only with a quorum in reach
+            return master if self.plane.master is not None else None
+        return master if master in self.plane.transport.peers else None
 
     @property
     def ready(self) -> bool:
@@ -378,6 +384,9 @@ class ClusterService:
 
         ClusterNotReady while cluster information is still arriving; PlacementRefused when
         no placement fits (the reason says why)."""
+        if not self.plane.has_quorum():
+            raise NoQuorum(f"{self.plane.describe_quorum()}: too few to place models until "
+                           "the network heals; retry later")
         if not self.ready:
             raise ClusterNotReady("the cluster is still forming (no master yet); retry shortly")
         result = place_avoiding_failures(self.state, request, self.capacities(),
