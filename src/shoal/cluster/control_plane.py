@@ -56,17 +56,19 @@ class ControlPlane:
                                  has_state=lambda: self.replica.session is not None,
                                  leads=lambda: self.master is not None)
         self.master: Master | None = None
-        self._wanted: asyncio.Queue[NodeId | None] = asyncio.Queue()
+        # (the elected master, whether this node may take the role on this news)
+        self._wanted: asyncio.Queue[tuple[NodeId | None, bool]] = asyncio.Queue()
         self._roles: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.election.on_master_changed(self._on_master_changed)
         # Whether this node may hold the role is weighed again after every campaign (a
-        # healed partition may restore its quorum), and on every change of peers while it
-        # holds the role (losing the quorum steps it down at once; taking the role waits
-        # for the campaign a change of peers starts, never a stale result).
-        self.election.on_settled(self._wanted.put_nowait)
-        self.transport.on_peers_changed(self._on_peers_changed)
+        # healed partition may restore its quorum), and, to step down only, on every change
+        # of peers and every heartbeat: taking the role waits for a campaign's fresh
+        # result, never a stale one.
+        self.election.on_settled(lambda master: self._wanted.put_nowait((master, True)))
+        self.transport.on_peers_changed(
+            lambda _peers: self._wanted.put_nowait((self.election.master, False)))
         await self.telemetry.start()
         await self.replica.start()
         self._roles = asyncio.create_task(self._follow_roles(), name="cluster-roles")
@@ -89,40 +91,49 @@ class ControlPlane:
         self.transport.publish(Topic.LOCAL_EVENTS, to_wire(event))
 
     def has_quorum(self) -> bool:
-        """Whether this node reaches a quorum of the cluster's nodes (quorum.py)."""
+        """Whether this node reaches a quorum of the cluster's nodes (quorum.py): nodes
+        present and heard in the election's last master timeout."""
         state = self._state()
-        return holds_quorum(state.nodes, self.transport.peers | {self.node_id},
-                            state.session_master)
+        return holds_quorum(state.nodes, self._reachable(), state.session_master)
 
     def describe_quorum(self) -> str:
-        return describe_quorum(self._state().nodes, self.transport.peers | {self.node_id})
+        return describe_quorum(self._state().nodes, self._reachable())
+
+    def _reachable(self) -> frozenset[NodeId]:
+        # Presence lags a cut link by Zenoh's lease (seconds); the election's messages,
+        # every heartbeat from every node, do not.
+        return self.election.reachable() & (self.transport.peers | {self.node_id})
 
     def _state(self) -> ClusterState:
         return self.master.state if self.master is not None else self.replica.state
 
-    def _on_peers_changed(self, _peers: frozenset[NodeId]) -> None:
-        if self.master is not None:
-            self._wanted.put_nowait(self.election.master)
-
     def _on_master_changed(self, master: NodeId | None) -> None:
         self.replica.follow(master)
-        self._wanted.put_nowait(master)
+        self._wanted.put_nowait((master, True))
 
     async def _follow_roles(self) -> None:
         """Start or stop the master role, one change at a time, skipping superseded ones."""
         while True:
-            master = await self._wanted.get()
+            try:
+                async with asyncio.timeout(self.config.election.heartbeat_s):
+                    master, may_take = await self._wanted.get()
+            except TimeoutError:
+                master, may_take = self.election.master, False
             while not self._wanted.empty():
-                master = self._wanted.get_nowait()
+                master, later_may_take = self._wanted.get_nowait()
+                may_take = may_take or later_may_take
             try:
                 lead = master == self.node_id and self.has_quorum()
-                if master == self.node_id and not lead:
-                    log.warning("node %s won the election but holds no master role: %s",
-                                self.node_id, self.describe_quorum())
-                if lead and self.master is None:
+                if lead and self.master is None and may_take:
                     await self._take_over()
                 elif not lead and self.master is not None:
+                    if master == self.node_id:
+                        log.warning("master %s steps down: %s", self.node_id,
+                                    self.describe_quorum())
                     await self._step_down()
+                elif master == self.node_id and self.master is None and may_take:
+                    log.warning("node %s won the election but takes no master role: %s",
+                                self.node_id, self.describe_quorum())
             except Exception:  # a failed switch must not end role-following for good
                 log.exception("node %s could not switch its master role", self.node_id)
 
@@ -131,7 +142,7 @@ class ControlPlane:
         event_log = await asyncio.to_thread(EventLog, self.config.event_log_dir)
         seed = self.replica.state if self.replica.session is not None else None
         master = Master(self.transport, self.telemetry.table, event_log, self.config.master,
-                        seed=seed)
+                        seed=seed, reachable=self._reachable)
         await master.start()
         self.master = master
 

@@ -13,6 +13,10 @@ that sees the same candidates picks the same winner, and heartbeats settle the r
 that hears a higher master steps down, a node that hears a master ranked below itself
 campaigns (the "bully" step).
 
+Every node speaks each heartbeat (a master its heartbeat, the others an "alive"), so each
+knows which nodes it hears now (`reachable`), sooner than presence tokens tell of a cut link;
+the control plane counts its quorum among them.
+
 Campaigns start at start-up, when the connected-peer set has changed since the last
 campaign, when the master falls silent for `master_timeout_s`, and when a lower-ranked node
 campaigns or masters while this one would win. A running campaign always finishes; if the
@@ -81,6 +85,7 @@ class Election:
         self._leads = leads
         self._master: NodeId | None = None
         self._ranks: dict[NodeId, Rank] = {}
+        self._heard: dict[NodeId, float] = {}  # when each node's last election message came
         self._last_heartbeat = time.monotonic()
         self._candidates: dict[NodeId, Rank] | None = None  # None: no campaign running
         self._basis: frozenset[NodeId] | None = None  # peers when the last campaign began
@@ -107,6 +112,13 @@ class Election:
     @property
     def campaigning(self) -> bool:
         return self._candidates is not None
+
+    def reachable(self) -> frozenset[NodeId]:
+        """This node and those heard within the master timeout (every node speaks each
+        heartbeat: masters their heartbeat, the others that they are alive)."""
+        now = time.monotonic()
+        return frozenset(node for node, heard in self._heard.items()
+                         if now - heard <= self.config.master_timeout_s) | {self.node_id}
 
     def on_master_changed(self, callback: Callable[[NodeId | None], None]) -> Subscription:
         """callback(master) on the loop whenever the master this node follows changes."""
@@ -206,6 +218,7 @@ class Election:
             return
         if node == self.node_id:
             return
+        self._heard[node] = time.monotonic()
         self._ranks[node] = rank
         if self._candidates is not None:
             self._candidates[node] = rank
@@ -258,7 +271,9 @@ class Election:
             await asyncio.sleep(self.config.heartbeat_s)
             if self.is_master:
                 self._publish("heartbeat")
-            elif not self.campaigning and self._master is not None and self._master_silent():
+                continue
+            self._publish("alive")  # counted by others as reachable (their quorum)
+            if not self.campaigning and self._master is not None and self._master_silent():
                 log.warning("node %s: master %s silent for %.1fs; campaigning", self.node_id,
                             self._master, time.monotonic() - self._last_heartbeat)
                 self._set_master(None)

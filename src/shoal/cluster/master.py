@@ -22,6 +22,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -74,8 +75,12 @@ class Master:
     """Indexes one session's events; start() begins the session, stop() ends it."""
 
     def __init__(self, transport: Transport, telemetry: TelemetryTable, event_log: EventLog,
-                 config: MasterConfig | None = None, seed: ClusterState | None = None) -> None:
+                 config: MasterConfig | None = None, seed: ClusterState | None = None,
+                 reachable: Callable[[], frozenset[NodeId]] | None = None) -> None:
+        """reachable: the nodes this one hears now, itself included (default: the
+        transport's peers); a quorum of the state's nodes among them lets it index."""
         self._transport = transport
+        self._reachable = reachable or (lambda: self._transport.peers | {self.node_id})
         self._telemetry = telemetry
         self._log = event_log
         self.config = config or MasterConfig()
@@ -145,15 +150,14 @@ class Master:
     def holds_quorum(self) -> bool:
         """Whether this master sees a quorum of the state's nodes (quorum.py): it indexes
         nothing without one."""
-        return holds_quorum(self.state.nodes, self._transport.peers | {self.node_id},
-                            self.state.session_master)
+        return holds_quorum(self.state.nodes, self._reachable(), self.state.session_master)
 
     def _carry_out(self, decision: Decision) -> list[IndexedEvent]:
         if decision.events and not self.holds_quorum():
             # Cut off from most of the cluster: whatever this side decides, the other side
             # may decide otherwise. The control plane steps this master down.
-            log.warning("master %s indexes nothing: %s", self.node_id, describe_quorum(
-                self.state.nodes, self._transport.peers | {self.node_id}))
+            log.warning("master %s indexes nothing: %s", self.node_id,
+                        describe_quorum(self.state.nodes, self._reachable()))
             return []
         for level, message in decision.notes:
             log.log(level, message)

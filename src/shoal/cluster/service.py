@@ -233,7 +233,8 @@ class ClusterService:
         (A dead master's presence goes at once; the election notices only its silence.)"""
         master = self.plane.election.master
         if master == self.node_id:  # elected, but a master only with a quorum in reach
-            return master if self.plane.master is not None else None
+            role = self.plane.master
+            return master if role is not None and role.holds_quorum() else None
         return master if master in self.plane.transport.peers else None
 
     @property
