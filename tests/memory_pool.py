@@ -19,6 +19,7 @@ from shoal.protocol import (
     AcceptedChunk,
     EmbeddingRequest,
     EmbeddingResult,
+    ErrorChunk,
     FinishChunk,
     GenerationRequest,
     ImageChunk,
@@ -46,7 +47,9 @@ HELD_BYTES = 100 * 2**20
 class MemorySupervisor:
     """RunnerSupervisor's interface in memory: loads take LOAD_S; "broken" fails to load;
     a prompt "hold:<seconds>" keeps its request running that long; "tokens:<n>:<seconds>"
-    streams n tokens "t0 ", "t1 ", ... that far apart."""
+    streams n tokens "t0 ", "t1 ", ... that far apart; "crash" ends it as a runner crash
+    would, and "crash-once:<path>" does so while the file at path exists (removing it), else
+    streams two tokens. `submitted` lists the request ids it was given."""
 
     def __init__(self, source: ModelSource, events: list) -> None:
         self.config = EngineConfig(source=source)
@@ -59,6 +62,7 @@ class MemorySupervisor:
         self.memory_limit: int | None = None
         self.aborted: list[str] = []  # requests whose stream was closed before the end
         self.restarts = 0
+        self.submitted: list[str] = []
 
     def limit_memory(self, limit_bytes: int | None) -> None:
         self.memory_limit = limit_bytes
@@ -84,9 +88,17 @@ class MemorySupervisor:
 
     async def submit(self, request: GenerationRequest):
         finished = False
+        self.submitted.append(request.request_id)
         try:
             yield AcceptedChunk(request_id=request.request_id, prompt_tokens=1)
             count = 0
+            if _crashes(request.prompt):
+                finished = True
+                yield ErrorChunk(request_id=request.request_id, code="runner_crashed",
+                                 message=f"the runner of {self.model_id} exited")
+                return
+            if request.prompt.startswith("crash-once:"):
+                request = request.model_copy(update={"prompt": "tokens:2:0"})
             if request.prompt.startswith("hold:"):
                 await asyncio.sleep(float(request.prompt[5:]))
             elif request.prompt.startswith("tokens:"):
@@ -120,6 +132,17 @@ class MemorySupervisor:
         return EmbeddingResult(request_id=request.request_id,
                                embeddings=tuple((1.0, 0.0) for _ in request.texts),
                                prompt_tokens=len(request.texts))
+
+
+def _crashes(prompt: str) -> bool:
+    if prompt == "crash":
+        return True
+    if prompt.startswith("crash-once:"):
+        marker = Path(prompt.split(":", 1)[1])
+        if marker.exists():
+            marker.unlink()
+            return True
+    return False
 
 
 @pytest.fixture

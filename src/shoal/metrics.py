@@ -162,3 +162,16 @@ def _cluster_metrics(cluster: Any) -> Iterator[Metric]:
                               value=max(0, replica.sessions_followed - 1))
     yield CounterMetricFamily("shoal_cluster_events_applied", "Cluster events this node "
                               "applied to its state", value=replica.events_applied)
+    outbox = cluster.plane.transport.outbox_stats
+    yield GaugeMetricFamily("shoal_cluster_outbox_messages", "Cluster messages queued for the "
+                            "network (sent off the event loop)", value=outbox.queued_messages)
+    yield GaugeMetricFamily("shoal_cluster_outbox_bytes", "Bytes of the queued cluster "
+                            "messages", value=outbox.queued_bytes)
+    unsent = CounterMetricFamily("shoal_cluster_messages_unsent", "Cluster messages not sent: "
+                                 "best-effort ones (telemetry, prefix updates) dropped while "
+                                 "the link was congested, others refused with an error, or "
+                                 "failed by the network layer", labels=["reason"])
+    unsent.add_metric(["dropped"], outbox.dropped)
+    unsent.add_metric(["refused"], outbox.refused)
+    unsent.add_metric(["failed"], outbox.failed)
+    yield unsent

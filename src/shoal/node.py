@@ -33,6 +33,7 @@ from shoal.cluster.setup import open_cluster
 from shoal.cluster.transport.base import TransportError
 from shoal.config import NodeConfig
 from shoal.config_file import ConfigFileError
+from shoal.diagnostics.data_dir import DataDirWatch
 from shoal.diagnostics.error_log import RecentErrors
 from shoal.node_diagnostics import NodeDiagnostics
 from shoal.pool.clients import load_clients
@@ -213,6 +214,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     errors = RecentErrors()
     logging.getLogger().addHandler(errors)  # this node's recent errors, for diagnostics
     diagnose = NodeDiagnostics(config, pool, cluster, errors)
+    data_dir_watch = DataDirWatch(config.data_dir)
+    data_dir_watch.start()
     try:
         await _preload(router, default_models(config), stop)
         await _preload(router, config.pool.pinned, stop, pinned=True)
@@ -226,7 +229,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         app = create_app(router, keepalive_s=config.server.keepalive_s,
                          list_available=list_available or functools.partial(
                              list_models, data_dir=config.data_dir),
-                         cluster=cluster, api_keys=api_keys, diagnose=diagnose, puller=puller)
+                         cluster=cluster, api_keys=api_keys, diagnose=diagnose, puller=puller,
+                         data_dir_watch=data_dir_watch)
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                         log_level="warning", lifespan="off",
                                         # its records go to our handler (--log-format)
@@ -243,6 +247,7 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
         server.should_exit = True
         await server_task
     finally:
+        await data_dir_watch.stop()
         await cluster.stop()
         await router.shutdown()
         logging.getLogger().removeHandler(errors)

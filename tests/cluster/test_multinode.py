@@ -85,7 +85,7 @@ def three_nodes(tmp_path):
 
 def test_three_nodes_serve_across_the_cluster_and_survive_losing_the_master(three_nodes):
     node1, node2, node3 = three_nodes
-    formed_in = wait_for(lambda: agreed_master(three_nodes, 3), 10, "one cluster, one master")
+    formed_in = wait_for(lambda: agreed_master(three_nodes, 3), 30, "one cluster, one master")
     ids = [cluster_of(node)["node_id"] for node in three_nodes]
     assert agreed_master(three_nodes, 3) == ids[1]  # --force-master
     print(f"formation: {formed_in:.2f} s")
@@ -151,7 +151,7 @@ def test_a_node_with_another_secret_stays_out(tmp_path):
                             "--cluster-secret", "another"],
                            tmp_path / "intruder", wait_healthy=False)
     try:
-        wait_for(lambda: agreed_master(nodes, 2), 10, "the two-node cluster")
+        wait_for(lambda: agreed_master(nodes, 2), 30, "the two-node cluster")
         wait_for(lambda: (cluster_of(intruder) or {}).get("master_id"), 10,
                  "the intruder's own cluster")
         time.sleep(2.0)  # time enough for anything that would leak across

@@ -41,11 +41,12 @@ class Node:
 
     def __init__(self, hub: MemoryHub, name: str, tmp: Path, model_sources,
                  memory: int = 64 * GIB, usable: int = 64 * GIB,
-                 queue: QueueLimits | None = None) -> None:
+                 queue: QueueLimits | None = None, config: dict | None = None) -> None:
         self.name = NodeId(name)
         self.events: list = []
         transport = hub.connect(name)
-        plane = ControlPlane(transport, ClusterConfig(event_log_dir=tmp / name, **CONFIG),
+        plane = ControlPlane(transport, ClusterConfig(event_log_dir=tmp / name,
+                                                      **(config or CONFIG)),
                              lambda: NodeReading(node_id=self.name, taken_at=time.time(),
                                                  name=name, memory_total=memory,
                                                  memory_available=memory))
@@ -66,7 +67,8 @@ class Node:
 
 async def start_cluster(tmp: Path, model_sources, names=("a", "b", "c"),
                         **node_options: dict) -> dict[str, Node]:
-    """node_options: per node name, keyword arguments of Node (memory, usable, queue)."""
+    """node_options: per node name, keyword arguments of Node (memory, usable, queue,
+    config)."""
     hub = MemoryHub()
     nodes = {name: Node(hub, name, tmp, model_sources, **node_options.get(name, {}))
              for name in names}
@@ -226,7 +228,7 @@ def test_closing_a_remote_stream_cancels_its_task(tmp_path, sources):  # noqa: F
     assert [c.kind for c in first] == ["accepted", "token", "token"]
 
 
-def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, sources):  # noqa: F811
+def test_a_serving_node_that_vanishes_after_the_first_token_ends_the_stream_with_an_error(tmp_path, sources):  # noqa: F811
     async def main():
         nodes = await start_cluster(tmp_path, sources)
         a, b = nodes["a"], nodes["b"]  # c is the master; b serves
@@ -235,6 +237,7 @@ def test_a_serving_node_that_vanishes_ends_the_stream_with_an_error(tmp_path, so
             await wait_until(lambda: statuses(a, "chat") == [(True, "b", "ready")])
             stream = a.router.submit(generate("chat", "tokens:500:0.01"))
             assert (await anext(stream)).kind == "accepted"
+            assert (await anext(stream)).kind == "token"  # past the first token: no retry
             nodes["hub"].drop(NodeId("b"))
             started = time.monotonic()
             chunks = [chunk async for chunk in stream]
@@ -274,3 +277,61 @@ def test_a_node_that_cannot_fit_its_share_refuses_and_the_master_widens(tmp_path
     assert all(len(i.ranks) <= 3 for i in created)  # bounded by the cluster's size
     assert len(created) <= 2 + 3 * 2  # and by the re-placement attempts
     assert instances == {} and loaded_on_c == []
+
+
+def test_get_cluster_names_a_present_master_or_none_while_electing(tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a = nodes["a"]  # c is the master
+        try:
+            assert a.service.describe()["master_id"] == "c"
+            nodes["hub"].drop(NodeId("c"))
+            seen = []
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                described = a.service.describe()
+                seen.append((described["master_id"],
+                             {node["node_id"] for node in described["nodes"]}))
+                if described["master_id"] is not None and seen[0][0] is None:
+                    break
+                await asyncio.sleep(0.005)
+            return seen
+        finally:
+            await stop_cluster(nodes)
+
+    seen = asyncio.run(main())
+    assert all(master is None or master in present for master, present in seen), seen
+    assert seen[0][0] is None  # the dead master is not named while the election runs
+    assert seen[-1][0] == "b"
+
+
+def test_a_request_whose_serving_node_vanishes_before_its_first_token_is_retried_unseen(
+        tmp_path, sources):  # noqa: F811
+    async def main():
+        nodes = await start_cluster(tmp_path, sources)
+        a = nodes["a"]  # c is the master; chat runs on b and on c
+        try:
+            for other in ("b", "c"):
+                await a.service.place(PlacementRequest(
+                    facts=facts(model="chat", weight_bytes=GIB, n_layers=4),
+                    excluded_nodes=(NodeId("a"), NodeId(other))))
+            await wait_until(lambda: sorted(statuses(a, "chat")) == [
+                (False, "b", "ready"), (False, "c", "ready")], what="two instances ready")
+            stream = a.router.submit(generate("chat", "tokens:3:0.5"))
+            assert (await anext(stream)).kind == "accepted"
+            [task] = a.state.tasks.values()
+            server = a.state.instances[task.instance_id].ranks[0].node_id
+            nodes["hub"].drop(server)
+            started = time.monotonic()
+            rest = [chunk async for chunk in stream]
+            survivor = nodes["c" if server == "b" else "b"]
+            served = [rid for s in survivor.router.pool.registry.supervisors
+                      for rid in s.submitted]
+            return rest, time.monotonic() - started, served
+        finally:
+            await stop_cluster(nodes)
+
+    rest, waited, served_by_survivor = asyncio.run(main())
+    assert [c.kind for c in rest] == ["token", "token", "token", "finish"]
+    assert served_by_survivor == ["g-tokens:3:0.5~retry"]
+    assert waited < SERVICE.silence_timeout_s + 2.0

@@ -52,6 +52,8 @@ def test_metrics_follow_requests_loads_and_evictions(sources):
     assert value(after, "shoal_cluster_events_applied_total") > \
         value(before, "shoal_cluster_events_applied_total")
     assert value(after, "shoal_cluster_master_changes_total") == 0
+    assert ("shoal_cluster_outbox_messages", ()) in after
+    assert value(after, "shoal_cluster_messages_unsent_total", reason="dropped") == 0
 
 
 async def _drain(stream) -> None:

@@ -34,13 +34,14 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
                list_available: Callable[[], Sequence[Any]] | None = None,
                lifespan: Any = None, cluster: Any = None,
                api_keys: ApiKeys | None = None, diagnose: Any = None,
-               puller: Any = None) -> FastAPI:
+               puller: Any = None, data_dir_watch: Any = None) -> FastAPI:
     """The HTTP app over router (shoal.router.Router, or a fake with the same view), with
     the cluster routes when cluster (shoal.cluster.service.ClusterService) is given and the
     diagnostics routes' answers from diagnose (node_diagnostics.NodeDiagnostics); pulls
     (POST /api/pull, DELETE /api/delete) go through puller (shoal.catalog.pull.puller.Puller;
-    None: one into the default data dir); every route but /health and / wants one of
-    api_keys when there are any."""
+    None: one into the default data dir); /health warns of what data_dir_watch
+    (diagnostics/data_dir.py's DataDirWatch) finds; every route but /health and / wants one
+    of api_keys when there are any."""
     app = FastAPI(title="shoal", lifespan=lifespan)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys)
@@ -58,6 +59,7 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
     app.state.keepalive_s = keepalive_s
     app.state.list_available = list_available or list_models
     app.state.puller = puller
+    app.state.data_dir_watch = data_dir_watch
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(dashboard.router)
@@ -94,6 +96,9 @@ def create_app(router: RouterView, keepalive_s: float = 15.0,
         body["queue"] = {"waiting": queue.depth(), "running": queue.running()}
         puller = request.app.state.puller
         body["pulls"] = puller.in_progress() if puller is not None else []
+        # Warnings leave the status alone: the node still serves (a full data dir, say).
+        watch = request.app.state.data_dir_watch
+        body["warnings"] = [watch.warning] if watch is not None and watch.warning else []
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return app

@@ -1,7 +1,8 @@
 """Bully election of the cluster master over the ELECTION topic.
 
-A node's rank is (force_master, is master now, has replicated state, node_id), compared in
-that order; the highest-ranked node that is connected wins. So at formation the highest id
+A node's rank is (force_master, holds the master role now, has replicated state, node_id),
+compared in that order (an elected node without the role, cut off from a quorum, ranks as
+no master); the highest-ranked node that is connected wins. So at formation the highest id
 wins, `--force-master` beats everyone, and a working master is not displaced by a node that
 merely joins (which would also seed the new session from an empty state); after a failover,
 nodes holding the replicated state come first.
@@ -11,6 +12,10 @@ that are not campaigning answer once); the best connected candidate is the maste
 that sees the same candidates picks the same winner, and heartbeats settle the rest: a master
 that hears a higher master steps down, a node that hears a master ranked below itself
 campaigns (the "bully" step).
+
+Every node speaks each heartbeat (a master its heartbeat, the others an "alive"), so each
+knows which nodes it hears now (`reachable`), sooner than presence tokens tell of a cut link;
+the control plane counts its quorum among them.
 
 Campaigns start at start-up, when the connected-peer set has changed since the last
 campaign, when the master falls silent for `master_timeout_s`, and when a lower-ranked node
@@ -37,6 +42,7 @@ log = logging.getLogger("shoal.cluster.election")
 
 Rank = tuple[bool, bool, bool, str]
 _CHANGED = "master"
+_SETTLED = "settled"
 
 
 @dataclass(frozen=True)
@@ -67,14 +73,19 @@ class Election:
     """This node's view of who the master is; start() joins, stop() leaves."""
 
     def __init__(self, transport: Transport, config: ElectionConfig | None = None,
-                 has_state: Callable[[], bool] = lambda: False) -> None:
-        """has_state: whether this node holds replicated cluster state (a replica in sync)."""
+                 has_state: Callable[[], bool] = lambda: False,
+                 leads: Callable[[], bool] | None = None) -> None:
+        """has_state: whether this node holds replicated cluster state (a replica in sync);
+        leads: whether this node holds the master role now (None: whenever it is the
+        election's master). An elected node without the role (no quorum) ranks as none."""
         self._transport = transport
         self.config = config or ElectionConfig()
         self.node_id = transport.node_id
         self._has_state = has_state
+        self._leads = leads
         self._master: NodeId | None = None
         self._ranks: dict[NodeId, Rank] = {}
+        self._heard: dict[NodeId, float] = {}  # when each node's last election message came
         self._last_heartbeat = time.monotonic()
         self._candidates: dict[NodeId, Rank] | None = None  # None: no campaign running
         self._basis: frozenset[NodeId] | None = None  # peers when the last campaign began
@@ -87,7 +98,8 @@ class Election:
 
     @property
     def rank(self) -> Rank:
-        return (self.config.force_master, self.is_master, self._has_state(), str(self.node_id))
+        leads = self.is_master and (self._leads is None or self._leads())
+        return (self.config.force_master, leads, self._has_state(), str(self.node_id))
 
     @property
     def master(self) -> NodeId | None:
@@ -101,9 +113,21 @@ class Election:
     def campaigning(self) -> bool:
         return self._candidates is not None
 
+    def reachable(self) -> frozenset[NodeId]:
+        """This node and those heard within the master timeout (every node speaks each
+        heartbeat: masters their heartbeat, the others that they are alive)."""
+        now = time.monotonic()
+        return frozenset(node for node, heard in self._heard.items()
+                         if now - heard <= self.config.master_timeout_s) | {self.node_id}
+
     def on_master_changed(self, callback: Callable[[NodeId | None], None]) -> Subscription:
         """callback(master) on the loop whenever the master this node follows changes."""
         return self._callbacks.add(_CHANGED, callback)
+
+    def on_settled(self, callback: Callable[[NodeId], None]) -> Subscription:
+        """callback(master) on the loop whenever a campaign ends, its winner unchanged or
+        not (whether this node may take the role can have changed meanwhile)."""
+        return self._callbacks.add(_SETTLED, callback)
 
     async def wait_for_master(self, timeout: float) -> NodeId:
         """The master once a campaign has settled; TimeoutError after timeout seconds."""
@@ -164,6 +188,7 @@ class Election:
             self._last_heartbeat = time.monotonic()
             self._set_master(winner)
             self._settled.set()
+            self._callbacks.deliver(_SETTLED, winner)
             if winner == self.node_id:
                 self._publish("heartbeat")
             if self._transport.peers == self._basis:
@@ -193,6 +218,7 @@ class Election:
             return
         if node == self.node_id:
             return
+        self._heard[node] = time.monotonic()
         self._ranks[node] = rank
         if self._candidates is not None:
             self._candidates[node] = rank
@@ -245,7 +271,9 @@ class Election:
             await asyncio.sleep(self.config.heartbeat_s)
             if self.is_master:
                 self._publish("heartbeat")
-            elif not self.campaigning and self._master is not None and self._master_silent():
+                continue
+            self._publish("alive")  # counted by others as reachable (their quorum)
+            if not self.campaigning and self._master is not None and self._master_silent():
                 log.warning("node %s: master %s silent for %.1fs; campaigning", self.node_id,
                             self._master, time.monotonic() - self._last_heartbeat)
                 self._set_master(None)

@@ -22,6 +22,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -33,6 +34,7 @@ from shoal.cluster.decide import Decision, Facts
 from shoal.cluster.event_log import EventLog, EventsUnavailable
 from shoal.cluster.events import Command, Event, IndexedEvent, parse_command, parse_worker_event
 from shoal.cluster.placement import DEFAULT_POLICY, PlacementPolicy
+from shoal.cluster.quorum import describe_quorum, holds_quorum
 from shoal.cluster.state import ClusterState
 from shoal.cluster.sync import SessionEvent, SyncRequest, SyncResponse, parse_sync_message
 from shoal.cluster.telemetry import TelemetryTable
@@ -73,8 +75,12 @@ class Master:
     """Indexes one session's events; start() begins the session, stop() ends it."""
 
     def __init__(self, transport: Transport, telemetry: TelemetryTable, event_log: EventLog,
-                 config: MasterConfig | None = None, seed: ClusterState | None = None) -> None:
+                 config: MasterConfig | None = None, seed: ClusterState | None = None,
+                 reachable: Callable[[], frozenset[NodeId]] | None = None) -> None:
+        """reachable: the nodes this one hears now, itself included (default: the
+        transport's peers); a quorum of the state's nodes among them lets it index."""
         self._transport = transport
+        self._reachable = reachable or (lambda: self._transport.peers | {self.node_id})
         self._telemetry = telemetry
         self._log = event_log
         self.config = config or MasterConfig()
@@ -141,7 +147,18 @@ class Master:
                      rendezvous_ports=self.config.rendezvous_ports,
                      seed=random.getrandbits(64), settled=settled, departed=departed)
 
+    def holds_quorum(self) -> bool:
+        """Whether this master sees a quorum of the state's nodes (quorum.py): it indexes
+        nothing without one."""
+        return holds_quorum(self.state.nodes, self._reachable(), self.state.session_master)
+
     def _carry_out(self, decision: Decision) -> list[IndexedEvent]:
+        if decision.events and not self.holds_quorum():
+            # Cut off from most of the cluster: whatever this side decides, the other side
+            # may decide otherwise. The control plane steps this master down.
+            log.warning("master %s indexes nothing: %s", self.node_id,
+                        describe_quorum(self.state.nodes, self._reachable()))
+            return []
         for level, message in decision.notes:
             log.log(level, message)
         return [self._index(event) for event in decision.events]

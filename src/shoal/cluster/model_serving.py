@@ -28,6 +28,7 @@ from shoal.cluster.data_plane import (
     FILE_PART_FIELD,
     FILE_STREAM_ASK_FIELD,
     FILE_STREAM_OFFER_FIELD,
+    SEND_ROOM_WAIT_S,
 )
 from shoal.cluster.file_stream import SLICE_BYTES, StreamServer
 from shoal.cluster.held_models import HeldModels
@@ -147,6 +148,7 @@ class ModelFileServer:
             except OSError as error:
                 answer["error"] = f"cannot read {ask['path']}: {error}"
         try:
+            await self._transport.room(SEND_ROOM_WAIT_S)  # parts are large: back-pressure
             self._transport.send_data(asker, {FILE_PART_FIELD: answer})
         except TransportError as error:
             log.warning("cannot send a model file part to %s: %s", asker, error)

@@ -77,6 +77,11 @@ class ClusterNotReady(RuntimeError):
     """Cluster information is still arriving (no master yet, or no memory readings)."""
 
 
+class NoQuorum(ClusterNotReady):
+    """This node is cut off from most of the cluster: nothing is placed from here until the
+    network heals (waiting for it would only hang the request)."""
+
+
 class PlacementRefused(ValueError):
     """The placement asked for is impossible; the message says why."""
 
@@ -240,7 +245,13 @@ class ClusterService:
 
     @property
     def master_id(self) -> NodeId | None:
-        return self.plane.election.master
+        """The master this node follows while its presence lasts; None while an election runs.
+        (A dead master's presence goes at once; the election notices only its silence.)"""
+        master = self.plane.election.master
+        if master == self.node_id:  # elected, but a master only with a quorum in reach
+            role = self.plane.master
+            return master if role is not None and role.holds_quorum() else None
+        return master if master in self.plane.transport.peers else None
 
     @property
     def ready(self) -> bool:
@@ -316,7 +327,7 @@ class ClusterService:
         finally:
             self.streams.close(task_id)
             self._accepted.discard(task_id)
-            if not stream.finished:
+            if not stream.finished or stream.failed_here:  # the producer may still run
                 self.send_command(CancelTask(command_id=new_command_id(), task_id=task_id))
 
     async def _receive(self, stream: RemoteStream, submit: SubmitTask,
@@ -397,6 +408,9 @@ class ClusterService:
 
         ClusterNotReady while cluster information is still arriving; PlacementRefused when
         no placement fits (the reason says why)."""
+        if not self.plane.has_quorum():
+            raise NoQuorum(f"{self.plane.describe_quorum()}: too few to place models until "
+                           "the network heals; retry later")
         if not self.ready:
             raise ClusterNotReady("the cluster is still forming (no master yet); retry shortly")
         result = place_avoiding_failures(self.state, request, self.capacities(),
@@ -472,7 +486,10 @@ class ClusterService:
                 "models": [{"model": m.model, "size": m.size, "files": len(m.files)}
                            for m in reading.models] if reading else [],
                 "last_seen": reading.taken_at if reading else None})
-        return {"node_id": self.node_id, "master_id": self.master_id, "nodes": nodes,
+        master = self.master_id
+        if master not in {node["node_id"] for node in nodes}:
+            master = None  # not yet in the state's nodes: as good as still electing
+        return {"node_id": self.node_id, "master_id": master, "nodes": nodes,
                 "instances": self.describe_instances(),
                 # Nodes left out of a model's placements after its download or load failed.
                 "load_failures": {model: dict(failed)

@@ -48,8 +48,12 @@ def load_node_id(data_dir: Path) -> NodeId:
         raise ValueError(f"{path} holds an invalid node id ({error}); delete it to get a "
                          "new one") from None
     node_id = new_node_id()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(node_id + "\n")
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(node_id + "\n")
+    except OSError as error:  # a read-only or full disk: serve, under an id for this run
+        log.warning("cannot store this node's id in %s (%s): it is %s until the node "
+                    "restarts", path, error.strerror, node_id)
     return node_id
 
 

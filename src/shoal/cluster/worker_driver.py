@@ -14,6 +14,7 @@ Anything sent that the state does not reflect after `resend_s` is sent again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,7 +36,7 @@ from shoal.cluster.instances import Instance, Rank
 from shoal.cluster.node_budget import has_room_for, holdings
 from shoal.cluster.placement import load_refusal
 from shoal.cluster.state import ClusterState, RunnerPhase, RunnerStatus, Task
-from shoal.cluster.transport.base import Transport
+from shoal.cluster.transport.base import Transport, TransportError
 from shoal.cluster.worker import (
     AbortTask,
     Action,
@@ -358,13 +359,16 @@ class WorkerDriver:
         sender = ChunkSender(self._transport, owner, task_id)
         try:
             async for chunk in stream:
-                sender.send(chunk)
+                await sender.send(chunk)
         except asyncio.CancelledError:
             raise
+        except TransportError as error:  # the owner's silence bound ends its stream
+            log.warning("task %s: its chunks cannot reach node %s: %s", task_id, owner, error)
         except Exception as error:  # the owner must hear why its stream ended
             log.exception("forwarding task %s failed", task_id)
-            sender.send(ErrorChunk(request_id=task_id, code="internal",
-                                   message=f"serving the request failed: {error}"))
+            with contextlib.suppress(TransportError):
+                await sender.send(ErrorChunk(request_id=task_id, code="internal",
+                                             message=f"serving the request failed: {error}"))
         finally:
             await stream.aclose()
             self._link.send_worker_event(TaskFinished(task_id=task_id))

@@ -37,9 +37,11 @@ class InstanceChooser:
         return None
 
     def choose(self, model_id: str, here_only: bool,
-               request: GenerationRequest | None = None) -> Instance | None:
+               request: GenerationRequest | None = None,
+               avoid: str | None = None) -> Instance | None:
         """The best live instance; here_only: only one served whole on this node;
-        request: the generation request it is for (its session and prefix count)."""
+        request: the generation request it is for (its session and prefix count);
+        avoid: an instance taken only when no other is live (one that just failed)."""
         state = self.cluster.state
         live = [i for i in self.live(model_id)
                 if not here_only or (self.here(i) and len(i.ranks) == 1)]
@@ -49,11 +51,12 @@ class InstanceChooser:
         candidates = []
         for instance in live:
             status = state.instance_status(instance.instance_id)
-            candidates.append((status != "ready", instance.instance_id != pinned,
+            candidates.append((instance.instance_id == avoid, status != "ready",
+                               instance.instance_id != pinned,
                                -matched.get(instance.instance_id, 0), not self.here(instance),
                                len(state.tasks_of(instance.instance_id)),
                                instance.instance_id, instance))
-        return min(candidates, key=lambda c: c[:6])[6]
+        return min(candidates, key=lambda c: c[:7])[7]
 
     def _affinity(self, request: GenerationRequest | None, live: list[Instance]
                   ) -> tuple[str | None, dict[str, int]]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from shoal.cluster.instances import Instance, PlacementRequest
 from shoal.cluster.model_facts import ModelFacts, model_facts_from_source
-from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
+from shoal.cluster.service import ClusterNotReady, ClusterService, NoQuorum, PlacementRefused
 from shoal.engine.config import ModelSource
 from shoal.pool.pool import ModelPool, ModelUnavailable
 from shoal.router.room import Room, evict, room_for
@@ -103,6 +103,9 @@ class Placer:
                 return instance
             except PlacementRefused as error:
                 return str(error)
+            except NoQuorum as error:  # a partition: not a wait of seconds
+                raise ModelUnavailable(f"cannot place model {request.model!r}: "
+                                       f"{error}") from error
             except ClusterNotReady as error:
                 if time.monotonic() >= deadline:
                     raise ModelUnavailable(f"cannot place model {request.model!r}: "

@@ -56,6 +56,16 @@ _LOAD_SPAN_MIN_NS = 1_000_000
 # Requests one model runs at once, by task, where fewer than the queue's --parallel: a
 # diffusers pipeline draws one request at a time, so the rest wait their turn in the queue.
 _SLOTS_BY_TASK: dict[ModelTask, int] = {"image": 1}
+# Errors that say the serving runner or node went away (or its instance could not take the
+# request): one that comes before the first token is retried once on another instance, so
+# the client never sees it. After the first token the error goes to the client.
+_LOST_SERVER_CODES = ("runner_crashed", "unavailable")
+
+
+def _retry_of(request: GenerationRequest) -> GenerationRequest:
+    """The request as its single retry sends it: a new id, so no node mistakes it for the
+    first attempt (chunks go back to the client under the original id)."""
+    return request.model_copy(update={"request_id": f"{request.request_id}~retry"})
 
 
 class Router:
@@ -110,40 +120,69 @@ class Router:
         ticket, named = turn
         try:
             clock.queued()
-            placing_ns = time.time_ns()
-            try:
-                instance, runner = await self._serving(request, named)
-                if instance.model != ticket.model:  # a ladder fell back to another rung
-                    ticket = await self._requeue(ticket, instance.model)
-            except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-                self._record_load(request, placing_ns, None)
-                yield clock.explain(refusal(request.request_id, error))
-                return
-            self._record_load(request, placing_ns, instance)
-            clock.loaded()
-            keep_alive_s = request.keep_alive_s
-            if keep_alive_s is None and isinstance(named, Ladder):
-                keep_alive_s = named.keep_alive_s
-            request = request.model_copy(update={
-                "model": instance.model, "priority": ticket.priority,
-                "keep_alive_s": keep_alive_s})
-            delivered_ns = time.time_ns()
-            try:
-                async with contextlib.aclosing(self._deliver(instance, runner, request)
-                                               ) as stream:
-                    async for chunk in stream:
+            accepted = False  # an AcceptedChunk went to the client (a retry sends none)
+            started = False  # a chunk past the AcceptedChunk went to the client
+            avoid: str | None = None  # the instance a first attempt lost
+            for attempt in (request, _retry_of(request)):
+                placing_ns = time.time_ns()
+                try:
+                    instance, runner = await self._serving(attempt, named, avoid)
+                    if instance.model != ticket.model:  # a ladder fell back to another rung
+                        ticket = await self._requeue(ticket, instance.model)
+                except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
+                    self._record_load(request, placing_ns, None)
+                    yield clock.explain(refusal(request.request_id, error))
+                    return
+                self._record_load(request, placing_ns, instance)
+                clock.loaded()
+                lost: ErrorChunk | None = None
+                async with contextlib.aclosing(self._attempt(
+                        attempt, named, ticket, instance, runner, clock)) as chunks:
+                    async for chunk in chunks:
                         if chunk.kind == "accepted":
-                            chunk = chunk.model_copy(update={"model": instance.model})
-                        elif chunk.kind == "error":
-                            chunk = clock.explain(chunk)
+                            if accepted:
+                                continue
+                            accepted = True
+                        elif (chunk.kind == "error" and avoid is None and not started
+                              and chunk.code in _LOST_SERVER_CODES):
+                            lost = chunk
+                            break
+                        else:
+                            started = True
+                        if attempt is not request:
+                            chunk = chunk.model_copy(update={"request_id": request.request_id})
                         yield chunk
-            finally:
-                self.spans.record(request.trace, "generate" if runner else "remote",
-                                  delivered_ns, args={
-                                      "instance": instance.instance_id,
-                                      "node": instance.ranks[0].node_id})
+                if lost is None:
+                    return
+                log.info("request %s lost instance %s before its first token (%s); retrying "
+                         "it once elsewhere", request.request_id, instance.instance_id,
+                         lost.message)
+                avoid = instance.instance_id
         finally:
             self.queue.release(ticket)
+
+    async def _attempt(self, request: GenerationRequest, named: Named | Ladder,
+                       ticket: Ticket, instance: Instance, runner: RunnerSupervisor | None,
+                       clock: RequestClock) -> AsyncIterator[Any]:
+        """One delivery of request to instance: its chunks, errors explained by the clock."""
+        keep_alive_s = request.keep_alive_s
+        if keep_alive_s is None and isinstance(named, Ladder):
+            keep_alive_s = named.keep_alive_s
+        request = request.model_copy(update={
+            "model": instance.model, "priority": ticket.priority, "keep_alive_s": keep_alive_s})
+        delivered_ns = time.time_ns()
+        try:
+            async with contextlib.aclosing(self._deliver(instance, runner, request)) as stream:
+                async for chunk in stream:
+                    if chunk.kind == "accepted":
+                        chunk = chunk.model_copy(update={"model": instance.model})
+                    elif chunk.kind == "error":
+                        chunk = clock.explain(chunk)
+                    yield chunk
+        finally:
+            self.spans.record(request.trace, "generate" if runner else "remote",
+                              delivered_ns, args={"instance": instance.instance_id,
+                                                  "node": instance.ranks[0].node_id})
 
     def _deliver(self, instance: Instance, runner: RunnerSupervisor | None,
                  request: GenerationRequest) -> AsyncIterator[Any]:
@@ -323,15 +362,16 @@ class Router:
 
     # ---- the instance and runner that serve a request ---------------------------------------
 
-    async def _serving(self, request: GenerationRequest, named: Named | Ladder
-                       ) -> tuple[Instance, RunnerSupervisor | None]:
+    async def _serving(self, request: GenerationRequest, named: Named | Ladder,
+                       avoid: str | None = None) -> tuple[Instance, RunnerSupervisor | None]:
         """The instance that serves request, and its serving runner once loaded when that
-        runs here (None: on another node); the request's session goes there from now on."""
+        runs here (None: on another node); the request's session goes there from now on.
+        avoid: an instance chosen only when no other of the model is live (a retry's)."""
         if isinstance(named, Ladder):
             instance, runner = await self._climb(named)
             self.chooser.pin_session(request, instance)
             return instance, runner
-        instance = await self._instance_of(request.model, named, request=request)
+        instance = await self._instance_of(request.model, named, request=request, avoid=avoid)
         self.chooser.pin_session(request, instance)
         return instance, await self._runner_here(instance)
 
@@ -385,11 +425,12 @@ class Router:
 
     async def _instance_of(self, name: str, named: Named, here_only: bool = False,
                            keep_alive_s: float | None = None, pinned: bool = False,
-                           request: GenerationRequest | None = None) -> Instance:
+                           request: GenerationRequest | None = None,
+                           avoid: str | None = None) -> Instance:
         """instance_for, with name already identified as named."""
         if named.not_found is not None and here_only:
             raise named.not_found  # only another node knows the name
-        chosen = self.chooser.choose(named.model_id, here_only, request)
+        chosen = self.chooser.choose(named.model_id, here_only, request, avoid)
         if chosen is not None:
             return chosen
         # Placing: the name as resolved for this request, else looked up afresh.

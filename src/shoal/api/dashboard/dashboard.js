@@ -49,6 +49,14 @@ function renderHealth(health) {
   byId("health").className = `status-${health.status}`;
   const queue = health.queue;
   byId("queue").textContent = queue ? `${queue.waiting} / ${queue.running}` : "–";
+  // What the node warns of while it goes on serving (a full or read-only data dir).
+  const warnings = health.warnings || [];
+  byId("warnings").replaceChildren(...warnings.map((text) => {
+    const item = document.createElement("li");
+    item.textContent = text;
+    return item;
+  }));
+  byId("warnings").hidden = warnings.length === 0;
 }
 
 async function refresh(chat) {

@@ -2,6 +2,8 @@
 
 Payloads are msgpack-able values (dicts, lists, str, bytes, numbers, bool, None); the transport
 encodes them on send and decodes on receipt, so a receiver never shares objects with a sender.
+Sending never blocks the event loop: a message is queued or, when the link stays congested,
+dropped (best-effort topics only, counted) or refused with a TransportError.
 Callbacks run on the event loop the transport was opened on, in arrival order per sender and
 topic; a callback that raises is logged and does not disturb other subscribers.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
@@ -26,6 +29,17 @@ PeersCallback = Callable[[frozenset[NodeId]], None]
 
 class TransportError(RuntimeError):
     """The transport could not open, or a payload could not be encoded."""
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """A transport's queue of outgoing messages, as /metrics shows it."""
+
+    queued_messages: int = 0
+    queued_bytes: int = 0
+    dropped: int = 0   # best-effort messages (telemetry, prefix updates) dropped
+    refused: int = 0   # other messages refused because the link stayed congested
+    failed: int = 0    # puts the network layer failed
 
 
 class Subscription:
@@ -72,6 +86,14 @@ class Transport(Protocol):
         about changes compare with the set they last acted on.
         """
         ...
+
+    async def room(self, timeout_s: float) -> None:
+        """Until a message that must not be dropped would be queued: back-pressure for bulk
+        senders. TransportError after timeout_s of congestion."""
+        ...
+
+    @property
+    def outbox_stats(self) -> OutboxStats: ...
 
     async def close(self) -> None: ...
 

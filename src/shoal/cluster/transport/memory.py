@@ -13,6 +13,7 @@ from typing import Any
 from shoal.cluster.transport.base import (
     Callback,
     Fanout,
+    OutboxStats,
     PeersCallback,
     Subscription,
     TransportError,
@@ -118,6 +119,13 @@ class MemoryTransport:
 
     def on_peers_changed(self, callback: PeersCallback) -> Subscription:
         return self._fanout.add(_PEERS, callback)
+
+    async def room(self, timeout_s: float) -> None:
+        return None  # delivery is a call_soon: there is never a backlog
+
+    @property
+    def outbox_stats(self) -> OutboxStats:
+        return OutboxStats()
 
     async def close(self) -> None:
         if self._hub is not None:

@@ -7,6 +7,7 @@ the node's session closes or its link lease expires, which is what `peers` repor
 With TLS (cluster/tls.py) every link is mutual TLS under the cluster CA and no other
 protocol is spoken; scouting still works, as a node's hello names its tls/ locators.
 Zenoh calls back on its own threads; everything is handed to the event loop in arrival order.
+Puts go the other way: queued on the loop, sent by the outbox's thread (outbox.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import zenoh
 from shoal.cluster.transport.base import (
     Callback,
     Fanout,
+    OutboxStats,
     PeersCallback,
     Subscription,
     TransportError,
@@ -30,6 +32,7 @@ from shoal.cluster.transport.base import (
     encode,
 )
 from shoal.cluster.tls import ClusterTls
+from shoal.cluster.transport.outbox import Outbox, OutboxLimits
 from shoal.cluster.transport.topics import Namespace, Topic, check_node_id
 from shoal.ids import NodeId
 
@@ -38,9 +41,10 @@ log = logging.getLogger("shoal.cluster.transport")
 _ENDPOINT = re.compile(r"(tcp|udp|tls|quic)/(\[[0-9A-Fa-f:.]+\]|[^/\s:\[\]]+):\d{1,5}")
 _DATA = "data"
 _PEERS = "peers"
-# Best-effort topics may drop under congestion; everything else blocks (bounded by
-# Zenoh's own link timeout) rather than lose a command or an indexed event.
-# Prefix updates are repaired by the next snapshot (cluster/prefix_share.py).
+# Best-effort topics may drop under congestion; everything else blocks the sending thread
+# (bounded by Zenoh's own link timeout; never the loop: outbox.py) rather than lose a
+# command or an indexed event. Prefix updates are repaired by the next snapshot
+# (cluster/prefix_share.py).
 _DROPPABLE = {Topic.TELEMETRY.value, Topic.PREFIXES.value}
 _OPEN_TIMEOUT_S = 10.0
 
@@ -107,7 +111,7 @@ class ZenohTransport:
     """Implements the Transport protocol on one Zenoh peer session; build with `open`."""
 
     def __init__(self, node_id: NodeId, session: zenoh.Session, namespace: Namespace,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, outbox: OutboxLimits | None = None) -> None:
         self._node_id = node_id
         self._session = session
         self._namespace = namespace
@@ -116,6 +120,7 @@ class ZenohTransport:
         self._subscribers: dict[str, Any] = {}
         self._peers: frozenset[NodeId] = frozenset()
         self._closed = False
+        self._outbox = Outbox(self._send, loop, outbox, name=f"zenoh-put-{node_id}")
         self._token = session.liveliness().declare_token(namespace.presence_key(node_id))
         self._presence = session.liveliness().declare_subscriber(
             namespace.presence_pattern, self._on_presence, history=True)
@@ -169,11 +174,19 @@ class ZenohTransport:
     def on_peers_changed(self, callback: PeersCallback) -> Subscription:
         return self._fanout.add(_PEERS, callback)
 
+    async def room(self, timeout_s: float) -> None:
+        await self._outbox.room(timeout_s)
+
+    @property
+    def outbox_stats(self) -> OutboxStats:
+        return self._outbox.stats
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._fanout.clear()
+        await self._outbox.close()
         # Closing the session also withdraws the liveliness token and every subscriber.
         try:
             async with asyncio.timeout(_OPEN_TIMEOUT_S):
@@ -184,6 +197,10 @@ class ZenohTransport:
     def _put(self, key: str, data: bytes, droppable: bool, express: bool) -> None:
         if self._closed:
             raise TransportError("the cluster transport is closed")
+        self._outbox.put(key, data, droppable, express)
+
+    def _send(self, key: str, data: bytes, droppable: bool, express: bool) -> None:
+        # On the outbox's thread: a BLOCK put may wait here for a congested link.
         congestion = zenoh.CongestionControl.DROP if droppable else zenoh.CongestionControl.BLOCK
         self._session.put(key, data, congestion_control=congestion, express=express)
 

@@ -1,0 +1,24 @@
+"""Network faults between real nodes, each in a network namespace of its own on a bridge
+the test makes inside a user namespace (tests/namespaces.py, netns.py): no privilege is
+needed outside, and no address beyond the namespaces is ever reached."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from namespaces import run_tests_in_namespace  # noqa: E402
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
+
+def test_a_2_1_partition_heals_to_one_master_and_one_state():
+    output = run_tests_in_namespace(Path(__file__).parent / "namespaced_partition.py",
+                                    net=True, timeout_s=240, args=("-s",))
+    assert "1 passed" in output
+    print(output[-2000:])
