@@ -96,3 +96,26 @@ def test_a_partition_2_1_that_heals_keeps_one_writing_master_and_one_state(
     models = sorted(i.model for i in after.values())
     assert models == ["chat", "other"]  # none lost, none doubled
     assert set(before) <= set(after)  # the majority's instance survived as it was
+
+
+def test_a_master_that_shuts_down_leaves_so_the_other_of_two_masters_alone(
+        tmp_path, sources):  # noqa: F811
+    """Two nodes hold no quorum without the master, so it says it leaves as it shuts down:
+    the other then masters alone and places models, instead of waiting for it to return."""
+    async def main():
+        nodes = await start_cluster(tmp_path, sources, names=("a", "b"),
+                                    **{name: {"config": PATIENT} for name in "ab"})
+        a, b = nodes["a"], nodes["b"]
+        try:
+            assert a.service.master_id == "b"  # the higher id
+            await b.stop()
+            await wait_until(lambda: a.service.master_id == "a" and a.service.ready
+                             and set(a.state.nodes) == {"a"}, what="a mastering alone")
+            await place(a, "chat")
+            await wait_until(lambda: [i.model for i in a.state.instances.values()] == ["chat"],
+                             what="chat placed by the survivor")
+            return a.service.plane.has_quorum()
+        finally:
+            await a.stop()
+
+    assert asyncio.run(main())

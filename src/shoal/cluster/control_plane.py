@@ -75,6 +75,8 @@ class ControlPlane:
         await self.election.start()
 
     async def stop(self) -> None:
+        if self.master is not None:
+            self.master.leave()  # sent before the transport closes (it flushes its queue)
         await self.election.stop()
         await cancel_and_wait([self._roles])
         self._roles = None

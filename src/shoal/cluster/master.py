@@ -32,7 +32,14 @@ from shoal.cluster.apply import apply
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.decide import Decision, Facts
 from shoal.cluster.event_log import EventLog, EventsUnavailable
-from shoal.cluster.events import Command, Event, IndexedEvent, parse_command, parse_worker_event
+from shoal.cluster.events import (
+    Command,
+    Event,
+    IndexedEvent,
+    NodeLeft,
+    parse_command,
+    parse_worker_event,
+)
 from shoal.cluster.placement import DEFAULT_POLICY, PlacementPolicy
 from shoal.cluster.quorum import describe_quorum, holds_quorum
 from shoal.cluster.state import ClusterState
@@ -105,6 +112,15 @@ class Master:
         self._reconciler = asyncio.create_task(self._reconcile_loop(), name="master-reconcile")
         log.info("node %s is master: session %s, %d instance(s) carried over", self.node_id,
                  self.session[:8], len(self.state.instances))
+
+    def leave(self) -> IndexedEvent | None:
+        """Index this node's own departure as it shuts down, while it holds a quorum and
+        others remain: the rest then hold a quorum of their own (a two-node cluster's other
+        node becomes master) instead of waiting for this node to come back."""
+        if set(self.state.nodes) <= {self.node_id} or not self.holds_quorum():
+            return None
+        log.info("master %s leaves the cluster: it shuts down", self.node_id)
+        return self._index(NodeLeft(node_id=self.node_id, reason="shutdown"))
 
     async def stop(self) -> None:
         for subscription in self._subscriptions:
