@@ -41,6 +41,9 @@ class ModelFacts(BaseModel):
     intermediate_size: int | None = None
     n_experts: int = 0
     expert_bytes: int = 0
+    # The checkpoint's architecture name (GGUF general.architecture, config.json's
+    # architectures[0]): which backends can run it. None when facts were made by hand.
+    architecture: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelFacts:
@@ -113,7 +116,8 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
         n_experts=int(metadata.get(f"{arch}.expert_count") or 0),
         # A layer's routed experts are one 3-D tensor each: ffn_{gate,up,down}_exps.
         expert_bytes=sum(info.nbytes for name, info in reader.tensors.items()
-                         if "_exps." in name))
+                         if "_exps." in name),
+        architecture=str(arch) if arch is not None else None)
 
 
 def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
@@ -141,7 +145,8 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             head_dim=int(hf.get(keys["head_dim"]) or int(hf[keys["hidden_size"]]) // heads),
             intermediate_size=hf.get(keys["intermediate_size"]),
             n_experts=experts,
-            expert_bytes=_safetensors_expert_bytes(directory) if experts else 0)
+            expert_bytes=_safetensors_expert_bytes(directory) if experts else 0,
+            architecture=hf_architecture_name(hf))
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error
 
