@@ -110,7 +110,7 @@ def test_chat_events_become_accepted_deltas_tool_calls_and_a_finish_with_usage()
     assert finish.finish_reason == "tool_calls"
     assert (finish.usage.prompt_tokens, finish.usage.completion_tokens,
             finish.usage.cached_tokens) == (9, 4, 2)
-    assert reader.end() == []
+    assert reader.close() == []
 
 
 def test_native_events_carry_token_ids_and_the_stop_word():
@@ -127,10 +127,12 @@ def test_native_events_carry_token_ids_and_the_stop_word():
     assert chunks[2].usage.completion_tokens == 2
 
 
-def test_a_stream_that_ends_unfinished_is_an_error_and_errors_keep_their_meaning():
+def test_a_stream_cut_short_stays_unfinished_and_errors_keep_their_meaning():
     reader = EventReader("r1", chat=True)
     reader.feed({"choices": [{"delta": {"content": "x"}}], "prompt_progress": {"total": 1}})
-    assert reader.end()[0].code == "runner_crashed"
+    assert reader.close() == [] and not reader.finished
+    reader.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    assert [c.kind for c in reader.close()] == ["finish"]  # no usage event came
     too_long = error_chunk("r1", {"code": 400, "message": "too long",
                                   "type": "exceed_context_size_error"})
     assert too_long.code == "context_length_exceeded"

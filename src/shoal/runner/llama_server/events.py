@@ -59,13 +59,11 @@ class EventReader:
         chunks += self._chat(event) if self.chat else self._native(event)
         return chunks
 
-    def end(self) -> list[Any]:
-        """The chunks that close the stream once the server has sent its last event."""
-        if self.finished:
+    def close(self) -> list[Any]:
+        """At the stream's end: the finish of a reply that said how it finished but sent
+        no usage; nothing otherwise (the reader stays unfinished when the reply broke off)."""
+        if self.finished or self._finish_reason is None:
             return []
-        if self._finish_reason is None:
-            return [ErrorChunk(request_id=self.request_id, code="runner_crashed",
-                               message="llama-server ended the stream before finishing")]
         return self._finish()
 
     def _accept(self, prompt_tokens: int) -> AcceptedChunk:

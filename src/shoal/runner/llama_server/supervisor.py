@@ -55,8 +55,14 @@ log = logging.getLogger("shoal.llama_server")
 BACKEND = "llama-server"
 # How often the process's resident memory is read (what the pool and /api/ps show).
 _MEMORY_POLL_S = 1.0
+# How long a request whose stream broke waits to see whether the process exited.
+_EXIT_WAIT_S = 1.0
 # The last lines of llama-server's output, kept to say why it failed.
 _LOG_TAIL_LINES = 20
+
+
+class StreamEnded(RuntimeError):
+    """llama-server closed a request's stream before its last event."""
 
 
 class LlamaServerSupervisor:
@@ -232,11 +238,18 @@ class LlamaServerSupervisor:
             await self._stream(to_llama_server(request), request_id)
         except asyncio.CancelledError:
             raise
-        except (httpx.HTTPError, ValueError, KeyError) as error:
-            code = "runner_crashed" if self._process is None or \
-                self._process.returncode is not None else "unavailable"
+        except (httpx.HTTPError, StreamEnded, ValueError, KeyError) as error:
+            # A broken stream is most often a dead process: see it gone (bounded) so that
+            # every request of it fails as crashed and the restart begins now.
+            process = self._process
+            if process is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_EXIT_WAIT_S):
+                        await process.wait()
+                if process.returncode is not None:
+                    self._gone(process)
             self._requests.deliver(ErrorChunk(
-                request_id=request_id, code=code,
+                request_id=request_id, code="unavailable",
                 message=f"llama-server for {self.model_id!r} broke off: "
                         f"{type(error).__name__}: {error}"))
         finally:
@@ -261,8 +274,10 @@ class LlamaServerSupervisor:
                     self._deliver(chunk)
                 if reader.finished:
                     break
-        for chunk in reader.end():
+        for chunk in reader.close():
             self._deliver(chunk)
+        if not reader.finished:
+            raise StreamEnded("llama-server ended the stream before finishing")
 
     def _deliver(self, chunk: Any) -> None:
         if chunk.kind == "finish":
@@ -276,7 +291,9 @@ class LlamaServerSupervisor:
             applied = await self._post("/apply-template", {
                 key: call.body[key] for key in ("messages", "tools", "tool_choice",
                                                 "chat_template_kwargs") if key in call.body})
+            # Tokenized as llama-server tokenizes a chat's rendered prompt.
             tokens = (await self._post("/tokenize", {"content": applied["prompt"],
+                                                     "add_special": True,
                                                      "parse_special": True}))["tokens"]
         elif request.prompt is not None:
             tokens = (await self._post("/tokenize", {"content": request.prompt,
@@ -296,10 +313,11 @@ class LlamaServerSupervisor:
 
     # ---- the process --------------------------------------------------------------------
 
-    def _own(self, coroutine: Any) -> None:
+    def _own(self, coroutine: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _spawn(self) -> None:
         port = free_port()
@@ -315,7 +333,7 @@ class LlamaServerSupervisor:
             return
         self._process = process
         self._base_url = f"http://127.0.0.1:{port}"
-        self._own(self._keep_log(process))
+        output = self._own(self._keep_log(process))
         why = await wait_healthy(self._client, self._base_url, process,
                                  self.options.load_timeout_s)
         if self._process is not process:
@@ -323,10 +341,13 @@ class LlamaServerSupervisor:
         if why is None:
             try:
                 self.model_info = await self._model_info()
-            except (httpx.HTTPError, ValueError, KeyError) as error:
+            except (httpx.HTTPError, StreamEnded, ValueError, KeyError) as error:
                 why = f"llama-server did not describe its model: {error}"
         if why is not None:
             await stop_process(process, 0.01, self.options.terminate_grace_s)
+            with contextlib.suppress(TimeoutError):  # its last words say why
+                async with asyncio.timeout(1.0):
+                    await asyncio.shield(output)
             self._process = None
             self._fail(f"loading {self.model_id!r} in llama-server failed: {why}"
                        f"{self._tail_text()}")
@@ -372,13 +393,18 @@ class LlamaServerSupervisor:
             await asyncio.sleep(_MEMORY_POLL_S)
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
-        code = await process.wait()
+        await process.wait()
+        self._gone(process)
+
+    def _gone(self, process: asyncio.subprocess.Process) -> None:
+        """process has exited: fail its requests and restart it after the backoff (once,
+        whoever saw the exit first)."""
         if self._process is not process or self._stopping:
             return
         self._process = None
         self.memory = None
-        message = (f"llama-server for {self.model_id!r} died with exit code {code}"
-                   f"{self._tail_text()}")
+        message = (f"llama-server for {self.model_id!r} died with exit code "
+                   f"{process.returncode}{self._tail_text()}")
         self._requests.fail_all("runner_crashed", message)
         log.error("%s", message)
         self.last_error = message
@@ -390,8 +416,11 @@ class LlamaServerSupervisor:
                        "not restarting")
             return
         self._set_state("restarting")
+        self._own(self._restart(len(self._crash_times)))
+
+    async def _restart(self, crash_count: int) -> None:
         backoff = self.options.restart_backoff_s
-        await asyncio.sleep(backoff[min(len(self._crash_times), len(backoff)) - 1])
+        await asyncio.sleep(backoff[min(crash_count, len(backoff)) - 1])
         if not self._stopping:
             self.restarts += 1
             await self._spawn()
