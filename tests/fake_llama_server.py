@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """A stand-in for llama.cpp's llama-server, enough for LlamaServerSupervisor's tests: it
-takes llama-server's flags (only --port and --alias matter), answers /health, /props and
+takes llama-server's flags (only --port and --alias matter; --version and --list-devices
+answer as a CPU build), answers /health, /props and
 /v1/models, and streams /completion as llama-server does: a prompt-progress event, one
 event per token ("w0 ", "w1 ", ...; token ids 0, 1, ...), then the last with the counts.
 A prompt containing SLOW streams a token every 0.2 s."""
 
 import argparse
 import json
+import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -68,6 +70,12 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
+    if "--version" in sys.argv:
+        print("version: 1 (fake)")
+        return
+    if "--list-devices" in sys.argv:
+        print("Available devices:\n  (none)")
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--alias", default="model")

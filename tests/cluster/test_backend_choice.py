@@ -64,3 +64,13 @@ def test_telemetry_advertises_backends_and_placement_reads_them():
     # A node that advertises nothing still runs shoal's engine.
     bare = reading.model_copy(update={"backends": ()})
     assert bare.capacity().backends == frozenset({"engine"})
+
+
+def test_a_node_with_a_budget_keeps_its_backends_for_placement():
+    from shoal.cluster.node_budget import node_capacity
+    from shoal.cluster.state import ClusterState
+
+    reading = NodeReading(node_id="n1", taken_at=0.0, memory_total=16 * GIB,
+                          memory_available=16 * GIB, backends=EVERYWHERE,
+                          memory_budget=4 * GIB)
+    assert node_capacity(reading, ClusterState()).backends == frozenset(EVERYWHERE)

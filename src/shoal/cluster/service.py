@@ -417,8 +417,9 @@ class ClusterService:
         return previews(request, self.capacities(), self.plane.config.master.policy)
 
     def backends_running(self) -> frozenset[str]:
-        """The backends some node of the cluster runs (shoal's engine always)."""
-        return frozenset({DEFAULT_BACKEND}).union(
+        """The backends some node of the cluster runs (shoal's engine always, this node's
+        own before its first reading is out)."""
+        return frozenset({DEFAULT_BACKEND, *self._pool.registry.backends}).union(
             *(reading.backends for reading in self.readings().values()))
 
     def readings(self) -> dict[NodeId, NodeReading]:

@@ -70,11 +70,14 @@ class Placer:
         """Whole where it fits as things stand (here first); else here after evicting idle
         models; else split across nodes; else wait for memory to free (bounded)."""
         facts = await self._facts_of(model_id, source)
+        running = self.cluster.backends_running()
         try:
-            backend = choose_backend(facts, source.format, self.backend_of(model_id),
-                                     self.cluster.backends_running())
+            backend = choose_backend(facts, source.format, self.backend_of(model_id), running)
         except BackendChoiceError as error:
             raise ModelUnavailable(str(error)) from error
+        if backend not in running:  # waiting for memory would not help
+            raise ModelUnavailable(f"model {model_id!r} is to be served by {backend}, which "
+                                   f"no node of the cluster runs")
         others = tuple(n for n in self.cluster.state.nodes if n != self.cluster.node_id)
         whole = PlacementRequest(
             facts=facts, preferred_node=self.cluster.node_id, keep_alive_s=keep_alive_s,
