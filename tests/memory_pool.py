@@ -42,6 +42,8 @@ class MemorySupervisor:
     a prompt "hold:<seconds>" keeps its request running that long; "tokens:<n>:<seconds>"
     streams n tokens "t0 ", "t1 ", ... that far apart."""
 
+    backend = "engine"
+
     def __init__(self, source: ModelSource, events: list) -> None:
         self.config = EngineConfig(source=source)
         self.model_id = source.model_id
