@@ -92,6 +92,7 @@ class LlamaServerSupervisor:
         self._base_url = ""
         self._client = _new_client()
         self._readers: dict[str, asyncio.Task] = {}
+        self._supports_tools = True  # whether the model's chat template takes tools (/props)
         self._requests = InFlight(self.options.max_buffered_chunks,
                                   self.options.chunk_timeout_s, self._stop_reading)
         self._log_tail: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL_LINES)
@@ -219,6 +220,11 @@ class LlamaServerSupervisor:
             await self.wait_ready(self.options.ready_wait_s)
         except RunnerUnavailable as error:
             return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
+        if request.tools and request.tool_choice != "none" and not self._supports_tools:
+            # llama-server would render the chat without them and answer in prose.
+            return ErrorChunk(request_id=request_id, code="invalid_request", param="tools",
+                              message=f"model {self.model_id!r} is served by llama-server, "
+                                      "and its chat template does not take tools")
         return None
 
     def _stop_reading(self, request_id: str) -> None:
@@ -363,6 +369,8 @@ class LlamaServerSupervisor:
         models = await self._get("/v1/models")
         meta = (models.get("data") or [{}])[0].get("meta") or {}
         settings = props.get("default_generation_settings") or {}
+        self._supports_tools = bool((props.get("chat_template_caps") or {}).get(
+            "supports_tools", True))
         return ModelInfo(model_id=self.model_id,
                          max_model_len=int(settings.get("n_ctx") or props.get("n_ctx") or 0),
                          vocab_size=int(meta.get("n_vocab") or 0),
