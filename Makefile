@@ -20,7 +20,8 @@ BENCH_STAMP := $(VENV)/.shoal-bench-installed
 CHROMIUM := /usr/bin/chromium
 SERVE_ARGS ?=
 
-.PHONY: install install-test install-bench install-chromium serve test bench clean
+.PHONY: install install-test install-bench install-chromium install-llama-server serve test \
+	bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +36,18 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m shoal.engine.kernels
 	touch $@
 
-$(TEST_STAMP): $(STAMP) Makefile
+$(TEST_STAMP): $(STAMP) Makefile tests/llama_server_build.py
 	$(PIP) install --quiet -e '.[test,image]' torch==2.13.0
 	$(PIP) install --quiet --no-deps $(TEST_MODEL_PACKAGES)
 	$(MAKE) --no-print-directory install-chromium
+	$(MAKE) --no-print-directory install-llama-server
 	touch $@
+
+# llama.cpp's llama-server for the llama-server backend's tests: only that target, built
+# from the llama.cpp tree in llama-cpp-python's source distribution for this CPU, cached
+# under ~/.cache/shoal/llama-server/ (a later run builds nothing).
+install-llama-server: $(PY)
+	$(PY) tests/llama_server_build.py
 
 # Debian's chromium package, installed with apt-get as root (or through sudo without a
 # password) when $(CHROMIUM) is missing; anything else stops make with the reason.

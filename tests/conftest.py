@@ -7,6 +7,8 @@ node subprocesses inherit it too."""
 import os
 import socket
 
+import pytest
+
 
 def _closed_port() -> int:
     with socket.socket() as probe:
@@ -17,3 +19,19 @@ def _closed_port() -> int:
 _NOWHERE = f"http://127.0.0.1:{_closed_port()}"
 os.environ["HF_ENDPOINT"] = _NOWHERE
 os.environ["SHOAL_OLLAMA_REGISTRY"] = _NOWHERE
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary():
+    """llama.cpp's llama-server as tests/llama_server_build.py built it for this CPU (the
+    Makefile's test install step). Missing under CI=true is a failure: the build step was
+    meant to run; elsewhere the test is skipped, saying how to build it."""
+    from llama_server_build import cached_binary
+
+    binary = cached_binary()
+    if binary is None:
+        how = "run `python tests/llama_server_build.py` (make test's install step does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"llama-server was not built for the tests: {how}")
+        pytest.skip(f"llama-server is not built here: {how}")
+    return binary

@@ -51,6 +51,8 @@ class MemorySupervisor:
     would, and "crash-once:<path>" does so while the file at path exists (removing it), else
     streams two tokens. `submitted` lists the request ids it was given."""
 
+    backend = "engine"
+
     def __init__(self, source: ModelSource, events: list) -> None:
         self.config = EngineConfig(source=source)
         self.model_id = source.model_id

@@ -6,12 +6,15 @@ validated in __post_init__ with a ValueError that names it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shoal.api.auth import read_keys_file
+from shoal.backend_names import BackendName, parse_backend_assignment
 from shoal.catalog.cards import load_builtin_catalog
 from shoal.catalog.pull.settings import PullSettings
 from shoal.catalog.resolve import cluster_model_id, find_card, resolve_model
@@ -126,6 +129,36 @@ class PoolSettings:
 
 
 @dataclass(frozen=True)
+class BackendSettings:
+    """The backends this node may run besides shoal's engine, and which serves which model."""
+
+    # --llama-server (SHOAL_LLAMA_SERVER): the binary; None: llama-server on PATH, if any.
+    llama_server: Path | None = None
+    # --backend MODEL=NAME (SHOAL_BACKENDS, comma-separated), by any name of the model.
+    assigned: tuple[tuple[str, BackendName], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [model.lower() for model, _ in self.assigned]
+        if len(set(names)) != len(names):
+            raise ValueError("--backend names a model twice")
+
+    def backend_for(self, model_id: str) -> BackendName | None:
+        """The backend assigned to a model: --backend by its id or any catalogue name of it,
+        else its catalogue card's; None: the default choice (cluster/backends.py)."""
+        card = find_card(model_id, _catalog())
+        for name, backend in self.assigned:
+            if name.lower() == model_id.lower() or (
+                    card is not None and find_card(name, _catalog()) is card):
+                return backend
+        return card.backend if card is not None else None
+
+
+@functools.cache
+def _catalog() -> tuple[Any, ...]:
+    return load_builtin_catalog()  # package data: it cannot change while shoal runs
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # Model ids, aliases or paths preloaded at start; empty means the catalogue default.
@@ -142,6 +175,8 @@ class NodeConfig:
     pool: PoolSettings = field(default_factory=PoolSettings)
     # shoal pull / POST /api/pull: the store's bound, pull-on-demand, the Ollama registry.
     pull: PullSettings = field(default_factory=PullSettings)
+    # llama-server and the models assigned to a backend (--llama-server, --backend).
+    backends: BackendSettings = field(default_factory=BackendSettings)
 
     def __post_init__(self) -> None:
         if any(not m.strip() for m in self.models):
@@ -241,6 +276,7 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       speculative: Sequence[str] = (),
                       kv_disk: str | None = None, kv_disk_ttl: str | None = None,
                       pull: PullSettings | None = None,
+                      backends: BackendSettings | None = None,
                       env: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's configuration from flags (None = not given) and the environment.
     ValueError when a value is invalid or the API keys file cannot be read."""
@@ -281,7 +317,18 @@ def build_node_config(*, host: str | None = None, port: int | None = None,
                       cluster=cluster or build_cluster_settings(env=env),
                       preload=True if preload_value is None else preload_value,
                       pool=pool or build_pool_settings(env=env),
-                      pull=pull or build_pull_settings(env=env))
+                      pull=pull or build_pull_settings(env=env),
+                      backends=backends or build_backend_settings(env=env))
+
+
+def build_backend_settings(*, llama_server: str | None = None, assigned: Sequence[str] = (),
+                           env: Mapping[str, str] | None = None) -> BackendSettings:
+    """Backend settings from flags (None / empty = not given) and SHOAL_* variables."""
+    env = os.environ if env is None else env
+    binary = pick(llama_server, env, "SHOAL_LLAMA_SERVER")
+    values = list(assigned) or as_list(env.get("SHOAL_BACKENDS") or None)
+    return BackendSettings(llama_server=Path(binary).expanduser() if binary else None,
+                           assigned=tuple(parse_backend_assignment(v) for v in values))
 
 
 def build_pull_settings(*, models_disk: str | None = None, on_demand: str | None = None,

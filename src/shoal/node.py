@@ -41,9 +41,13 @@ from shoal.pool.pool import ModelPool
 from shoal.pool.queue import AdmissionQueue
 from shoal.router import ModelUnavailable, Router
 from shoal.router.ladders import load_ladders
+from shoal.runner.backends import LLAMA_SERVER, NodeBackends, detect_backends
 from shoal.runner.image import image_runner_options
+from shoal.runner.llama_server.binary import LlamaServerNotUsable
+from shoal.runner.llama_server.launch import LaunchSettings
+from shoal.runner.llama_server.supervisor import LlamaServerSupervisor
 from shoal.runner.options import SupervisorOptions
-from shoal.runner.registry import RunnerRegistry, SupervisorFactory
+from shoal.runner.registry import BackendFactory, RunnerRegistry, SupervisorFactory
 from shoal.runner.supervisor import RunnerSupervisor
 from shoal.tracing.otlp import OtlpExporter
 
@@ -93,15 +97,48 @@ def runner_factory(config: NodeConfig,
     return make
 
 
+def backend_factories(config: NodeConfig, backends: NodeBackends,
+                      on_progress: Callable[[str, str, float], None] | None = print_progress,
+                      ) -> dict[str, BackendFactory]:
+    """How this node starts a runner of each backend it runs besides shoal's engine: a
+    llama-server process per model, with --parallel slots and the engine's context and
+    threads."""
+    if backends.llama_server is None:
+        return {}
+    launch = LaunchSettings(binary=backends.llama_server.path, slots=config.pool.queue.parallel,
+                            context=config.engine.max_model_len, threads=config.engine.threads)
+    options = SupervisorOptions(load_timeout_s=config.runner.load_timeout_s,
+                                max_in_flight=config.runner.max_in_flight)
+
+    def make(source: Any) -> LlamaServerSupervisor:
+        return LlamaServerSupervisor(config.engine_config(source), launch, options, on_progress)
+
+    return {LLAMA_SERVER: make}
+
+
+def find_backends(config: NodeConfig) -> NodeBackends:
+    """The backends this node runs, logged one line each (NodeStartError when the named
+    llama-server cannot run)."""
+    try:
+        backends = detect_backends(config.backends.llama_server)
+    except LlamaServerNotUsable as error:
+        raise NodeStartError(f"--llama-server: {error}") from error
+    for line in backends.describe():
+        log.info("%s", line)
+    return backends
+
+
 def make_pool(config: NodeConfig, make_supervisor: SupervisorFactory | None = None,
               resolve: Callable[[str], Any] | None = None,
-              puller: Puller | None = None) -> ModelPool:
+              puller: Puller | None = None,
+              backends: NodeBackends | None = None) -> ModelPool:
     """This node's runner registry, the pool over it and its admission queue; a malformed
     --clients file is a NodeStartError naming file, line and reason."""
     settings = config.pool
     tiers = _read_file(load_clients, settings.clients_file)
     queue = AdmissionQueue(settings.queue, tiers)
-    registry = RunnerRegistry(make_supervisor or runner_factory(config))
+    registry = RunnerRegistry(make_supervisor or runner_factory(config),
+                              backend_factories(config, backends or NodeBackends()))
     # Without a download, a model on no disk here is copied from a peer before any pull.
     here = None if resolve is not None else functools.partial(resolve_model,
                                                                data_dir=config.data_dir)
@@ -176,7 +213,8 @@ def make_router(config: NodeConfig, pool: ModelPool, cluster: Any) -> Router:
     """The node's router with its task ladders (a malformed --tasks file is a
     NodeStartError naming file, line and reason)."""
     ladders = _read_file(load_ladders, config.pool.tasks_file) or {}
-    return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue.timeout_s)
+    return Router(pool, cluster, ladders=ladders, memory_wait_s=config.pool.queue.timeout_s,
+                  backend_of=config.backends.backend_for)
 
 
 class _Server(uvicorn.Server):
@@ -200,8 +238,9 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None,
     _install_signal_handlers(stop)
     addresses: list[str] = []
     puller = make_puller(config)
-    pool = make_pool(config, make_supervisor, resolve, puller)
-    cluster = await _join_cluster(config, pool, addresses)
+    backends = await asyncio.to_thread(find_backends, config)
+    pool = make_pool(config, make_supervisor, resolve, puller, backends)
+    cluster = await _join_cluster(config, pool, addresses, backends)
     try:
         router = make_router(config, pool, cluster)
     except NodeStartError:
@@ -265,14 +304,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str]) -> Any:
+async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str],
+                        backends: NodeBackends) -> Any:
     try:
         return await open_cluster(config.cluster, config.data_dir, pool,
                                   lambda: tuple(addresses),
                                   config.runner.group_connect_deadline_s,
                                   memory_budget=config.pool.memory_budget,
                                   max_loaded_models=config.pool.max_loaded_models,
-                                  kv_cache_dtype=config.engine.kv_cache_dtype)
+                                  kv_cache_dtype=config.engine.kv_cache_dtype,
+                                  backend_devices=backends.devices())
     except (TransportError, ValueError, OSError) as error:
         await pool.shutdown()
         raise NodeStartError(f"cannot join the cluster: {error}") from error

@@ -178,10 +178,11 @@ def test_ps_shows_what_this_node_s_runners_hold(monkeypatch, capsys):
     header, local, remote = capsys.readouterr().out.splitlines()
     assert "WEIGHTS" in header and "KV HELD / ALL" in header and "RSS" in header
     assert "NODE" in header and "PINNED" in header and "EXPIRES" in header
+    assert "BACKEND" in header and local.split()[2] == "engine"
     # per node: served by n1, holds 600 MiB, pinned, no expiry, 3 requests queued
-    assert local.split()[4:10] == ["n1", "600", "MiB", "yes", "-", "3"]
+    assert local.split()[5:11] == ["n1", "600", "MiB", "yes", "-", "3"]
     assert "100 MiB" in local and "3 MiB / 224 MiB" in local and "2.0 GiB" in local
-    assert remote.split()[4:12] == ["n2", "-", "no", "-", "0", "-", "-", "-"]
+    assert remote.split()[5:13] == ["n2", "-", "no", "-", "0", "-", "-", "-"]
     assert main(["ps", "--url", "http://node", "--json"]) == 0
     instances = json.loads(capsys.readouterr().out)
     assert instances[0]["memory"] == HELD and instances[1]["memory"] is None
@@ -191,7 +192,7 @@ def test_ps_without_figures_still_lists_instances(monkeypatch, capsys):
     answer_with(monkeypatch, ps_status=500)
     assert main(["ps", "--url", "http://node"]) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert len(rows) == 3 and rows[1].split()[10:13] == ["-", "-", "-"]
+    assert len(rows) == 3 and rows[1].split()[11:14] == ["-", "-", "-"]
 
 
 def test_a_rank_s_runner_gets_the_cluster_s_rank_key_and_never_shows_it(tmp_path):

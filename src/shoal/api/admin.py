@@ -15,7 +15,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shoal.api.errors import APIError, invalid_parameter
+from shoal.backend_names import BackendName
 from shoal.catalog.resolve import ModelNotFound, resolve_model
+from shoal.cluster.backends import BackendChoiceError, choose_backend
 from shoal.cluster.instances import PlacementRequest
 from shoal.cluster.model_facts import model_facts_from_source
 from shoal.cluster.service import ClusterNotReady, ClusterService, PlacementRefused
@@ -38,6 +40,8 @@ class PlaceBody(BaseModel):
     hidden_int8: bool = False
     # Never evicted to make room, never unloaded for idleness (DELETE removes it).
     pin: bool = False
+    # What serves it (engine, llama-server); None: the node's choice (cluster/backends.py).
+    backend: BackendName | None = None
 
 
 def _cluster(request: Request) -> ClusterService:
@@ -70,12 +74,21 @@ async def _placement_request(body: PlaceBody, request: Request) -> PlacementRequ
     if body.sharding == "expert" and not facts.n_experts:
         raise invalid_parameter("sharding", "expert sharding needs a mixture-of-experts model: "
                                 f"{body.model!r} has no experts")
+    placer = getattr(getattr(request.app.state, "router", None), "placer", None)
+    assigned = body.backend or (placer.backend_of(source.model_id) if placer else None)
+    try:
+        backend = choose_backend(facts, source.format, assigned,
+                                 _cluster(request).backends_running())
+    except BackendChoiceError as error:
+        raise invalid_parameter("backend", str(error)) from None
     try:
         return PlacementRequest(facts=facts, sharding=body.sharding, min_nodes=body.min_nodes,
                                 excluded_nodes=tuple(body.excluded_nodes),
-                                hidden_int8=body.hidden_int8, pinned=body.pin)
+                                hidden_int8=body.hidden_int8, pinned=body.pin,
+                                backend=backend)
     except ValidationError as error:
-        raise invalid_parameter("sharding", error.errors()[0]["msg"]) from None
+        param = "backend" if backend != "engine" else "sharding"
+        raise invalid_parameter(param, error.errors()[0]["msg"]) from None
 
 
 @router.get("/cluster")

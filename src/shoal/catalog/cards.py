@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
 
+from shoal.backend_names import BackendName, parse_backend_name
 from shoal.engine.models.registry import find_family
 
 ModelKind = Literal["chat", "base", "embedding"]
@@ -78,11 +79,19 @@ class ModelCard:
     size_bytes: int
     package: str
     locate: Locator
+    # What serves it (backend_names.py); None: shoal's engine where it runs the family.
+    backend: BackendName | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"model {self.id}: kind must be one of {_KINDS}")
-        self._check_family()
+        if self.backend is not None:
+            try:
+                parse_backend_name(self.backend)
+            except ValueError as error:
+                raise ValueError(f"model {self.id}: {error}") from None
+        if self.backend in (None, "engine"):  # other backends run families shoal does not
+            self._check_family()
         if self.format not in _FORMATS:
             raise ValueError(f"model {self.id}: format must be one of {_FORMATS}")
         if self.context_length < 1 or self.size_bytes < 0:

@@ -110,13 +110,14 @@ def print_instances(cluster: dict[str, Any],
     """The instances, each with its serving node, what it holds, pinned, keep-alive expiry
     and that node's queue for the model; with memory (instance id -> figures) also what this
     node's runners hold."""
-    header = ("INSTANCE", "MODEL", "SHARDING", "STATUS", "NODE", "HELD", "PINNED", "EXPIRES",
-              "QUEUE")
+    header = ("INSTANCE", "MODEL", "BACKEND", "SHARDING", "STATUS", "NODE", "HELD", "PINNED",
+              "EXPIRES", "QUEUE")
     held = ("WEIGHTS", "KV HELD / ALL", "RSS") if memory is not None else ()
     rows = [(*header, *held, "RANKS (node[layers])")]
     for instance in cluster["instances"]:
         figures = _figures(memory.get(instance["instance_id"], {})) if memory is not None else ()
-        rows.append((instance["instance_id"], instance["model"], instance["sharding"],
+        rows.append((instance["instance_id"], instance["model"],
+                     instance.get("backend", "engine"), instance["sharding"],
                      instance["status"], instance["ranks"][0]["node_id"],
                      _size(instance.get("memory_bytes")),
                      "yes" if instance.get("pinned") else "no",

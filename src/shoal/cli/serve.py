@@ -13,6 +13,7 @@ from shoal.cli.errors import CommandFailed
 from shoal.config import (
     DEFAULT_PORT,
     NodeConfig,
+    build_backend_settings,
     build_cluster_settings,
     build_node_config,
     build_pool_settings,
@@ -73,6 +74,7 @@ def add_parser(commands) -> None:
     add_engine_flags(parser)
     add_pool_flags(parser)
     add_pull_flags(parser)
+    add_backend_flags(parser)
     add_cluster_flags(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -119,6 +121,18 @@ def add_pool_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tasks", default=None, metavar="FILE",
                        help="TOML file of fallback ladders, asked for as model task:NAME "
                             "(SHOAL_TASKS)")
+
+
+def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backends")
+    group.add_argument("--llama-server", default=None, metavar="PATH",
+                       help="llama.cpp's llama-server binary (any build: CUDA, Metal, Vulkan, "
+                            "ROCm, CPU) for models shoal's engine does not run or that are "
+                            "assigned to it (SHOAL_LLAMA_SERVER; default: llama-server on "
+                            "PATH, if any)")
+    group.add_argument("--backend", action="append", default=[], metavar="MODEL=NAME",
+                       help="serve MODEL with backend NAME (engine, llama-server); repeat for "
+                            "several (SHOAL_BACKENDS, comma-separated)")
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +215,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                pull=build_pull_settings(
                                    models_disk=args.models_disk,
                                    on_demand=args.pull_on_demand,
-                                   ollama_registry=args.ollama_registry))
+                                   ollama_registry=args.ollama_registry),
+                               backends=build_backend_settings(
+                                   llama_server=args.llama_server, assigned=args.backend))
     try:
         check_draft_models(config)
     except (ValueError, LookupError) as error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from shoal.backend_names import DEFAULT_BACKEND, BackendName
 from shoal.cluster.model_facts import ModelFacts
 from shoal.ids import InstanceId, ModelId, NodeId, RunnerId
 from shoal.sharding import RequestedSharding, Sharding
@@ -94,6 +95,9 @@ class PlacementRequest(Frozen):
     on_demand: bool = False
     # Never evicted to make room and never expires (--pin, "pin" on POST /instances).
     pinned: bool = False
+    # What serves it: shoal's engine, or a backend some nodes run (placement goes only
+    # there). Chosen once, where the placement is asked for (cluster/backends.py).
+    backend: BackendName = DEFAULT_BACKEND
 
     @model_validator(mode="after")
     def _check(self) -> PlacementRequest:
@@ -101,6 +105,10 @@ class PlacementRequest(Frozen):
             raise ValueError(f"min_nodes must be >= 1, not {self.min_nodes}")
         if self.sharding == "single" and self.min_nodes > 1:
             raise ValueError("single-node sharding cannot have min_nodes > 1")
+        if self.backend != DEFAULT_BACKEND and (self.min_nodes > 1 or self.sharding not in
+                                                ("auto", "single")):
+            raise ValueError(f"{self.backend} serves a model whole on one node: it cannot be "
+                             f"split ({self.sharding}, min_nodes {self.min_nodes})")
         return self
 
     @property

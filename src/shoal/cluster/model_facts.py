@@ -49,6 +49,9 @@ class ModelFacts(BaseModel):
     # False for an embedding model: no KV cache, no sampler or grammar machinery.
     generates: bool = True
     measured_bytes: int | None = None
+    # The checkpoint's architecture name (GGUF general.architecture, config.json's
+    # architectures[0]): which backends can run it. None when facts were made by hand.
+    architecture: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelFacts:
@@ -141,7 +144,8 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
         expert_bytes=sum(info.nbytes for name, info in reader.tensors.items()
                          if "_exps." in name),
         vocab_size=_gguf_vocab_size(reader),
-        generates=family is None or family.task == "generate")
+        generates=family is None or family.task == "generate",
+        architecture=str(arch) if arch is not None else None)
 
 
 def _gguf_vocab_size(reader) -> int:
@@ -178,7 +182,8 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             n_experts=experts,
             expert_bytes=_safetensors_expert_bytes(directory) if experts else 0,
             vocab_size=int(hf.get("vocab_size") or 0),
-            generates=family is None or family.task == "generate")
+            generates=family is None or family.task == "generate",
+            architecture=hf_architecture_name(hf))
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error
 

@@ -90,7 +90,8 @@ def node_capacity(reading: NodeReading, state: ClusterState,
     if reading.max_loaded_models is not None:
         slots = max(0, reading.max_loaded_models - loaded_count(state, reading.node_id))
     return NodeCapacity(node_id=reading.node_id, usable_bytes=free, free_slots=slots,
-                        holds=reading.held_model_names())
+                        holds=reading.held_model_names(),
+                        backends=reading.capacity().backends)
 
 
 def node_capacities(readings: Sequence[NodeReading], state: ClusterState,

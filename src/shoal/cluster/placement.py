@@ -31,6 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shoal.backend_names import DEFAULT_BACKEND
 from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous
 from shoal.cluster.model_facts import ModelFacts
 from shoal.engine.kv_budget import KV_GRANT_STEP_TOKENS
@@ -105,6 +106,9 @@ class NodeCapacity:
     free_slots: int | None = None
     # Names (lower case) of the models whose files are on its disk: placed there first.
     holds: frozenset[str] = frozenset()
+    # The backends it runs: a model goes only where its backend does (every node runs
+    # shoal's engine).
+    backends: frozenset[str] = frozenset({DEFAULT_BACKEND})
 
     def holds_model(self, model: str) -> bool:
         return model.lower() in self.holds
@@ -183,7 +187,11 @@ class PlacementPreview:
 def place(request: PlacementRequest, nodes: Sequence[NodeCapacity],
           policy: PlacementPolicy = DEFAULT_POLICY) -> Placement | PlacementError:
     """The narrowest placement that fits, honouring sharding, min_nodes and excluded_nodes."""
-    candidates = _candidates(nodes, request.excluded_nodes)
+    runs = [n for n in nodes if request.backend in n.backends]
+    if nodes and not runs:
+        return PlacementError(f"cannot place model {request.model!r}: no node runs "
+                              f"{request.backend}")
+    candidates = _candidates(runs, request.excluded_nodes)
     if isinstance(candidates, PlacementError):
         return candidates
     if request.min_nodes > len(candidates):
@@ -296,13 +304,14 @@ def previews(request: PlacementRequest, nodes: Sequence[NodeCapacity],
     """Every sharding at every width the cluster allows, each placed or with its reason.
 
     request.sharding and min_nodes are ignored (a preview shows all options); excluded
-    nodes are honoured.
+    nodes and the backend are honoured.
     """
-    candidates = _candidates(nodes, request.excluded_nodes)
+    candidates = _candidates([n for n in nodes if request.backend in n.backends],
+                             request.excluded_nodes)
     if isinstance(candidates, PlacementError):
         return ()
     options: list[tuple[Sharding, int]] = [("single", 1)]
-    for sharding in MULTI_RANK_SHARDINGS:
+    for sharding in MULTI_RANK_SHARDINGS if request.backend == DEFAULT_BACKEND else ():
         if sharding == "expert" and not request.facts.n_experts:
             continue  # not an option for a dense model at all
         options += [(sharding, w) for w in range(2, len(candidates) + 1)]
@@ -461,8 +470,8 @@ def split_layers(n_layers: int, weights: Sequence[int]) -> tuple[int, ...]:
 
 def _attempts(request: PlacementRequest, available: int) -> list[tuple[Sharding, int]]:
     low = request.min_nodes
-    if request.sharding == "single":
-        return [("single", 1)]
+    if request.sharding == "single" or request.backend != DEFAULT_BACKEND:
+        return [("single", 1)]  # other backends serve a model whole
     if request.sharding in MULTI_RANK_SHARDINGS:
         return [(request.sharding, w) for w in range(low, available + 1)]
     single: list[tuple[Sharding, int]] = [("single", 1)] if low == 1 else []

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.backend_names import DEFAULT_BACKEND
 from shoal.cluster import traces
 from shoal.cluster.capabilities import Capabilities
 from shoal.cluster.card_exchange import CardConfig
@@ -452,6 +453,12 @@ class ClusterService:
     def previews(self, request: PlacementRequest) -> tuple[PlacementPreview, ...]:
         return previews(request, self.capacities(), self.plane.config.master.policy)
 
+    def backends_running(self) -> frozenset[str]:
+        """The backends some node of the cluster runs (shoal's engine always, this node's
+        own before its first reading is out)."""
+        return frozenset({DEFAULT_BACKEND, *self._pool.registry.backends}).union(
+            *(reading.backends for reading in self.readings().values()))
+
     def readings(self) -> dict[NodeId, NodeReading]:
         """Every node's latest reading, this node's keep-alive expiries and queue live."""
         readings = self.plane.telemetry.table.readings()
@@ -482,6 +489,8 @@ class ClusterService:
                 "cpu_count": reading.cpu_count if reading else None,
                 "queue_depth": sum(reading.queue_depths.values()) if reading else 0,
                 "backends": list(reading.backends) if reading else [],
+                "backend_devices": ({k: list(v) for k, v in reading.backend_devices.items()}
+                                    if reading else {}),
                 # The model files on its disk (placement prefers these nodes).
                 "models": [{"model": m.model, "size": m.size, "files": len(m.files)}
                            for m in reading.models] if reading else [],

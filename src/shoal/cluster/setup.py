@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from shoal.backend_names import DEFAULT_BACKEND
 from shoal.catalog.file_hashes import FileHashes
 from shoal.catalog.resolve import stored_source
 from shoal.catalog.store import ModelStore
@@ -89,7 +90,9 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
                        addresses: Callable[[], Sequence[str]],
                        group_connect_s: float = 120.0, memory_budget: int | None = None,
                        max_loaded_models: int | None = None,
-                       kv_cache_dtype: str = "auto") -> ClusterService:
+                       kv_cache_dtype: str = "auto",
+                       backend_devices: Mapping[str, Sequence[str]] | None = None,
+                       ) -> ClusterService:
     """Join (or form) the cluster and start this node's part in it.
 
     pool: this node's model pool (and, through it, its runner registry); addresses: this
@@ -97,19 +100,23 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     only once the HTTP server has bound it; group_connect_s: how long a rank of a multi-rank
     instance waits for its group to form; memory_budget: what this node's models may hold
     in all (None: what placement reckons the node can use, its own runners' memory counted as
-    usable); max_loaded_models: how many models it may hold (None: no limit)."""
+    usable); max_loaded_models: how many models it may hold (None: no limit);
+    backend_devices: the backends this node runs and the devices each drives (telemetry
+    advertises them; None: shoal's engine alone)."""
     node_id = load_node_id(data_dir)
     name = settings.name or socket.gethostname()
     held = held_models(data_dir, pool)
 
     def read() -> NodeReading:
         reading = read_node(node_id, data_dir, name, tuple(addresses()))
-        backends = ("cpu", "cuda") if reading.gpus else ("cpu",)
+        backends = dict(backend_devices or {DEFAULT_BACKEND: ()})
         budget = memory_budget
         if budget is None:
             budget = reading.capacity().usable_bytes + pool.resident_bytes()
         return reading.model_copy(update={
-            "backends": backends, "memory_budget": budget,
+            "backends": tuple(backends),
+            "backend_devices": {name: tuple(devices) for name, devices in backends.items()},
+            "memory_budget": budget,
             "max_loaded_models": max_loaded_models, "queue_depths": pool.queue.depths(),
             "expiries": pool.expiries(), "models": held.current()})
 

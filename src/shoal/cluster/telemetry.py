@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import pydantic
 
+from shoal.backend_names import DEFAULT_BACKEND
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.held_models import HeldModel
 from shoal.cluster.instances import Frozen
@@ -59,7 +60,10 @@ class NodeReading(Frozen):
     disk_total: int = 0
     disk_free: int = 0
     gpus: tuple[GpuReading, ...] = ()
+    # The backends this node runs (engine, llama-server, ...), and the devices each drives
+    # as the backend itself lists them (empty: the CPU).
     backends: tuple[str, ...] = ()
+    backend_devices: dict[str, tuple[str, ...]] = pydantic.Field(default_factory=dict)
     # What this node's models may hold in all (node_budget.py); None: place on live memory.
     memory_budget: int | None = None
     max_loaded_models: int | None = None  # None: no limit
@@ -78,7 +82,8 @@ class NodeReading(Frozen):
             self.node_id, self.memory_total, self.memory_available,
             None if gpu is None else gpu.memory_total,
             None if gpu is None else gpu.memory_available)
-        return dataclasses.replace(capacity, holds=self.held_model_names())
+        return dataclasses.replace(capacity, holds=self.held_model_names(),
+                                   backends=frozenset({DEFAULT_BACKEND, *self.backends}))
 
     def held_model_names(self) -> frozenset[str]:
         """Every name (lower case) of the models whose files this node holds."""

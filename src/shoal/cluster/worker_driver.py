@@ -298,7 +298,8 @@ class WorkerDriver:
             else:
                 log.info("starting model %s for %s", instance.model, instance.instance_id)
             await self._registry.start((instance.instance_id, rank.rank), source, parallel,
-                                       self._memory_share(instance))
+                                       self._memory_share(instance),
+                                       backend=instance.request.backend)
             runner.phase, runner.message = "ready", ""
             if rank.rank == 0:
                 self._pool.track(instance.instance_id, instance.request.keep_alive_s,

@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from shoal.backend_names import DEFAULT_BACKEND, BackendName
+from shoal.cluster.backends import BackendChoiceError, choose_backend
 from shoal.cluster.instances import Instance, PlacementRequest
 from shoal.cluster.model_facts import ModelFacts, model_facts_from_source
 from shoal.cluster.service import ClusterNotReady, ClusterService, NoQuorum, PlacementRefused
@@ -35,12 +37,15 @@ class Placer:
                  place_wait_s: float = DEFAULT_PLACE_WAIT_S,
                  memory_wait_s: float = DEFAULT_MEMORY_WAIT_S,
                  read_facts: Callable[[ModelSource], ModelFacts] = model_facts_from_source,
+                 backend_of: Callable[[str], BackendName | None] = lambda _model: None,
                  ) -> None:
         self.pool = pool
         self.cluster = cluster
         self.place_wait_s = place_wait_s
         self.memory_wait_s = memory_wait_s
         self._read_facts = read_facts
+        # The backend the node assigns a model (--backend, its card); None: the default.
+        self.backend_of = backend_of
         self._facts: dict[str, ModelFacts] = {}
         self._placing: dict[tuple[str, bool], asyncio.Task[Instance]] = {}
 
@@ -65,18 +70,28 @@ class Placer:
         """Whole where it fits as things stand (here first); else here after evicting idle
         models; else split across nodes; else wait for memory to free (bounded)."""
         facts = await self._facts_of(model_id, source)
+        running = self.cluster.backends_running()
+        try:
+            backend = choose_backend(facts, source.format, self.backend_of(model_id), running)
+        except BackendChoiceError as error:
+            raise ModelUnavailable(str(error)) from error
+        if backend not in running:  # waiting for memory would not help
+            raise ModelUnavailable(f"model {model_id!r} is to be served by {backend}, which "
+                                   f"no node of the cluster runs")
         others = tuple(n for n in self.cluster.state.nodes if n != self.cluster.node_id)
         whole = PlacementRequest(
             facts=facts, preferred_node=self.cluster.node_id, keep_alive_s=keep_alive_s,
-            on_demand=True, pinned=pinned, sharding="single",
+            on_demand=True, pinned=pinned, sharding="single", backend=backend,
             excluded_nodes=others if here_only else ())
+        # Evicting here makes room only for a backend this node runs.
+        runs_here = backend == DEFAULT_BACKEND or backend in self.pool.registry.backends
         deadline = time.monotonic() + self.memory_wait_s
         while True:
             placed = await self._try_place(whole)
             if isinstance(placed, Instance):
                 return placed
             room = room_for(self.cluster, self.pool, facts, self.pool.queue.busy_models())
-            if room.victims:
+            if room.victims and runs_here:
                 await evict(self.cluster, self.pool, room, model_id)
                 continue
             if not here_only and len(self.cluster.state.nodes) > 1:

@@ -3,6 +3,10 @@
 The registry alone starts, supervises (through each RunnerSupervisor) and stops runners:
 single-rank instances, and ranks of instances split across nodes alike. The cluster's worker
 decides what runs; the pool decides how long it stays; both go through here.
+
+A runner is shoal's engine in a subprocess (RunnerSupervisor) or a served backend's process
+(llama-server: runner/llama_server/), chosen by the backend its instance was placed for;
+both answer the same calls.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from shoal.backend_names import DEFAULT_BACKEND, BackendName
 from shoal.engine.config import ModelSource
 from shoal.engine.parallel.config import ParallelConfig
 from shoal.runner.proposals import ProposalHook
@@ -24,6 +29,8 @@ log = logging.getLogger("shoal.runner.registry")
 RunnerKey = tuple[str, int]  # (instance id, rank)
 # (where the weights are, the rank's place in its group or None alone) -> a supervisor
 SupervisorFactory = Callable[[ModelSource, ParallelConfig | None], RunnerSupervisor]
+# where the weights are -> the supervisor of a served backend's process (whole models only)
+BackendFactory = Callable[[ModelSource], Any]
 
 # How long stop() gives a runner to shut down before close() stops waiting for it.
 _CLOSE_WAIT_S = 15.0
@@ -32,8 +39,11 @@ _RECHECK_S = 0.25
 
 
 class RunnerRegistry:
-    def __init__(self, make_supervisor: SupervisorFactory) -> None:
+    def __init__(self, make_supervisor: SupervisorFactory,
+                 backends: Mapping[str, BackendFactory] | None = None) -> None:
         self._make_supervisor = make_supervisor
+        # The backends besides shoal's engine this node runs, by name (llama-server).
+        self._backends = dict(backends or {})
         self._runners: dict[RunnerKey, RunnerSupervisor] = {}
         self._starts: dict[RunnerKey, asyncio.Task] = {}
         self._stopping: set[asyncio.Task] = set()
@@ -50,13 +60,15 @@ class RunnerRegistry:
 
     async def start(self, key: RunnerKey, source: ModelSource,
                     parallel: ParallelConfig | None = None,
-                    memory_limit: int | None = None) -> RunnerSupervisor:
+                    memory_limit: int | None = None,
+                    backend: BackendName = DEFAULT_BACKEND) -> RunnerSupervisor:
         """Spawn the runner for key and wait until it has loaded (RunnerUnavailable if it
         cannot). A key already running is an error: one runner per (instance, rank).
-        memory_limit: the most it may hold (its KV cache is sized within it)."""
+        memory_limit: the most it may hold (its KV cache is sized within it); backend: what
+        serves the model (shoal's engine, or one of the backends this node runs)."""
         if key in self._runners:
             raise ValueError(f"runner {key} is already registered")
-        supervisor = self._make_supervisor(source, parallel)
+        supervisor = self._make(source, parallel, backend)
         supervisor.on_prefix = lambda message: self._prefix_message(key, message)
         supervisor.proposals = self.proposals
         supervisor.kv_room = lambda extra: self._kv_room(key, extra)
@@ -74,6 +86,24 @@ class RunnerRegistry:
 
     def _kv_room(self, key: RunnerKey, extra_bytes: int) -> bool:
         return self.kv_room is None or self.kv_room(key, extra_bytes)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends this node runs besides shoal's engine."""
+        return tuple(self._backends)
+
+    def _make(self, source: ModelSource, parallel: ParallelConfig | None,
+              backend: BackendName) -> RunnerSupervisor:
+        if backend == DEFAULT_BACKEND:
+            return self._make_supervisor(source, parallel)
+        make = self._backends.get(backend)
+        if make is None:
+            raise RunnerUnavailable(f"model {source.model_id!r} is to be served by {backend}, "
+                                    f"which this node does not run")
+        if parallel is not None:
+            raise RunnerUnavailable(f"{backend} serves a model whole on one node; "
+                                    f"{source.model_id!r} was split across nodes")
+        return make(source)
 
     def _prefix_message(self, key: RunnerKey, message: Any) -> None:
         if self.on_prefix is not None and self._runners.get(key) is not None:

@@ -66,6 +66,8 @@ class RunnerUnavailable(RuntimeError):
 
 
 class RunnerSupervisor:
+    backend = "engine"  # shoal's own; other backends' supervisors name theirs
+
     def __init__(self, config: EngineConfig, options: SupervisorOptions | None = None,
                  on_progress: ProgressCallback | None = None) -> None:
         self.config = config
@@ -247,6 +249,7 @@ class RunnerSupervisor:
                 "in_flight": self.num_in_flight, "restarts": self.restarts,
                 "error": self.last_error,
                 "task": info.task if info else self.config.source.task,
+                "backend": self.backend,
                 "size_bytes": self.memory.footprint_bytes if self.memory else None,
                 "expires_at": self.expires_at,
                 "load": {"stage": self.load_stage, "progress": self.load_progress},
