@@ -33,3 +33,15 @@ def test_an_unreadable_sizes_file_is_ignored(tmp_path):
     path.write_bytes(b"\0")
     assert MeasuredSizes.of_data_dir(tmp_path).get(
         ModelSource(model_id="m", format="gguf", path=path)) is None
+
+
+def test_each_backend_has_its_own_size_for_one_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"\0" * 100)
+    source = ModelSource(model_id="m", format="gguf", path=path)
+    sizes = MeasuredSizes.of_data_dir(tmp_path / "data")
+    sizes.record(source, 290_000, "llama-server")
+    assert sizes.get(source) is None  # the engine has not loaded it yet
+    assert sizes.get(source, "llama-server") == 290_000
+    sizes.record(source, 470_000)
+    assert (sizes.get(source), sizes.get(source, "llama-server")) == (470_000, 290_000)

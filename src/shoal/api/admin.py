@@ -64,9 +64,6 @@ async def _placement_request(body: PlaceBody, request: Request) -> PlacementRequ
     try:
         source = await _resolved(request, body.model)
         facts = await asyncio.to_thread(model_facts_from_source, source)
-        cluster = getattr(request.app.state, "cluster", None)
-        if cluster is not None:
-            facts = cluster.with_measured_size(facts, source)
     except ModelNotFound as error:
         raise APIError(404, str(error), param="model", code="model_not_found") from None
     except (UnsupportedModel, ValueError) as error:
@@ -81,6 +78,9 @@ async def _placement_request(body: PlaceBody, request: Request) -> PlacementRequ
                                  _cluster(request).backends_running())
     except BackendChoiceError as error:
         raise invalid_parameter("backend", str(error)) from None
+    cluster = getattr(request.app.state, "cluster", None)
+    if cluster is not None:
+        facts = cluster.with_measured_size(facts, source, backend)
     try:
         return PlacementRequest(facts=facts, sharding=body.sharding, min_nodes=body.min_nodes,
                                 excluded_nodes=tuple(body.excluded_nodes),

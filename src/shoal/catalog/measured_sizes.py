@@ -3,8 +3,9 @@
 Before a model's first load placement counts an estimate from its file headers
 (cluster/placement.py); once a runner has loaded the whole model and reported what it holds
 (its resident memory plus its first KV grant), that figure replaces the estimate, here and
-after a restart. A size is kept per version of the weight files (path, size, mtime), so a
-rewritten file is estimated afresh; every load measures again, so a changed setting (say
+after a restart. A size is kept per backend and version of the weight files (path, size,
+mtime), so a rewritten file is estimated afresh and llama-server's figure for a file is never
+taken for shoal's engine's; every load measures again, so a changed setting (say
 --kv-cache-dtype) corrects the figure at the next load.
 """
 
@@ -14,6 +15,7 @@ import json
 import threading
 from pathlib import Path
 
+from shoal.backend_names import DEFAULT_BACKEND
 from shoal.catalog.store import write_json_atomically
 from shoal.engine.config import ModelSource
 
@@ -32,17 +34,19 @@ class MeasuredSizes:
     def of_data_dir(cls, data_dir: Path | None) -> MeasuredSizes:
         return cls(None if data_dir is None else Path(data_dir) / "models" / SIZES_FILE)
 
-    def get(self, source: ModelSource) -> int | None:
-        """What the model held when it was last measured; None: never (this version)."""
-        key = _key(source)
+    def get(self, source: ModelSource, backend: str = DEFAULT_BACKEND) -> int | None:
+        """What the model held under backend when it was last measured; None: never (this
+        version)."""
+        key = _key(source, backend)
         if key is None:
             return None
         with self._lock:
             return self._sizes.get(key)
 
-    def record(self, source: ModelSource, held_bytes: int) -> None:
-        """Keep what a runner serving the model whole holds after loading."""
-        key = _key(source)
+    def record(self, source: ModelSource, held_bytes: int,
+               backend: str = DEFAULT_BACKEND) -> None:
+        """Keep what a runner of backend serving the model whole holds after loading."""
+        key = _key(source, backend)
         if key is None or held_bytes <= 0:
             return
         with self._lock:
@@ -72,12 +76,13 @@ class MeasuredSizes:
             pass  # a read-only data dir estimates again after a restart; nothing is wrong
 
 
-def _key(source: ModelSource) -> str | None:
-    """The weights' version; None when the files cannot be read."""
+def _key(source: ModelSource, backend: str) -> str | None:
+    """The backend and the weights' version; None when the files cannot be read."""
     path = Path(source.path)
     try:
         stat = path.stat()
         resolved = path.resolve()
     except OSError:
         return None
-    return f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
+    version = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
+    return version if backend == DEFAULT_BACKEND else f"{backend}|{version}"

@@ -390,10 +390,11 @@ class ClusterService:
     def policy(self) -> PlacementPolicy:
         return self.plane.config.master.policy
 
-    def with_measured_size(self, facts: ModelFacts, source: ModelSource) -> ModelFacts:
-        """facts with what the model held when it last loaded here, if it has: placement
-        counts that for a whole copy instead of its estimate."""
-        measured = self.measured_sizes.get(source)
+    def with_measured_size(self, facts: ModelFacts, source: ModelSource,
+                           backend: str = DEFAULT_BACKEND) -> ModelFacts:
+        """facts with what the model held when it last loaded here under backend, if it
+        has: placement counts that for a whole copy instead of its estimate."""
+        measured = self.measured_sizes.get(source, backend)
         return facts if measured is None else facts.model_copy(
             update={"measured_bytes": measured})
 

@@ -242,7 +242,8 @@ class WorkerDriver:
         kept for placement in place of its estimate (a rank's share is not the model's)."""
         instance = state.instances.get(runner.instance_id)
         if instance is not None and len(instance.ranks) == 1:
-            self._measured_sizes.record(supervisor.config.source, held_bytes)
+            self._measured_sizes.record(supervisor.config.source, held_bytes,
+                                        supervisor.backend)
 
     # --- actions -----------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ class Placer:
             backend = choose_backend(facts, source.format, self.backend_of(model_id), running)
         except BackendChoiceError as error:
             raise ModelUnavailable(str(error)) from error
+        facts = self.cluster.with_measured_size(facts, source, backend)
         if backend not in running:  # waiting for memory would not help
             raise ModelUnavailable(f"model {model_id!r} is to be served by {backend}, which "
                                    f"no node of the cluster runs")
@@ -128,8 +129,8 @@ class Placer:
             await asyncio.sleep(_RETRY_S)
 
     async def _facts_of(self, model_id: str, source: ModelSource) -> ModelFacts:
-        """The model's facts from its headers (read once), with what it held when it last
-        loaded here, if it has (that replaces placement's estimate)."""
+        """The model's facts from its headers (read once); what it held when it last loaded
+        here is added once its backend is known (that replaces placement's estimate)."""
         facts = self._facts.get(model_id)
         if facts is None:
             try:
@@ -137,7 +138,7 @@ class Placer:
             except (OSError, ValueError) as error:
                 raise ModelUnavailable(f"cannot read model {model_id!r}: {error}") from error
             self._facts[model_id] = facts
-        return self.cluster.with_measured_size(facts, source)
+        return facts
 
 
 
