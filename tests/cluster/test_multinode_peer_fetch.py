@@ -16,7 +16,7 @@ import httpx
 import pytest
 from engine import tiny_models  # tests/engine, a namespace package on tests/'s path
 from engine.tokenizer_fixtures import tiny_byte_level_metadata
-from test_multinode import cluster_of, start_nodes, wait_for
+from test_multinode import agreed_master, cluster_of, start_nodes, wait_for
 from test_multinode_parallel import complete
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -55,8 +55,9 @@ def test_a_node_lacking_a_model_copies_it_from_a_holder_even_when_one_dies(tmp_p
         1: ["--dtype", "float32", "--force-master", "--peer-fetch-rate", rate]})
     try:
         first, asker, third = nodes
-        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 3 for n in nodes),
-                 30, "a three-node cluster")
+        # One master all agree on first: a request in flight when the master changes fails
+        # and is retried on another instance, and these tests count instances.
+        wait_for(lambda: agreed_master(nodes, 3), 30, "a three-node cluster")
         # Two holders serve it once by path (resolved there, so listed), then unload it.
         expected = complete(first, str(model_path), "Once upon a time")
         assert complete(third, str(model_path), "Once upon a time") == expected
@@ -96,8 +97,9 @@ def test_a_pipeline_on_two_nodes_lacking_the_model_fetches_each_rank_s_layers_on
     nodes = start_nodes(tmp_path, 3, extra={i: ["--dtype", "float32"] for i in range(3)})
     try:
         holder, second, third = nodes
-        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 3 for n in nodes),
-                 30, "a three-node cluster")
+        # One master all agree on first: a request in flight when the master changes fails
+        # and is retried on another instance, and these tests count instances.
+        wait_for(lambda: agreed_master(nodes, 3), 30, "a three-node cluster")
         # Served once by path on the holder (resolved there, so listed), then unloaded.
         expected = complete(holder, str(model_path), "Once upon a time")
         [single] = cluster_of(holder)["instances"]
@@ -138,8 +140,9 @@ def test_an_expert_instance_on_two_nodes_lacking_the_model_fetches_each_rank_s_e
                         extra={i: ["--dtype", "float32"] for i in range(3)})
     try:
         holder, second, third = nodes
-        wait_for(lambda: all(len((cluster_of(n) or {}).get("nodes", [])) == 3 for n in nodes),
-                 30, "a three-node cluster")
+        # One master all agree on first: a request in flight when the master changes fails
+        # and is retried on another instance, and these tests count instances.
+        wait_for(lambda: agreed_master(nodes, 3), 30, "a three-node cluster")
         expected = answers(holder, str(model_path))
         [single] = cluster_of(holder)["instances"]
         delete(holder, single["instance_id"], nodes)
