@@ -434,7 +434,15 @@ class Router:
         if chosen is not None:
             return chosen
         # Placing: the name as resolved for this request, else looked up afresh.
-        source = named.source or await self.naming.names.resolve(name)
+        if named.source is None:
+            source = await self.naming.names.resolve(name)
+            # Another request may have placed the model while this one looked it up (the
+            # placer shares a placement only while it runs): take that instance.
+            chosen = self.chooser.choose(named.model_id, here_only, request, avoid)
+            if chosen is not None:
+                return chosen
+        else:
+            source = named.source
         keep = self.pool.keep_alive_s if keep_alive_s is None else keep_alive_s
         return await self.placer.place(named.model_id, source, keep_alive_s=keep,
                                        here_only=here_only, pinned=pinned)
