@@ -201,16 +201,10 @@ class Router:
         ticket, named = turn
         try:
             clock.queued()
-            placing_ns = time.time_ns()
-            try:
-                if isinstance(named, Ladder):  # ladders hold text models: look the name up
-                    named = await self.naming.identify(request.model, "embed")
-                instance = await self._instance_of(request.model, named, here_only=True)
-                runner = await self._local_runner(instance)
-            except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-                self._record_load(request, placing_ns, None)
-                return clock.explain(refusal(request.request_id, error))
-            self._record_load(request, placing_ns, instance)
+            served = await self._served_here(request, named, "embed", clock)
+            if isinstance(served, ErrorChunk):
+                return served
+            instance, runner = served
             load_s = clock.loaded()
             request = request.model_copy(update={"priority": ticket.priority})
             embedding_ns = time.time_ns()
@@ -223,6 +217,23 @@ class Router:
             return clock.explain(result)
         finally:
             self.queue.release(ticket)
+
+    async def _served_here(self, request: EmbeddingRequest | ImageRequest,
+                           named: Named | Ladder, task: ModelTask, clock: RequestClock
+                           ) -> tuple[Instance, RunnerSupervisor] | ErrorChunk:
+        """An instance served whole on this node for an embedding or image request, and its
+        loaded runner; or the ErrorChunk that says why not (its load recorded either way)."""
+        placing_ns = time.time_ns()
+        try:
+            if isinstance(named, Ladder):  # ladders hold text models: look the name up
+                named = await self.naming.identify(request.model, task)
+            instance = await self._instance_of(request.model, named, here_only=True)
+            runner = await self._local_runner(instance)
+        except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
+            self._record_load(request, placing_ns, None)
+            return clock.explain(refusal(request.request_id, error))
+        self._record_load(request, placing_ns, instance)
+        return instance, runner
 
     async def generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
         """The request's image chunks (ImagesDone last), or one ErrorChunk. The model's one
@@ -247,17 +258,11 @@ class Router:
         ticket, named = turn
         try:
             clock.queued()
-            placing_ns = time.time_ns()
-            try:
-                if isinstance(named, Ladder):  # ladders hold text models: look the name up
-                    named = await self.naming.identify(request.model, "image")
-                instance = await self._instance_of(request.model, named, here_only=True)
-                runner = await self._local_runner(instance)
-            except Exception as error:  # noqa: BLE001 - refusal re-raises what it cannot map
-                self._record_load(request, placing_ns, None)
-                yield clock.explain(refusal(request.request_id, error))
+            served = await self._served_here(request, named, "image", clock)
+            if isinstance(served, ErrorChunk):
+                yield served
                 return
-            self._record_load(request, placing_ns, instance)
+            instance, runner = served
             clock.loaded()
             request = request.model_copy(update={"priority": ticket.priority})
             drawing_ns = time.time_ns()
