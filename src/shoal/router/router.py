@@ -93,16 +93,24 @@ class Router:
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The request's chunks; an unknown or broken model yields one ErrorChunk. cancel()
         ends it, wherever it is (queued, loading, generating here or on another node)."""
-        stream = CancellableStream(self._submit(request), request.request_id)
-        self._in_flight[request.request_id] = stream
         observer = self.metrics.observe(request.model)
-        try:
-            async for chunk in stream:
+        async with contextlib.aclosing(self._cancellable(self._submit(request),
+                                                         request.request_id)) as chunks:
+            async for chunk in chunks:
                 observer.chunk(chunk)
                 yield chunk
+
+    async def _cancellable(self, chunks: AsyncIterator[Any], request_id: str
+                           ) -> AsyncIterator[Any]:
+        """chunks, which cancel(request_id) ends while they run."""
+        stream = CancellableStream(chunks, request_id)
+        self._in_flight[request_id] = stream
+        try:
+            async for chunk in stream:
+                yield chunk
         finally:
-            if self._in_flight.get(request.request_id) is stream:
-                del self._in_flight[request.request_id]
+            if self._in_flight.get(request_id) is stream:
+                del self._in_flight[request_id]
             await stream.close()
 
     def cancel(self, request_id: str) -> bool:
@@ -239,15 +247,10 @@ class Router:
         """The request's image chunks (ImagesDone last), or one ErrorChunk. The model's one
         pipeline draws one request at a time: the others wait in the queue, in its order.
         cancel() ends it, wherever it is."""
-        stream = CancellableStream(self._generate_images(request), request.request_id)
-        self._in_flight[request.request_id] = stream
-        try:
-            async for chunk in stream:
+        async with contextlib.aclosing(self._cancellable(self._generate_images(request),
+                                                         request.request_id)) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        finally:
-            if self._in_flight.get(request.request_id) is stream:
-                del self._in_flight[request.request_id]
-            await stream.close()
 
     async def _generate_images(self, request: ImageRequest) -> AsyncIterator[Any]:
         clock = RequestClock()
