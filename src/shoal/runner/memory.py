@@ -2,8 +2,9 @@
 
 Weights come from the engine (`weight_bytes()`); the KV cache in use, kept resident and
 granted is the scheduler's blocks (`stats()`) times the bytes one block takes over this
-rank's layers (`kv_bytes_per_block()`); RSS is the runner process's own. An engine that cannot tell a
-figure leaves it None. Measuring never raises into the loop.
+rank's layers (`kv_bytes_per_block()`); resident memory is the runner process's own
+(private_resident_bytes). An engine that cannot tell a figure leaves it None. Measuring
+never raises into the loop.
 """
 
 from __future__ import annotations
@@ -175,6 +176,21 @@ def loading_heap() -> Iterator[None]:
         return_freed_heap()
 
 
+def private_resident_bytes(pid: int | str = "self") -> int:
+    """What a process holds resident on its own: its anonymous and shared-memory pages
+    (heap, weights, KV blocks touched), from /proc/<pid>/status. The pages of shared
+    libraries and mapped files are left out: the page cache shares them between runners
+    (torch's libraries are ~95 MB of every runner's RSS, one copy in memory) and can drop
+    them, and how many of them a process maps varies by host (large file folios map
+    whole 2 MB pieces of libtorch). Where /proc is not there, the whole RSS."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return sum(int(fields[name].split()[0]) * 1024 for name in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        process = psutil.Process() if pid == "self" else psutil.Process(int(pid))
+        return int(process.memory_info().rss)
+
+
 def _own_rss() -> Callable[[], int]:
-    process = psutil.Process()
-    return lambda: int(process.memory_info().rss)
+    return private_resident_bytes

@@ -152,7 +152,10 @@ class MemoryUsage(RunnerMessage):
     # The KV blocks the node lets it touch (runner/kv_grant.py); None: no grant (a
     # follower rank or an embedder, whose KV is what it touched).
     kv_bytes_granted: int | None = None
-    rss_bytes: int | None = None  # resident memory of the runner process
+    # Resident memory the runner process holds on its own (runner/memory.py
+    # private_resident_bytes: not shared libraries' pages); a server that maps its weights
+    # file (llama-server) counts its whole RSS, the mapped weights included.
+    rss_bytes: int | None = None
 
     @property
     def held_bytes(self) -> int | None:
