@@ -41,7 +41,7 @@ from shoal.runner.supervisor import RunnerUnavailable
 
 LOAD_S = 0.05
 # What each fake runner reports it holds once loaded (counted against a node's budget).
-HELD_BYTES = 100 * 2**20
+HELD_BYTES = 50 * 2**20
 
 
 class MemorySupervisor:
