@@ -82,7 +82,7 @@ serve: $(STAMP)
 	$(VENV)/bin/shoal serve $(SERVE_ARGS)
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/engine.py
