@@ -60,7 +60,7 @@ def test_every_node_holds_every_card_and_a_killed_nodes_card_expires(tmp_path, m
             node.stop()
 
 
-def chat(url: str, speculative: str | None, max_tokens: int = 150) -> dict:
+def chat(url: str, speculative: str | None, max_tokens: int = 100) -> dict:
     body = {"model": "smollm2", "messages": EDIT_CHAT, "max_tokens": max_tokens,
             "temperature": 0}
     if speculative is not None:
@@ -110,7 +110,7 @@ def test_remote_proposer_killed_mid_stream_the_stream_completes_identical(tmp_pa
         # Again, streamed, and the proposer node dies a few chunks in.
         streamed, usage, killed_after = [], None, None
         with httpx.stream("POST", verifier.url + "/v1/chat/completions", timeout=300, json={
-                "model": "smollm2", "messages": EDIT_CHAT, "max_tokens": 150, "temperature": 0,
+                "model": "smollm2", "messages": EDIT_CHAT, "max_tokens": 100, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -18,7 +18,7 @@ from shoal.engine.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 PROMPTS = [
     "The three primary colours are",
     "def fibonacci(n):\n",
