@@ -175,13 +175,13 @@ class LlamaServerSupervisor:
         """The request's chunks: AcceptedChunk, deltas, then one Finish or Error chunk.
         Closing the iterator early closes its HTTP stream, which stops llama-server's slot."""
         request_id = request.request_id
-        refusal = await self._admit(request)
-        if refusal is not None:
-            yield refusal
+        admitted = await self._admit(request)
+        if isinstance(admitted, ErrorChunk):
+            yield admitted
             return
         pending = self._requests.open(request_id)
         self._readers[request_id] = asyncio.get_running_loop().create_task(
-            self._read(request))
+            self._read(request, admitted))
         try:
             while True:
                 chunk = await self._requests.next_chunk(request_id, pending)
@@ -189,8 +189,10 @@ class LlamaServerSupervisor:
                 if chunk.kind in ("finish", "error"):
                     return
         finally:
+            # An unfinished request's reader is cancelled here (InFlight calls _stop_reading);
+            # a finished one closes its HTTP stream itself: cancelled while closing, it
+            # would leave the socket open.
             self._requests.close(request_id, pending)
-            self._stop_reading(request_id)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
         return ErrorChunk(request_id=request.request_id, code="invalid_request", param="model",
@@ -200,7 +202,8 @@ class LlamaServerSupervisor:
     async def cancel(self, request_id: str) -> None:
         self._requests.cancel(request_id, "the request was cancelled by the server")
 
-    async def _admit(self, request: GenerationRequest) -> ErrorChunk | None:
+    async def _admit(self, request: GenerationRequest) -> LlamaServerCall | ErrorChunk:
+        """The HTTP call that serves request, or why it is refused."""
         request_id = request.request_id
         if request_id in self._requests:
             return ErrorChunk(request_id=request_id, code="invalid_request",
@@ -211,7 +214,7 @@ class LlamaServerSupervisor:
                                       f"{self.options.max_in_flight} requests in flight; "
                                       f"retry later")
         try:
-            to_llama_server(request)
+            call = to_llama_server(request)
         except UnsupportedByLlamaServer as error:
             return ErrorChunk(request_id=request_id, code="invalid_request",
                               param=error.param, message=f"{error} (model {self.model_id!r} "
@@ -225,23 +228,23 @@ class LlamaServerSupervisor:
             return ErrorChunk(request_id=request_id, code="invalid_request", param="tools",
                               message=f"model {self.model_id!r} is served by llama-server, "
                                       "and its chat template does not take tools")
-        return None
+        return call
 
     def _stop_reading(self, request_id: str) -> None:
         reader = self._readers.pop(request_id, None)
         if reader is not None and not reader.done():
             reader.cancel()
 
-    async def _read(self, request: GenerationRequest) -> None:
+    async def _read(self, request: GenerationRequest, call: LlamaServerCall) -> None:
         """Stream request from llama-server into its InFlight queue; any failure becomes its
         one ErrorChunk."""
         request_id = request.request_id
         try:
             if request.count_only:
-                for chunk in await self._count(request):
+                for chunk in await self._count(request, call):
                     self._requests.deliver(chunk)
                 return
-            await self._stream(to_llama_server(request), request_id)
+            await self._stream(call, request_id)
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, StreamEnded, ValueError, KeyError) as error:
@@ -290,10 +293,9 @@ class LlamaServerSupervisor:
             self.generated_tokens += chunk.usage.completion_tokens
         self._requests.deliver(chunk)
 
-    async def _count(self, request: GenerationRequest) -> list[Any]:
+    async def _count(self, request: GenerationRequest, call: LlamaServerCall) -> list[Any]:
         """Count the prompt's tokens, generating nothing (GenerationRequest.count_only)."""
         if request.messages is not None:
-            call = to_llama_server(request)
             applied = await self._post("/apply-template", {
                 key: call.body[key] for key in ("messages", "tools", "tool_choice",
                                                 "chat_template_kwargs") if key in call.body})
