@@ -50,4 +50,7 @@ def configure(role: str, text_format: str, flag: str | None = None) -> str:
     handler.setFormatter(JsonFormatter(role) if chosen == "json"
                          else logging.Formatter(text_format))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # httpx logs each request it sends at INFO: a line per generation served by llama-server
+    # (and per peer or hub call) is noise in the node's log, and its write sits on the path.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     return chosen

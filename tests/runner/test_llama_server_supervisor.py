@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from fakes import fake_engine_config, fake_supervisor_options
 
@@ -78,6 +79,22 @@ def test_what_it_cannot_do_and_its_own_400s_are_errors_with_their_meaning(tmp_pa
     assert too_long[-1].code == "context_length_exceeded"
     assert memory is not None and memory.rss_bytes > 0
     assert described["backend"] == "llama-server" and described["size_bytes"] > 0
+
+
+def test_finished_requests_leave_no_socket_to_it_open(tmp_path, fake_binary):
+    """Each request's HTTP stream is closed once its last chunk is in, however many run:
+    none is left half-closed (CLOSE-WAIT) holding a file descriptor."""
+    async def scenario(supervisor):
+        for index in range(4):
+            chunks = [c async for c in supervisor.submit(request(f"r{index}", max_tokens=2))]
+            assert chunks[-1].kind == "finish"
+        await asyncio.sleep(0.2)
+        command = psutil.Process(supervisor.pid).cmdline()
+        port = int(command[command.index("--port") + 1])
+        return [c.status for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == port]
+
+    assert run(tmp_path, fake_binary, scenario) == []
 
 
 def test_closing_a_stream_stops_reading_it(tmp_path, fake_binary):

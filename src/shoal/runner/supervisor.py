@@ -1,4 +1,6 @@
-"""Owns one runner subprocess: spawn, load, stream requests, detect crashes, restart, stop.
+"""Owns one shoal runner subprocess: spawn, load, stream requests over its socket, detect
+crashes, stop. The states, the restarts with backoff and the shutdown order are
+RunnerLifecycle's (lifecycle.py), shared with the llama-server runner.
 
 Every wait is bounded. A runner that dies (exit seen, socket EOF) turns each of its in-flight
 requests into ErrorChunk(code="runner_crashed") at once and is restarted with backoff;
@@ -10,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
-import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 from shoal.engine.config import EngineConfig
 from shoal.protocol import (
@@ -25,7 +25,7 @@ from shoal.protocol import (
 )
 from shoal.runner.framing import FrameTooLarge, read_frame, write_frame
 from shoal.runner.image.messages import SubmitImages
-from shoal.runner.inflight import TERMINAL_KINDS, InFlight
+from shoal.runner.inflight import TERMINAL_KINDS
 from shoal.runner.messages import (
     AskKV,
     Cancel,
@@ -38,7 +38,6 @@ from shoal.runner.messages import (
     Inspection,
     Load,
     MemoryUsage,
-    ModelInfo,
     Propose,
     ReleasedKV,
     RunnerMessage,
@@ -49,51 +48,30 @@ from shoal.runner.messages import (
     to_wire,
 )
 from shoal.runner.inspections import Inspections
+from shoal.runner.lifecycle import (
+    ProgressCallback,
+    RunnerLifecycle,
+    RunnerState,
+    RunnerUnavailable,
+)
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.prefix_messages import PrefixMessage
 from shoal.runner.process import RunnerProcess, spawn_runner, stop_process
 from shoal.runner.process_env import runner_environment
 from shoal.runner.proposals import ProposalHook
 
-log = logging.getLogger("shoal.supervisor")
-
-RunnerState = Literal["stopped", "starting", "ready", "restarting", "failed"]
-ProgressCallback = Callable[[str, str, float], None]  # (model_id, stage, fraction)
+# The names other layers import from here (the registry, the pool).
+__all__ = ["ProgressCallback", "RunnerState", "RunnerSupervisor", "RunnerUnavailable"]
 
 
-class RunnerUnavailable(RuntimeError):
-    """The runner could not be (re)started; the message says why."""
-
-
-class RunnerSupervisor:
+class RunnerSupervisor(RunnerLifecycle):
     backend = "engine"  # shoal's own; other backends' supervisors name theirs
 
     def __init__(self, config: EngineConfig, options: SupervisorOptions | None = None,
                  on_progress: ProgressCallback | None = None) -> None:
+        super().__init__(config.source.model_id, options, on_progress)
         self.config = config
-        self.options = options or SupervisorOptions()
-        self.on_progress = on_progress
-        self.model_id = config.source.model_id
-        self.state: RunnerState = "stopped"
-        self.model_info: ModelInfo | None = None
-        # The runner's latest report of what it holds; None until it reports, or once gone.
-        self.memory: MemoryUsage | None = None
-        self.last_error: str | None = None
-        # The runner's latest load report: stage ("weights", "ready", ...) and its fraction.
-        self.load_stage: str | None = None
-        self.load_progress = 0.0
-        self.restarts = 0
-        # Wall-clock time (unix seconds) the router will stop this runner if it stays idle;
-        # None when it is kept loaded indefinitely. Set by the router's keep-alive.
-        self.expires_at: float | None = None
         self._process: RunnerProcess | None = None
-        self._requests = InFlight(self.options.max_buffered_chunks,
-                                  self.options.chunk_timeout_s,
-                                  lambda request_id: self._send(Cancel(request_id=request_id)))
-        self._crash_times: list[float] = []
-        self._state_changed = asyncio.Event()
-        self._background: set[asyncio.Task] = set()
-        self._stopping = False
         self._inspections = Inspections()
         # Where the runner's prefix messages go (cluster/prefix_share.py), if anywhere.
         self.on_prefix: Callable[[PrefixMessage], None] | None = None
@@ -104,7 +82,6 @@ class RunnerSupervisor:
         self.kv_room: Callable[[int], bool] | None = None
         # KV bytes granted to the current process (grants only grow while it lives).
         self._kv_granted_bytes = 0
-        self.generated_tokens = 0  # tokens streamed back over the runner's life (throughput)
         # request id -> (denoising steps done, steps in all): image requests drawing now.
         self.image_steps: dict[str, tuple[int, int]] = {}
 
@@ -117,35 +94,6 @@ class RunnerSupervisor:
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.proc.pid
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._requests)
-
-    async def start(self) -> None:
-        """Spawn the runner and wait (bounded) until it is ready; RunnerUnavailable if not."""
-        if self.state in ("ready", "starting", "restarting"):
-            await self.wait_ready(self.options.load_timeout_s)
-            return
-        self._stopping = False
-        self._crash_times.clear()
-        self._set_state("starting")
-        self._own(self._spawn_or_fail())
-        await self.wait_ready(self.options.load_timeout_s)
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.state != "ready":
-            if self.state in ("failed", "stopped"):
-                raise RunnerUnavailable(self._unavailable_message())
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RunnerUnavailable(f"model {self.model_id!r} is not ready after "
-                                        f"{timeout_s:.0f} s (state {self.state})")
-            event = self._state_changed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await event.wait()
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The request's chunks: AcceptedChunk, TokenChunks, then one Finish or Error chunk.
@@ -220,15 +168,8 @@ class RunnerSupervisor:
         """Pass a prefix message to the runner (dropped when no runner is up)."""
         self._send(message)
 
-    async def cancel(self, request_id: str) -> None:
-        self._requests.cancel(request_id, "the request was cancelled by the server")
-
-    async def shutdown(self) -> None:
-        """Stop the runner: Shutdown message -> wait -> SIGTERM -> wait -> SIGKILL."""
-        self._stopping = True
-        for task in list(self._background):
-            task.cancel()
-        self._requests.fail_all("unavailable", f"model {self.model_id!r} is shutting down")
+    async def _stop_process(self) -> None:
+        """Shutdown message -> wait -> SIGTERM -> wait -> SIGKILL."""
         process = self._process
         if process is not None:
             self._send(Shutdown())
@@ -239,9 +180,7 @@ class RunnerSupervisor:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await process.reader_task
         self._process = None
-        self.memory = None
         self._kv_granted_bytes = 0
-        self._set_state("stopped")
 
     def describe(self) -> dict[str, Any]:
         info = self.model_info
@@ -258,20 +197,8 @@ class RunnerSupervisor:
 
     # ---- requests ---------------------------------------------------------------------
 
-    async def _admit(self, request_id: str) -> ErrorChunk | None:
-        if request_id in self._requests:
-            return ErrorChunk(request_id=request_id, code="invalid_request",
-                              message=f"request id {request_id!r} is already in flight")
-        if len(self._requests) >= self.options.max_in_flight:
-            return ErrorChunk(request_id=request_id, code="overloaded",
-                              message=f"model {self.model_id!r} has "
-                                      f"{self.options.max_in_flight} requests in flight; "
-                                      f"retry later")
-        try:
-            await self.wait_ready(self.options.ready_wait_s)
-        except RunnerUnavailable as error:
-            return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
-        return None
+    def _cancel_in_runner(self, request_id: str) -> None:
+        self._send(Cancel(request_id=request_id))
 
     def _send(self, message: RunnerMessage) -> None:
         process = self._process
@@ -280,22 +207,9 @@ class RunnerSupervisor:
         try:
             write_frame(process.writer, to_wire(message))
         except (ConnectionError, RuntimeError) as error:
-            log.warning("send to runner %s failed: %s", self.model_id, error)
+            self.log.warning("send to runner %s failed: %s", self.model_id, error)
 
-    # ---- process lifecycle ------------------------------------------------------------
-
-    def _own(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _spawn_or_fail(self) -> None:
-        try:
-            await self._spawn()
-        except (OSError, RuntimeError) as error:
-            self.last_error = f"cannot start a runner for {self.model_id!r}: {error}"
-            log.error("%s", self.last_error)
-            self._set_state("failed")
+    # ---- the process ------------------------------------------------------------------
 
     async def _spawn(self) -> None:
         def started(proc: asyncio.subprocess.Process) -> None:
@@ -328,7 +242,7 @@ class RunnerSupervisor:
             raise
         except Exception as error:  # noqa: BLE001 - a broken stream is a dead runner
             reason = f"its stream broke ({type(error).__name__}: {error})"
-            log.error("runner %s: %s", self.model_id, reason)
+            self.log.error("runner %s: %s", self.model_id, reason)
         if process.writer is not None:
             process.writer.close()
         await stop_process(process.proc, 2.0, self.options.terminate_grace_s)
@@ -364,8 +278,7 @@ class RunnerSupervisor:
                 self.model_info = message.model
                 self.last_error = None
                 self._set_state("ready")
-            if self.on_progress is not None:
-                self.on_progress(self.model_id, message.stage, message.progress)
+            self._report_load(message.stage, message.progress)
         elif isinstance(message, PrefixMessage):
             if self.on_prefix is not None:
                 self.on_prefix(message)
@@ -425,38 +338,7 @@ class RunnerSupervisor:
         self._requests.fail_all("runner_crashed", message)
         if self._stopping:
             return
-        log.error("%s", message)
-        self.last_error = message
         if process.load_failed:
-            self._set_state("failed")  # deterministic; retrying would fail the same way
+            self._fail(message)  # deterministic; retrying would fail the same way
             return
-        now = time.monotonic()
-        self._crash_times = [t for t in self._crash_times if now - t < self.options.crash_window_s]
-        self._crash_times.append(now)
-        if len(self._crash_times) >= self.options.max_crashes:
-            self.last_error = (f"{message}; {len(self._crash_times)} crashes within "
-                               f"{self.options.crash_window_s:.0f} s, not restarting")
-            self._set_state("failed")
-            return
-        self._set_state("restarting")
-        self._own(self._restart(len(self._crash_times)))
-
-    async def _restart(self, crash_count: int) -> None:
-        backoff = self.options.restart_backoff_s
-        await asyncio.sleep(backoff[min(crash_count, len(backoff)) - 1])
-        if self._stopping:
-            return
-        self.restarts += 1
-        await self._spawn_or_fail()
-
-    def _set_state(self, state: RunnerState) -> None:
-        self.state = state
-        if state in ("starting", "restarting"):  # a new load: the last one's report is stale
-            self.load_stage, self.load_progress = None, 0.0
-        self._state_changed.set()
-        self._state_changed = asyncio.Event()
-
-    def _unavailable_message(self) -> str:
-        if self.state == "stopped":
-            return f"model {self.model_id!r} is not running"
-        return f"model {self.model_id!r} is unavailable: {self.last_error or 'failed'}"
+        self._crashed(message)

@@ -1,5 +1,6 @@
 """Owns one llama-server process serving one model: start, health-check, stream requests
-over its HTTP API, detect crashes, restart with backoff, stop.
+over its HTTP API, detect crashes, stop. The states, the restarts with backoff and the
+shutdown order are RunnerLifecycle's (runner/lifecycle.py), as for shoal's own runner.
 
 It answers the registry, the pool and the router as RunnerSupervisor does (same states,
 same submit stream of chunks, same describe), so a llama-server model is a runner like any
@@ -15,7 +16,6 @@ import collections
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -32,7 +32,6 @@ from shoal.protocol import (
     GenerationRequest,
     Usage,
 )
-from shoal.runner.inflight import InFlight
 from shoal.runner.llama_server.events import EventReader, error_chunk
 from shoal.runner.llama_server.launch import (
     LaunchSettings,
@@ -45,12 +44,10 @@ from shoal.runner.llama_server.request_body import (
     UnsupportedByLlamaServer,
     to_llama_server,
 )
+from shoal.runner.lifecycle import ProgressCallback, RunnerLifecycle
 from shoal.runner.messages import MemoryUsage, ModelInfo
 from shoal.runner.options import SupervisorOptions
 from shoal.runner.process import stop_process
-from shoal.runner.supervisor import ProgressCallback, RunnerState, RunnerUnavailable
-
-log = logging.getLogger("shoal.llama_server")
 
 BACKEND = "llama-server"
 # How often the process's resident memory is read (what the pool and /api/ps show).
@@ -65,26 +62,16 @@ class StreamEnded(RuntimeError):
     """llama-server closed a request's stream before its last event."""
 
 
-class LlamaServerSupervisor:
+class LlamaServerSupervisor(RunnerLifecycle):
     backend = BACKEND
+    log = logging.getLogger("shoal.llama_server")
 
     def __init__(self, config: EngineConfig, launch: LaunchSettings,
                  options: SupervisorOptions | None = None,
                  on_progress: ProgressCallback | None = None) -> None:
+        super().__init__(config.source.model_id, options, on_progress)
         self.config = config
         self.launch = launch
-        self.options = options or SupervisorOptions()
-        self.on_progress = on_progress
-        self.model_id = config.source.model_id
-        self.state: RunnerState = "stopped"
-        self.model_info: ModelInfo | None = None
-        self.memory: MemoryUsage | None = None
-        self.last_error: str | None = None
-        self.load_stage: str | None = None
-        self.load_progress = 0.0
-        self.restarts = 0
-        self.expires_at: float | None = None
-        self.generated_tokens = 0
         # Prefix sharing and remote proposers are shoal's engine's; kept for the registry.
         self.on_prefix: Callable[[Any], None] | None = None
         self.proposals: Any = None
@@ -93,13 +80,7 @@ class LlamaServerSupervisor:
         self._client = _new_client()
         self._readers: dict[str, asyncio.Task] = {}
         self._supports_tools = True  # whether the model's chat template takes tools (/props)
-        self._requests = InFlight(self.options.max_buffered_chunks,
-                                  self.options.chunk_timeout_s, self._stop_reading)
         self._log_tail: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL_LINES)
-        self._crash_times: list[float] = []
-        self._state_changed = asyncio.Event()
-        self._background: set[asyncio.Task] = set()
-        self._stopping = False
 
     # ---- what the registry and the pool ask -------------------------------------------
 
@@ -109,10 +90,6 @@ class LlamaServerSupervisor:
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._requests)
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model_id, "state": self.state, "pid": self.pid,
@@ -130,35 +107,11 @@ class LlamaServerSupervisor:
         """Prefix messages are for shoal's engine; llama-server keeps its own cache."""
 
     async def start(self) -> None:
-        if self.state in ("ready", "starting", "restarting"):
-            await self.wait_ready(self.options.load_timeout_s)
-            return
-        self._stopping = False
-        self._crash_times.clear()
         if self._client.is_closed:  # started again after a shutdown
             self._client = _new_client()
-        self._set_state("starting")
-        self._own(self._spawn())
-        await self.wait_ready(self.options.load_timeout_s)
+        await super().start()
 
-    async def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.state != "ready":
-            if self.state in ("failed", "stopped"):
-                raise RunnerUnavailable(self._unavailable_message())
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RunnerUnavailable(f"model {self.model_id!r} is not ready after "
-                                        f"{timeout_s:.0f} s (state {self.state})")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self._state_changed.wait()
-
-    async def shutdown(self) -> None:
-        self._stopping = True
-        for task in list(self._background):
-            task.cancel()
-        self._requests.fail_all("unavailable", f"model {self.model_id!r} is shutting down")
+    async def _stop_process(self) -> None:
         for reader in list(self._readers.values()):
             reader.cancel()
         process, self._process = self._process, None
@@ -166,8 +119,6 @@ class LlamaServerSupervisor:
             # llama-server has no shutdown request: SIGTERM at once, then SIGKILL.
             await stop_process(process, 0.01, self.options.terminate_grace_s)
         await self._client.aclose()
-        self.memory = None
-        self._set_state("stopped")
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -175,13 +126,13 @@ class LlamaServerSupervisor:
         """The request's chunks: AcceptedChunk, deltas, then one Finish or Error chunk.
         Closing the iterator early closes its HTTP stream, which stops llama-server's slot."""
         request_id = request.request_id
-        refusal = await self._admit(request)
-        if refusal is not None:
-            yield refusal
+        admitted = await self._admit_call(request)
+        if isinstance(admitted, ErrorChunk):
+            yield admitted
             return
         pending = self._requests.open(request_id)
         self._readers[request_id] = asyncio.get_running_loop().create_task(
-            self._read(request))
+            self._read(request, admitted))
         try:
             while True:
                 chunk = await self._requests.next_chunk(request_id, pending)
@@ -189,59 +140,54 @@ class LlamaServerSupervisor:
                 if chunk.kind in ("finish", "error"):
                     return
         finally:
+            # An unfinished request's reader is cancelled here (InFlight calls
+            # _cancel_in_runner); a finished one closes its HTTP stream itself: cancelled
+            # while closing, it would leave the socket open.
             self._requests.close(request_id, pending)
-            self._stop_reading(request_id)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | ErrorChunk:
         return ErrorChunk(request_id=request.request_id, code="invalid_request", param="model",
                           message=f"model {self.model_id!r} is served by llama-server for "
                                   "generation; embeddings come from shoal's engine")
 
-    async def cancel(self, request_id: str) -> None:
-        self._requests.cancel(request_id, "the request was cancelled by the server")
-
-    async def _admit(self, request: GenerationRequest) -> ErrorChunk | None:
+    async def _admit_call(self, request: GenerationRequest) -> LlamaServerCall | ErrorChunk:
+        """The HTTP call that serves request, or why it is refused."""
         request_id = request.request_id
-        if request_id in self._requests:
-            return ErrorChunk(request_id=request_id, code="invalid_request",
-                              message=f"request id {request_id!r} is already in flight")
-        if len(self._requests) >= self.options.max_in_flight:
-            return ErrorChunk(request_id=request_id, code="overloaded",
-                              message=f"model {self.model_id!r} has "
-                                      f"{self.options.max_in_flight} requests in flight; "
-                                      f"retry later")
+        refusal = self._refusal(request_id)
+        if refusal is not None:
+            return refusal
         try:
-            to_llama_server(request)
+            call = to_llama_server(request)
         except UnsupportedByLlamaServer as error:
             return ErrorChunk(request_id=request_id, code="invalid_request",
                               param=error.param, message=f"{error} (model {self.model_id!r} "
                                                          "is served by llama-server)")
-        try:
-            await self.wait_ready(self.options.ready_wait_s)
-        except RunnerUnavailable as error:
-            return ErrorChunk(request_id=request_id, code="unavailable", message=str(error))
+        not_ready = await self._until_ready(request_id)
+        if not_ready is not None:
+            return not_ready
         if request.tools and request.tool_choice != "none" and not self._supports_tools:
             # llama-server would render the chat without them and answer in prose.
             return ErrorChunk(request_id=request_id, code="invalid_request", param="tools",
                               message=f"model {self.model_id!r} is served by llama-server, "
                                       "and its chat template does not take tools")
-        return None
+        return call
 
-    def _stop_reading(self, request_id: str) -> None:
+    def _cancel_in_runner(self, request_id: str) -> None:
+        """Stop reading the request's HTTP stream: closing it stops llama-server's slot."""
         reader = self._readers.pop(request_id, None)
         if reader is not None and not reader.done():
             reader.cancel()
 
-    async def _read(self, request: GenerationRequest) -> None:
+    async def _read(self, request: GenerationRequest, call: LlamaServerCall) -> None:
         """Stream request from llama-server into its InFlight queue; any failure becomes its
         one ErrorChunk."""
         request_id = request.request_id
         try:
             if request.count_only:
-                for chunk in await self._count(request):
+                for chunk in await self._count(request, call):
                     self._requests.deliver(chunk)
                 return
-            await self._stream(to_llama_server(request), request_id)
+            await self._stream(call, request_id)
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, StreamEnded, ValueError, KeyError) as error:
@@ -290,10 +236,9 @@ class LlamaServerSupervisor:
             self.generated_tokens += chunk.usage.completion_tokens
         self._requests.deliver(chunk)
 
-    async def _count(self, request: GenerationRequest) -> list[Any]:
+    async def _count(self, request: GenerationRequest, call: LlamaServerCall) -> list[Any]:
         """Count the prompt's tokens, generating nothing (GenerationRequest.count_only)."""
         if request.messages is not None:
-            call = to_llama_server(request)
             applied = await self._post("/apply-template", {
                 key: call.body[key] for key in ("messages", "tools", "tool_choice",
                                                 "chat_template_kwargs") if key in call.body})
@@ -319,17 +264,11 @@ class LlamaServerSupervisor:
 
     # ---- the process --------------------------------------------------------------------
 
-    def _own(self, coroutine: Any) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
     async def _spawn(self) -> None:
         port = free_port()
         command = launch_command(self.launch, self.model_id, self.config.source.path, port)
         self._log_tail.clear()
-        self._report("starting", 0.0)
+        self._report_load("starting", 0.0)
         try:
             process = await asyncio.create_subprocess_exec(
                 *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -361,7 +300,7 @@ class LlamaServerSupervisor:
         self.last_error = None
         self._own(self._watch(process))
         self._own(self._poll_memory(process))
-        self._report("ready", 1.0)
+        self._report_load("ready", 1.0)
         self._set_state("ready")
 
     async def _model_info(self) -> ModelInfo:
@@ -387,7 +326,7 @@ class LlamaServerSupervisor:
         while line := await process.stdout.readline():
             text = line.decode(errors="replace").rstrip()
             self._log_tail.append(text)
-            log.debug("llama-server %s: %s", self.model_id, text)
+            self.log.debug("llama-server %s: %s", self.model_id, text)
 
     async def _poll_memory(self, process: asyncio.subprocess.Process) -> None:
         """The process's resident memory, as the pool, /api/ps and /metrics count it."""
@@ -414,48 +353,11 @@ class LlamaServerSupervisor:
         message = (f"llama-server for {self.model_id!r} died with exit code "
                    f"{process.returncode}{self._tail_text()}")
         self._requests.fail_all("runner_crashed", message)
-        log.error("%s", message)
-        self.last_error = message
-        now = time.monotonic()
-        window = self.options.crash_window_s
-        self._crash_times = [t for t in self._crash_times if now - t < window] + [now]
-        if len(self._crash_times) >= self.options.max_crashes:
-            self._fail(f"{message}; {len(self._crash_times)} crashes within {window:.0f} s, "
-                       "not restarting")
-            return
-        self._set_state("restarting")
-        self._own(self._restart(len(self._crash_times)))
-
-    async def _restart(self, crash_count: int) -> None:
-        backoff = self.options.restart_backoff_s
-        await asyncio.sleep(backoff[min(crash_count, len(backoff)) - 1])
-        if not self._stopping:
-            self.restarts += 1
-            await self._spawn()
-
-    def _fail(self, message: str) -> None:
-        self.last_error = message
-        log.error("%s", message)
-        self._set_state("failed")
+        self._crashed(message)
 
     def _tail_text(self) -> str:
         lines = [line for line in self._log_tail if line.strip()][-3:]
         return "; its last output: " + " | ".join(lines) if lines else ""
-
-    def _report(self, stage: str, fraction: float) -> None:
-        self.load_stage, self.load_progress = stage, fraction
-        if self.on_progress is not None:
-            self.on_progress(self.model_id, stage, fraction)
-
-    def _set_state(self, state: RunnerState) -> None:
-        self.state = state
-        self._state_changed.set()
-        self._state_changed = asyncio.Event()
-
-    def _unavailable_message(self) -> str:
-        if self.state == "stopped":
-            return f"model {self.model_id!r} is not running"
-        return f"model {self.model_id!r} is unavailable: {self.last_error or 'failed'}"
 
 
 def _new_client() -> httpx.AsyncClient:
