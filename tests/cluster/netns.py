@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,17 @@ def ip(*args: str, pid: int | None = None) -> None:
     """`ip ARGS` in the switch, or in the network namespace of process pid."""
     enter = ["nsenter", "--target", str(pid), "--net"] if pid is not None else []
     subprocess.run([*enter, "ip", *args], check=True, capture_output=True, text=True)
+
+
+def _wait_for_own_namespace(pid: int, timeout_s: float = 10.0) -> None:
+    """Until process pid has left this network namespace (`unshare` has run, so what is
+    wired into pid's namespace does not land in the switch's)."""
+    ours = os.readlink("/proc/self/ns/net")
+    deadline = time.monotonic() + timeout_s
+    while os.readlink(f"/proc/{pid}/ns/net") == ours:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not enter a network namespace of its own")
+        time.sleep(0.01)
 
 
 @dataclass
@@ -69,6 +81,7 @@ class NetCluster:
         ip("link", "set", "br0", "up")
         for index in range(1, self.count + 1):
             holder = subprocess.Popen(["unshare", "--net", "sleep", "900"])
+            _wait_for_own_namespace(holder.pid)
             node = NetNode(index, holder)
             self.nodes.append(node)
             self._wire(node)
