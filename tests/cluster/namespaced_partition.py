@@ -1,6 +1,6 @@
 """Run by test_netns_faults.py inside user, mount and network namespaces: three `shoal serve`
-nodes in namespaces of their own (netns.py); node3's cluster link is cut (a 2|1 partition),
-then healed."""
+nodes in namespaces of their own (netns.py) serve a steady load of chat streams while node3's
+cluster link is cut (a 2|1 partition), then healed."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import httpx
 
@@ -20,6 +22,33 @@ from test_multinode import agreed_master, cluster_of, wait_for  # noqa: E402
 SECRET = "netns-partition-secret"
 # A request ends, with its answer or a clear error, within this (a hang fails the test).
 REQUEST_BOUND_S = 45.0
+QUESTION = [{"role": "user", "content": "Name a river."}]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    node: int
+    status: int | None  # None: no answer within the bound (a hang), or the link failed
+    text: str
+    seconds: float
+
+
+def chat(url: str, node: int) -> Outcome:
+    """One streamed chat request: the HTTP status and what came back."""
+    started = time.monotonic()
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=REQUEST_BOUND_S,
+                          json={"model": "smollm2", "messages": QUESTION, "max_tokens": 4,
+                                "temperature": 0, "stream": True}) as response:
+            text = "".join(response.iter_text())
+            status = response.status_code
+    except httpx.HTTPError as error:
+        status, text = None, f"{type(error).__name__}: {error}"
+    return Outcome(node, status, text, time.monotonic() - started)
+
+
+def streamed_fine(outcome: Outcome) -> bool:
+    return outcome.status == 200 and "[DONE]" in outcome.text and '"error"' not in outcome.text
 
 
 def self_named_masters(cluster: NetCluster) -> set[str]:
@@ -36,27 +65,45 @@ def state_of(node) -> dict:
     return httpx.get(node.url + "/state", timeout=5).json()
 
 
-def test_a_2_1_partition_then_healing(tmp_path):
-    """No model loads (cheap): the minority never has a master that writes and refuses a
-    placement at once with a clear error; after healing, one master, one session, one state
-    on every node."""
+def test_a_2_1_partition_under_chat_load_then_healing(tmp_path):
+    """SmolLM2 on node1; two clients stream chats to node1 and node2 throughout. The
+    minority (node3) never has a master that writes, refuses a placement at once and ends
+    every chat with a clear error; no request hangs; after healing, one master, one
+    session, one state on every node, and the one instance neither lost nor doubled."""
     require_namespace()
     cluster = NetCluster(tmp_path, 3).build()
     samples: list[set[str]] = []
-    sampling = threading.Event()
+    outcomes: dict[str, list[Outcome]] = {"before": [], "cut": [], "healed": []}
+    phase = ["before"]
+    stop = threading.Event()
 
     def sample() -> None:
-        while not sampling.wait(0.25):
+        while not stop.wait(0.25):
             samples.append(self_named_masters(cluster))
 
-    sampler = threading.Thread(target=sample)
+    def load(node: int) -> None:
+        while not stop.is_set():
+            now = phase[0]
+            outcomes[now].append(chat(cluster.nodes[node - 1].url, node))
+
+    threads = [threading.Thread(target=sample),
+               *(threading.Thread(target=load, args=(n,)) for n in (1, 2))]
     try:
         cluster.start(SECRET)
         servers = [node.serve for node in cluster.nodes]
         wait_for(lambda: agreed_master(servers, 3), 60, "one cluster, one master")
         ids = [cluster_of(server)["node_id"] for server in servers]
-        sessions_before = {state_of(n)["session"] for n in cluster.nodes}
-        sampler.start()
+        placed = httpx.post(cluster.nodes[0].url + "/instances", timeout=30,
+                            json={"model": "smollm2", "excluded_nodes": ids[1:]})
+        assert placed.status_code == 201, placed.text
+        wait_for(lambda: [i["status"] for i in cluster_of(servers[1])["instances"]]
+                 == ["ready"], 120, "smollm2 ready on node1")
+        instances_before = sorted(i["instance_id"] for i in cluster_of(servers[0])["instances"])
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(outcomes["before"]) >= 4, 60, "chats served before the cut")
+
+        phase[0] = "cut"
         cut_at = time.monotonic()
         cluster.cut(cluster.nodes[2])
         wait_for(lambda: all((view := cluster_of(server)) is not None
@@ -68,26 +115,47 @@ def test_a_2_1_partition_then_healing(tmp_path):
         refused = httpx.post(cluster.nodes[2].url + "/instances", timeout=REQUEST_BOUND_S,
                              json={"model": "smollm2"})
         refused_in = time.monotonic() - asked
+        minority = [chat(cluster.nodes[2].url, 3) for _ in range(2)]
+
+        phase[0] = "healed"
         healed_at = time.monotonic()
         cluster.heal(cluster.nodes[2])
         wait_for(lambda: agreed_master(servers, 3) in ids[:2], 60, "one master after healing")
         merged_in = time.monotonic() - healed_at
         wait_for(lambda: len({str(state_of(n)["state"]) for n in cluster.nodes}) == 1, 30,
                  "every node's state equal")
+        served = len(outcomes["healed"])
+        wait_for(lambda: len(outcomes["healed"]) >= served + 2, 60, "chats after healing")
         sessions = {state_of(n)["session"] for n in cluster.nodes}
-        print(f"cut seen by the majority in {detected_in:.1f} s; minority refused in "
-              f"{refused_in:.1f} s; healed in {merged_in:.1f} s")
+        instances_after = [sorted(i["instance_id"] for i in cluster_of(s)["instances"])
+                           for s in servers]
     except BaseException:
         print(cluster.describe())
         raise
     finally:
-        sampling.set()
-        if sampler.is_alive():
-            sampler.join()
+        stop.set()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join()
         cluster.stop()
 
+    every = [o for phase_outcomes in outcomes.values() for o in phase_outcomes] + minority
+    print(f"cut seen by the majority in {detected_in:.1f} s; minority refused in "
+          f"{refused_in:.1f} s; healed in {merged_in:.1f} s; chats per phase "
+          f"{ {name: len(o) for name, o in outcomes.items()} }, slowest "
+          f"{max(o.seconds for o in every):.1f} s; minority answers "
+          f"{[(o.status, round(o.seconds, 1), o.text[:160]) for o in minority]}")
     assert samples and all(len(masters) <= 1 for masters in samples), samples
     assert refused.status_code == 503, refused.text
     assert "reaches 1 of the cluster's 3 nodes" in refused.text
     assert refused_in < 5.0
-    assert len(sessions) == 1 and len(sessions_before) == 1
+    assert len(sessions) == 1
+    assert instances_after == [instances_before] * 3  # none lost, none doubled
+    assert all(o.seconds < REQUEST_BOUND_S for o in every)  # none hangs
+    # The majority serves throughout; the minority ends each chat with a clear error.
+    majority = Counter(streamed_fine(o) for name in outcomes for o in outcomes[name])
+    assert majority[False] == 0, [o for name in outcomes for o in outcomes[name]
+                                  if not streamed_fine(o)]
+    for outcome in minority:
+        assert outcome.status is not None and outcome.status >= 400 or '"error"' in outcome.text
+        assert "smollm2" in outcome.text or "reach" in outcome.text, outcome.text

@@ -16,9 +16,11 @@ campaigns (the "bully" step).
 Every node speaks each heartbeat (a master its heartbeat, the others an "alive"), so each
 knows which nodes it hears now (`reachable`), sooner than presence tokens tell of a cut link;
 the control plane counts its quorum among them. Each message also names the master its
-sender follows while that master leads and is heard (`leader`); a node that follows another
-leader than this one's is not counted: where links are not transitive (A hears B and C, B and
-C not each other), B and C would otherwise each count A into a majority and both lead.
+sender follows while that master leads and is heard (`leader`); a node that leads, or follows
+a leader, other than this one's is not counted: where links are not transitive (A hears B and
+C, B and C not each other), B and C would otherwise each count A into a majority, and two
+masters whose campaigns missed each other's candidacies (messages held up for seconds) would
+each count the other.
 
 Campaigns start at start-up, when the connected-peer set has changed since the last
 campaign, when the master falls silent for `master_timeout_s`, and when a lower-ranked node
@@ -121,13 +123,15 @@ class Election:
     def reachable(self) -> frozenset[NodeId]:
         """This node and those heard within the master timeout (every node speaks each
         heartbeat: masters their heartbeat, the others that they are alive), less those
-        that follow a leader other than this node's (itself when it is the master or has
-        none)."""
+        that lead or follow a leader other than this node's (itself when it is the master
+        or has none): two masters that each still hear the other, their campaigns having
+        missed each other's candidacies, do not count each other into a majority."""
         now = time.monotonic()
         mine = self._master or self.node_id
         return frozenset(node for node, heard in self._heard.items()
                          if now - heard <= self.config.master_timeout_s
-                         and self._leaders.get(node) in (None, mine)) | {self.node_id}
+                         and self._leaders.get(node) in (None, mine)
+                         and (node == mine or not self._ranks[node][1])) | {self.node_id}
 
     @property
     def leader(self) -> NodeId | None:
