@@ -131,6 +131,16 @@ class NetCluster:
     def heal(self, node: NetNode) -> None:
         ip("link", "set", node.cluster_link, "up")
 
+    def shape(self, node: NetNode, rate: str) -> None:
+        """Hold what the switch sends node on its cluster link to rate (tc tbf)."""
+        subprocess.run(["tc", "qdisc", "add", "dev", node.cluster_link, "root", "tbf",
+                        "rate", rate, "burst", "16kb", "latency", "400ms"],
+                       check=True, capture_output=True, text=True)
+
+    def unshape(self, node: NetNode) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", node.cluster_link, "root"],
+                       check=True, capture_output=True, text=True)
+
     def describe(self) -> str:
         """Each node's view of the cluster and the cluster lines of its log (on failure)."""
         lines = []
