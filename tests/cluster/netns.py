@@ -6,7 +6,8 @@ Each node lives in its own network namespace, held open by a `sleep` process, wi
 links to the switch: a cluster link (veth c<i> ⇄ eth0, 10.47.0.<i>/24) bridged with the other
 nodes' on br0, which faults cut (`ip link set down`) or shape (`tc ... tbf`), and a client
 link (veth h<i> ⇄ eth1, 10.48.<i>.1/30) the test's HTTP requests take, so a node cut off
-from the cluster still answers the test.
+from the cluster still answers the test. Nodes may also dial each other through relays in the
+switch (relay.py) that add latency and the cost of lost packets.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from relay import Impairment, Relay
 from serve_process import ServeProcess, wait_healthy_or_fail
 
 API_PORT = 8000
 CLUSTER_PORT = 7447
+# The switch's address on br0 when nodes dial each other through relays, and their ports.
+RELAY_ADDRESS = "10.47.0.254"
+RELAY_PORTS = 7000
 
 
 def ip(*args: str, pid: int | None = None) -> None:
@@ -74,6 +79,7 @@ class NetCluster:
     tmp: Path
     count: int
     nodes: list[NetNode] = field(default_factory=list)
+    relays: list[Relay] = field(default_factory=list)
 
     def build(self) -> NetCluster:
         ip("link", "set", "lo", "up")
@@ -101,11 +107,23 @@ class NetCluster:
         ip("addr", "add", f"{node.api_address}/30", "dev", "eth1", pid=pid)
         ip("link", "set", "eth1", "up", pid=pid)
 
-    def start(self, secret: str, extra: dict[int, list[str]] | None = None) -> None:
-        """`shoal serve` in every node's namespace, each dialling the others."""
+    def start(self, secret: str, extra: dict[int, list[str]] | None = None,
+              impairment: Impairment | None = None) -> None:
+        """`shoal serve` in every node's namespace, each dialling the others: directly, or
+        with an impairment through relays in the switch (relay.py), one per ordered pair."""
+        if impairment is not None:
+            ip("addr", "add", f"{RELAY_ADDRESS}/24", "dev", "br0")
+            for node in self.nodes:
+                for other in self.nodes:
+                    if other is not node:
+                        self.relays.append(Relay(
+                            (RELAY_ADDRESS, self._relay_port(node, other)),
+                            (other.cluster_address, CLUSTER_PORT), impairment))
         for node in self.nodes:
-            peers = ",".join(f"tcp/{other.cluster_address}:{CLUSTER_PORT}"
-                             for other in self.nodes if other is not node)
+            peers = ",".join(
+                f"tcp/{other.cluster_address}:{CLUSTER_PORT}" if impairment is None
+                else f"tcp/{RELAY_ADDRESS}:{self._relay_port(node, other)}"
+                for other in self.nodes if other is not node)
             data_dir = self.tmp / f"node{node.index}"
             data_dir.mkdir(parents=True, exist_ok=True)
             log_path = data_dir / "serve.log"
@@ -124,6 +142,10 @@ class NetCluster:
             node.serve = ServeProcess(proc, node.url, data_dir, log_path)
         for node in self.nodes:
             wait_healthy_or_fail(node.serve)
+
+    @staticmethod
+    def _relay_port(node: NetNode, other: NetNode) -> int:
+        return RELAY_PORTS + 10 * node.index + other.index
 
     def cut(self, node: NetNode) -> None:
         ip("link", "set", node.cluster_link, "down")
@@ -157,6 +179,12 @@ class NetCluster:
         return "\n".join(lines)
 
     def stop(self) -> None:
+        for relay in self.relays:
+            relay.close()
+        # All asked to stop at once, then waited for: their shutdowns overlap.
+        for node in self.nodes:
+            if node.serve is not None and node.serve.proc.poll() is None:
+                node.serve.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
             if node.serve is not None:
                 node.serve.stop(timeout_s=20)
