@@ -160,7 +160,7 @@ def test_a_present_peer_that_falls_silent_makes_the_session_reopen(caplog):
     its session once, keeps b as a peer throughout, and the two talk again afterwards."""
     caplog.set_level(logging.INFO, logger="shoal.cluster")
     port_a, port_b = _free_port(), _free_port()
-    quick = BeaconConfig(interval_s=0.1, stale_after_s=0.5)
+    quick = BeaconConfig(interval_s=0.1, stale_after_s=1.5, settle_s=2.0)
 
     async def main():
         a = await ZenohTransport.open("node-a", dataclasses.replace(_config(port_a),
@@ -174,13 +174,15 @@ def test_a_present_peer_that_falls_silent_makes_the_session_reopen(caplog):
             await wait_until(lambda: a.peers == {"node-b"} and b.peers == {"node-a"},
                              what="peers discovered")
             a._beacons.undeclare()  # b's beacons no longer reach a; b stays present
-            await wait_until(lambda: a.reopened == 1, timeout=5, what="a's session reopened")
+            await wait_until(lambda: a.reopened == 1, timeout=10, what="a's session reopened")
+            reopened_at = time.monotonic()
 
             def heard() -> bool:  # b re-dials a's new session: repeat until it hears
                 a.publish(Topic.GLOBAL_EVENTS, {"after": "reopen"})
                 return bool(got)
             await wait_until(heard, timeout=10, what="b hears a on its new session")
-            await asyncio.sleep(4 * quick.stale_after_s)
+            # Past the settle: b, announced again, is still a peer, and all is quiet.
+            await asyncio.sleep(max(0.0, reopened_at + quick.settle_s + 0.5 - time.monotonic()))
             return peer_sets, a.peers, a.reopened
         finally:
             for transport in (a, b):

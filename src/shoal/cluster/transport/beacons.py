@@ -28,10 +28,13 @@ class BeaconConfig:
     # Past Zenoh's link lease (10 s), after which a peer merely cut off is no longer present;
     # a peer present and this quiet is held by a one-sided link.
     stale_after_s: float = 20.0
+    # How long a reopened session's presence may take to come in (peers re-dial it) before
+    # the peers it has not announced count as gone.
+    settle_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0:
-            raise ValueError("beacon interval_s must be positive")
+        if self.interval_s <= 0 or self.settle_s < 0:
+            raise ValueError("beacon interval_s must be positive and settle_s >= 0")
         if self.stale_after_s <= 3 * self.interval_s:
             raise ValueError(f"beacon stale_after_s must exceed three intervals "
                              f"({3 * self.interval_s:g}s)")

@@ -52,9 +52,6 @@ _PEERS = "peers"
 # (cluster/prefix_share.py).
 _DROPPABLE = {Topic.TELEMETRY.value, Topic.PREFIXES.value}
 _OPEN_TIMEOUT_S = 10.0
-# How long a reopened session's presence takes to come in before the peers it did not
-# announce count as gone.
-_PRESENCE_SETTLE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +133,7 @@ class ZenohTransport:
         self._closed = False
         beacons = config.beacons if config is not None else BeaconConfig()
         self._beacon_s = beacons.interval_s
+        self._settle_s = beacons.settle_s
         self._silent = SilentPeers(beacons.stale_after_s)
         self._reopening = False
         self._reopen_task: asyncio.Task[None] | None = None
@@ -355,7 +353,7 @@ class ZenohTransport:
                 log.info("cluster session reopened")
                 # Peers keep their place until the new session's presence has come in (a
                 # master that saw them all go would step down), then it alone counts.
-                await asyncio.sleep(_PRESENCE_SETTLE_S)
+                await asyncio.sleep(self._settle_s)
                 self._set_peers(frozenset(self._announced))
                 return
         finally:
