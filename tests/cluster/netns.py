@@ -6,7 +6,8 @@ Each node lives in its own network namespace, held open by a `sleep` process, wi
 links to the switch: a cluster link (veth c<i> ⇄ eth0, 10.47.0.<i>/24) bridged with the other
 nodes' on br0, which faults cut (`ip link set down`) or shape (`tc ... tbf`), and a client
 link (veth h<i> ⇄ eth1, 10.48.<i>.1/30) the test's HTTP requests take, so a node cut off
-from the cluster still answers the test.
+from the cluster still answers the test. Nodes may also dial each other through relays in the
+switch (relay.py) that add latency and the cost of lost packets.
 """
 
 from __future__ import annotations
@@ -15,20 +16,36 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from relay import Impairment, Relay
 from serve_process import ServeProcess, wait_healthy_or_fail
 
 API_PORT = 8000
 CLUSTER_PORT = 7447
+# The switch's address on br0 when nodes dial each other through relays, and their ports.
+RELAY_ADDRESS = "10.47.0.254"
+RELAY_PORTS = 7000
 
 
 def ip(*args: str, pid: int | None = None) -> None:
     """`ip ARGS` in the switch, or in the network namespace of process pid."""
     enter = ["nsenter", "--target", str(pid), "--net"] if pid is not None else []
     subprocess.run([*enter, "ip", *args], check=True, capture_output=True, text=True)
+
+
+def _wait_for_own_namespace(pid: int, timeout_s: float = 10.0) -> None:
+    """Until process pid has left this network namespace (`unshare` has run, so what is
+    wired into pid's namespace does not land in the switch's)."""
+    ours = os.readlink("/proc/self/ns/net")
+    deadline = time.monotonic() + timeout_s
+    while os.readlink(f"/proc/{pid}/ns/net") == ours:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not enter a network namespace of its own")
+        time.sleep(0.01)
 
 
 @dataclass
@@ -62,6 +79,7 @@ class NetCluster:
     tmp: Path
     count: int
     nodes: list[NetNode] = field(default_factory=list)
+    relays: list[Relay] = field(default_factory=list)
 
     def build(self) -> NetCluster:
         ip("link", "set", "lo", "up")
@@ -69,6 +87,7 @@ class NetCluster:
         ip("link", "set", "br0", "up")
         for index in range(1, self.count + 1):
             holder = subprocess.Popen(["unshare", "--net", "sleep", "900"])
+            _wait_for_own_namespace(holder.pid)
             node = NetNode(index, holder)
             self.nodes.append(node)
             self._wire(node)
@@ -88,11 +107,23 @@ class NetCluster:
         ip("addr", "add", f"{node.api_address}/30", "dev", "eth1", pid=pid)
         ip("link", "set", "eth1", "up", pid=pid)
 
-    def start(self, secret: str, extra: dict[int, list[str]] | None = None) -> None:
-        """`shoal serve` in every node's namespace, each dialling the others."""
+    def start(self, secret: str, extra: dict[int, list[str]] | None = None,
+              impairment: Impairment | None = None) -> None:
+        """`shoal serve` in every node's namespace, each dialling the others: directly, or
+        with an impairment through relays in the switch (relay.py), one per ordered pair."""
+        if impairment is not None:
+            ip("addr", "add", f"{RELAY_ADDRESS}/24", "dev", "br0")
+            for node in self.nodes:
+                for other in self.nodes:
+                    if other is not node:
+                        self.relays.append(Relay(
+                            (RELAY_ADDRESS, self._relay_port(node, other)),
+                            (other.cluster_address, CLUSTER_PORT), impairment))
         for node in self.nodes:
-            peers = ",".join(f"tcp/{other.cluster_address}:{CLUSTER_PORT}"
-                             for other in self.nodes if other is not node)
+            peers = ",".join(
+                f"tcp/{other.cluster_address}:{CLUSTER_PORT}" if impairment is None
+                else f"tcp/{RELAY_ADDRESS}:{self._relay_port(node, other)}"
+                for other in self.nodes if other is not node)
             data_dir = self.tmp / f"node{node.index}"
             data_dir.mkdir(parents=True, exist_ok=True)
             log_path = data_dir / "serve.log"
@@ -112,11 +143,25 @@ class NetCluster:
         for node in self.nodes:
             wait_healthy_or_fail(node.serve)
 
+    @staticmethod
+    def _relay_port(node: NetNode, other: NetNode) -> int:
+        return RELAY_PORTS + 10 * node.index + other.index
+
     def cut(self, node: NetNode) -> None:
         ip("link", "set", node.cluster_link, "down")
 
     def heal(self, node: NetNode) -> None:
         ip("link", "set", node.cluster_link, "up")
+
+    def shape(self, node: NetNode, rate: str) -> None:
+        """Hold what the switch sends node on its cluster link to rate (tc tbf)."""
+        subprocess.run(["tc", "qdisc", "add", "dev", node.cluster_link, "root", "tbf",
+                        "rate", rate, "burst", "16kb", "latency", "400ms"],
+                       check=True, capture_output=True, text=True)
+
+    def unshape(self, node: NetNode) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", node.cluster_link, "root"],
+                       check=True, capture_output=True, text=True)
 
     def describe(self) -> str:
         """Each node's view of the cluster and the cluster lines of its log (on failure)."""
@@ -134,6 +179,12 @@ class NetCluster:
         return "\n".join(lines)
 
     def stop(self) -> None:
+        for relay in self.relays:
+            relay.close()
+        # All asked to stop at once, then waited for: their shutdowns overlap.
+        for node in self.nodes:
+            if node.serve is not None and node.serve.proc.poll() is None:
+                node.serve.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
             if node.serve is not None:
                 node.serve.stop(timeout_s=20)

@@ -203,3 +203,30 @@ def test_config_is_validated():
         ElectionConfig(campaign_s=0)
     with pytest.raises(ValueError, match="two heartbeats"):
         ElectionConfig(heartbeat_s=1.0, master_timeout_s=1.5)
+
+
+def test_a_node_counts_no_other_leader_toward_its_quorum():
+    """reachable() feeds the quorum: a node that leads (its messages say it holds the role)
+    or follows another leader is not counted by a node that would lead itself, as when
+    two campaigns missed each other's candidacies."""
+    def message(node: str, kind: str, leads: bool, leader: str | None) -> dict:
+        return {"kind": kind, "node": node, "force": False, "master": leads, "state": False,
+                "reply": False, "leader": leader}
+
+    async def main():
+        elections = await _start(MemoryHub(), ["n1", "n2", "n3"])
+        try:
+            await wait_until(lambda: _agreed(elections, "n3"), what="agreement on n3")
+            await asyncio.sleep(3 * FAST.heartbeat_s)
+            follower = elections["n1"].reachable()
+            n3 = elections["n3"]
+            n3._on_message(message("n0", "heartbeat", True, None))  # a lower master
+            n3._on_message(message("m1", "alive", False, "n0"))  # following it
+            n3._on_message(message("m2", "alive", False, None))
+            return follower, n3.reachable()
+        finally:
+            await _stop(elections)
+
+    follower, master = asyncio.run(main())
+    assert follower == {"n1", "n2", "n3"}  # its own master and fellow followers count
+    assert master == {"n1", "n2", "n3", "m2"}

@@ -119,3 +119,41 @@ def test_a_master_that_shuts_down_leaves_so_the_other_of_two_masters_alone(
             await a.stop()
 
     assert asyncio.run(main())
+
+
+def test_links_that_are_not_transitive_never_make_two_masters_write(tmp_path, sources):  # noqa: F811
+    """c (the master) and b stop hearing each other while both still hear a and count each
+    other present: b's own campaign elects b, but a follows c, so b counts no majority and
+    takes no master role; once the link mends, c is the only master and all states agree."""
+    async def main():
+        nodes = await start_cluster(tmp_path, sources,
+                                    **{name: {"config": PATIENT} for name in "abc"})
+        a, b, c = nodes["a"], nodes["b"], nodes["c"]
+        seen_writers: list[set[str]] = []
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                seen_writers.append(writers(nodes))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            nodes["hub"].mute(NodeId("b"), NodeId("c"))
+            await wait_until(lambda: b.service.plane.election.master == "b", timeout=5,
+                             what="b elects itself")
+            await asyncio.sleep(1.0)  # b's chance to take a master role it must not take
+            b_may_write = b.service.plane.has_quorum()
+            nodes["hub"].heal()
+            await wait_until(lambda: all(n.service.master_id == "c" for n in (a, b, c))
+                             and all(n.state == c.state for n in (a, b)), timeout=10,
+                             what="one master and one state after the link mends")
+            return seen_writers, b_may_write
+        finally:
+            stop.set()
+            await watcher
+            await stop_cluster(nodes)
+
+    seen_writers, b_may_write = asyncio.run(main())
+    assert all(now <= {"c"} for now in seen_writers), {frozenset(w) for w in seen_writers}
+    assert not b_may_write

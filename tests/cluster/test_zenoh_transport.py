@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -16,6 +17,7 @@ from shoal.cluster.master import MasterConfig
 from shoal.cluster.replica import ReplicaConfig
 from shoal.cluster.telemetry import NodeReading, TelemetryConfig
 from shoal.cluster.transport import Topic, TransportError
+from shoal.cluster.transport.beacons import BeaconConfig, SilentPeers
 from shoal.cluster.transport.zenoh import ZenohConfig, ZenohTransport
 from shoal.ids import NodeId
 
@@ -135,3 +137,58 @@ def test_two_control_planes_form_one_cluster_and_another_secret_stays_apart(tmp_
 
     same_state, other_master, other_peers = asyncio.run(main())
     assert same_state and other_master == "n9" and other_peers == frozenset()
+
+
+def test_silent_peers_are_the_present_ones_not_heard_for_the_bound():
+    silent = SilentPeers(stale_after_s=5.0)
+    silent.heard(NodeId("early"), 0.0)  # a beacon before its presence: nothing to track
+    silent.present(NodeId("a"), 0.0)
+    silent.present(NodeId("b"), 0.0)
+    silent.heard(NodeId("a"), 4.0)
+    assert silent.silent(4.5) == frozenset()
+    assert silent.silent(5.5) == {"b"}
+    silent.gone(NodeId("b"))
+    assert silent.silent(9.5) == {"a"}
+    silent.present(NodeId("a"), 10.0)  # present again: its last beacon still counts
+    assert silent.silent(10.0) == {"a"}
+    with pytest.raises(ValueError, match="three intervals"):
+        BeaconConfig(interval_s=1.0, stale_after_s=2.0)
+
+
+def test_a_present_peer_that_falls_silent_makes_the_session_reopen(caplog):
+    """a stops hearing b's beacons while b stays present, as over a one-sided link: a reopens
+    its session once, keeps b as a peer throughout, and the two talk again afterwards."""
+    caplog.set_level(logging.INFO, logger="shoal.cluster")
+    port_a, port_b = _free_port(), _free_port()
+    quick = BeaconConfig(interval_s=0.1, stale_after_s=1.5, settle_s=2.0)
+
+    async def main():
+        a = await ZenohTransport.open("node-a", dataclasses.replace(_config(port_a),
+                                                                    beacons=quick))
+        b = await ZenohTransport.open("node-b", _config(port_b, connect=(port_a,)))
+        try:
+            got: list = []
+            peer_sets: list = []
+            a.on_peers_changed(peer_sets.append)
+            b.subscribe(Topic.GLOBAL_EVENTS, got.append)
+            await wait_until(lambda: a.peers == {"node-b"} and b.peers == {"node-a"},
+                             what="peers discovered")
+            a._beacons.undeclare()  # b's beacons no longer reach a; b stays present
+            await wait_until(lambda: a.reopened == 1, timeout=10, what="a's session reopened")
+            reopened_at = time.monotonic()
+
+            def heard() -> bool:  # b re-dials a's new session: repeat until it hears
+                a.publish(Topic.GLOBAL_EVENTS, {"after": "reopen"})
+                return bool(got)
+            await wait_until(heard, timeout=10, what="b hears a on its new session")
+            # Past the settle: b, announced again, is still a peer, and all is quiet.
+            await asyncio.sleep(max(0.0, reopened_at + quick.settle_s + 0.5 - time.monotonic()))
+            return peer_sets, a.peers, a.reopened
+        finally:
+            for transport in (a, b):
+                await transport.close()
+
+    peer_sets, peers, reopened = asyncio.run(main())
+    assert all(peers == {"node-b"} for peers in peer_sets), peer_sets  # never reported gone
+    assert peers == {"node-b"} and reopened == 1
+    assert "reopening this node's cluster session" in caplog.text

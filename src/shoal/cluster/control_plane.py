@@ -142,6 +142,11 @@ class ControlPlane:
     async def _take_over(self) -> None:
         # Opening archives the previous live file (zstd): off the loop.
         event_log = await asyncio.to_thread(EventLog, self.config.event_log_dir)
+        if self.election.master != self.node_id:
+            # It heard a higher master while the log opened: starting a session now would
+            # make two masters for a moment.
+            event_log.close()
+            return
         seed = self.replica.state if self.replica.session is not None else None
         master = Master(self.transport, self.telemetry.table, event_log, self.config.master,
                         seed=seed, reachable=self._reachable)

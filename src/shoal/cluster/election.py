@@ -15,7 +15,12 @@ campaigns (the "bully" step).
 
 Every node speaks each heartbeat (a master its heartbeat, the others an "alive"), so each
 knows which nodes it hears now (`reachable`), sooner than presence tokens tell of a cut link;
-the control plane counts its quorum among them.
+the control plane counts its quorum among them. Each message also names the master its
+sender follows while that master leads and is heard (`leader`); a node that leads, or follows
+a leader, other than this one's is not counted: where links are not transitive (A hears B and
+C, B and C not each other), B and C would otherwise each count A into a majority, and two
+masters whose campaigns missed each other's candidacies (messages held up for seconds) would
+each count the other.
 
 Campaigns start at start-up, when the connected-peer set has changed since the last
 campaign, when the master falls silent for `master_timeout_s`, and when a lower-ranked node
@@ -41,6 +46,7 @@ from shoal.ids import NodeId
 log = logging.getLogger("shoal.cluster.election")
 
 Rank = tuple[bool, bool, bool, str]
+_NO_RANK: Rank = (False, False, False, "")
 _CHANGED = "master"
 _SETTLED = "settled"
 
@@ -86,6 +92,7 @@ class Election:
         self._master: NodeId | None = None
         self._ranks: dict[NodeId, Rank] = {}
         self._heard: dict[NodeId, float] = {}  # when each node's last election message came
+        self._leaders: dict[NodeId, NodeId | None] = {}  # the leader each node said it follows
         self._last_heartbeat = time.monotonic()
         self._candidates: dict[NodeId, Rank] | None = None  # None: no campaign running
         self._basis: frozenset[NodeId] | None = None  # peers when the last campaign began
@@ -115,10 +122,27 @@ class Election:
 
     def reachable(self) -> frozenset[NodeId]:
         """This node and those heard within the master timeout (every node speaks each
-        heartbeat: masters their heartbeat, the others that they are alive)."""
+        heartbeat: masters their heartbeat, the others that they are alive), less those
+        that lead or follow a leader other than this node's (itself when it is the master
+        or has none): two masters that each still hear the other, their campaigns having
+        missed each other's candidacies, do not count each other into a majority."""
         now = time.monotonic()
+        mine = self._master or self.node_id
         return frozenset(node for node, heard in self._heard.items()
-                         if now - heard <= self.config.master_timeout_s) | {self.node_id}
+                         if now - heard <= self.config.master_timeout_s
+                         and self._leaders.get(node) in (None, mine)
+                         and (node == mine or not self._ranks[node][1])) | {self.node_id}
+
+    @property
+    def leader(self) -> NodeId | None:
+        """The master this node follows while that master leads (its heartbeats say it holds
+        the role), is connected and is heard; None when this node is the master or has none."""
+        master = self._master
+        if master is None or master == self.node_id or self._master_silent():
+            return None
+        if master not in self._transport.peers or not self._ranks.get(master, _NO_RANK)[1]:
+            return None
+        return master
 
     def on_master_changed(self, callback: Callable[[NodeId | None], None]) -> Subscription:
         """callback(master) on the loop whenever the master this node follows changes."""
@@ -206,20 +230,24 @@ class Election:
         force, master, state, _ = self.rank
         self._transport.publish(Topic.ELECTION, {"kind": kind, "node": self.node_id,
                                                  "force": force, "master": master,
-                                                 "state": state, "reply": reply})
+                                                 "state": state, "reply": reply,
+                                                 "leader": self.leader})
 
     def _on_message(self, message: Any) -> None:
         try:
             kind, node = message["kind"], NodeId(message["node"])
             rank: Rank = (bool(message["force"]), bool(message["master"]),
                           bool(message["state"]), str(node))
-        except (TypeError, KeyError):
+            leader = message.get("leader")
+            leader = None if leader is None else NodeId(str(leader))
+        except (TypeError, KeyError, AttributeError):
             log.warning("malformed election message dropped: %r", message)
             return
         if node == self.node_id:
             return
         self._heard[node] = time.monotonic()
         self._ranks[node] = rank
+        self._leaders[node] = leader
         if self._candidates is not None:
             self._candidates[node] = rank
         if kind == "candidate":

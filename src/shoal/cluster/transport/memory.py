@@ -33,6 +33,7 @@ class MemoryHub:
     def __init__(self) -> None:
         self._nodes: dict[NodeId, MemoryTransport] = {}
         self._group_of: dict[NodeId, int] = {}
+        self._mute: set[frozenset[NodeId]] = set()  # pairs whose messages are lost
 
     def connect(self, node_id: str) -> MemoryTransport:
         node = check_node_id(node_id)
@@ -56,8 +57,14 @@ class MemoryHub:
         self._group_of = {node: index for index, group in enumerate(groups) for node in group}
         self._announce()
 
+    def mute(self, a: NodeId, b: NodeId) -> None:
+        """Lose every message between a and b while each still counts the other present, as
+        over a one-sided Zenoh link (transport/beacons.py); a and b still reach the rest."""
+        self._mute.add(frozenset((a, b)))
+
     def heal(self) -> None:
         self._group_of = {}
+        self._mute.clear()
         self._announce()
 
     def reannounce(self, node_id: NodeId) -> None:
@@ -77,6 +84,8 @@ class MemoryHub:
     def _send(self, sender: NodeId, targets: frozenset[NodeId], key: str, data: bytes) -> None:
         loop = asyncio.get_running_loop()
         for node in targets:
+            if frozenset((sender, node)) in self._mute:
+                continue
             transport = self._nodes.get(node)
             if transport is not None:
                 # Decoded per receiver so no two nodes share a mutable object.

@@ -78,7 +78,21 @@ class Namespace:
 
     def node_from_presence_key(self, key: str) -> NodeId | None:
         """The node a presence key names, or None for a key outside this namespace."""
-        head = f"{self._prefix}/presence/"
+        return self._node_under(f"{self._prefix}/presence/", key)
+
+    def beacon_key(self, node: NodeId) -> str:
+        """Key of node's link beacons (transport/beacons.py)."""
+        return f"{self._prefix}/beacon/{check_node_id(node)}"
+
+    @property
+    def beacon_pattern(self) -> str:
+        return f"{self._prefix}/beacon/*"
+
+    def node_from_beacon_key(self, key: str) -> NodeId | None:
+        return self._node_under(f"{self._prefix}/beacon/", key)
+
+    @staticmethod
+    def _node_under(head: str, key: str) -> NodeId | None:
         if not key.startswith(head):
             return None
         node = key[len(head):]
