@@ -8,7 +8,9 @@ asker's writes, every piece's sha256 checked):
 - peer: throughput of copying a model file from a holder (ModelTransfer.fetch, no rate
   bound) against a plain file copy of the same bytes (shutil.copyfile), and their ratio,
   each timed --rounds times interleaved and the fastest kept: over a direct stream (plain TCP, and TLS under a
-  cluster CA) and over the data plane's messages (the fallback);
+  cluster CA) and over the data plane's messages (the fallback); and against the bound
+  of a verified copy, a plain copy plus one sha256 pass of the same bytes (`bound_mb_s`,
+  `<way>_bound_ratio`): every byte an asker writes is hashed once, on any path;
 - rank: the bytes each rank of a 2-rank pipeline copies of a GGUF of --layers layers
   (ModelTransfer.fetch_rank) against the whole file.
 - ttft (real `shoal serve` processes on 127.0.0.1, bench/cluster.py's): a completion's time
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import resource
@@ -108,6 +111,14 @@ def file_copy_s(path: Path, target: Path) -> tuple[float, float]:
     return took
 
 
+def sha256_s(path: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one sha256 pass over a file (in the page cache)."""
+    started, cpu = time.monotonic(), cpu_s()
+    with open(path, "rb") as file:
+        hashlib.file_digest(file, "sha256")
+    return time.monotonic() - started, cpu_s() - cpu
+
+
 async def peer_copy_s(base: Path, path: Path, config: TransferConfig) -> tuple[float, float]:
     """(wall seconds, CPU seconds of both ends) to copy path from a holder into a fresh
     store."""
@@ -137,19 +148,24 @@ async def peer_copy(base: Path, size_mb: int, rounds: int) -> dict:
     # Each way timed `rounds` times, interleaved with the plain copy; the fastest kept.
     best: dict[str, tuple[float, float]] = {}
     for round_ in range(rounds):
-        took = {"copy": file_copy_s(path, base / "copy.gguf")}
+        took = {"copy": file_copy_s(path, base / "copy.gguf"), "sha256": sha256_s(path)}
         for way, config in ways.items():
             took[way] = await peer_copy_s(base / f"{way}-{round_}", path, config)
             os.sync()
         best = {way: min(s, best.get(way, s)) for way, s in took.items()}
     copy_s, copy_cpu = best.pop("copy")
+    hash_s, hash_cpu = best.pop("sha256")
     # CPU seconds a GB, both ends together: what a busy host's share of cores caps.
     result: dict = {"bytes": path.stat().st_size, "rounds": rounds,
                     "copy_mb_s": round(size_mb / copy_s, 1),
-                    "copy_cpu_s_per_gb": round(copy_cpu * 1024 / size_mb, 2)}
+                    "copy_cpu_s_per_gb": round(copy_cpu * 1024 / size_mb, 2),
+                    "sha256_mb_s": round(size_mb / hash_s, 1),
+                    "bound_mb_s": round(size_mb / (copy_s + hash_s), 1),
+                    "bound_cpu_s_per_gb": round((copy_cpu + hash_cpu) * 1024 / size_mb, 2)}
     for way, (took_s, cpu) in best.items():
         result[f"{way}_mb_s"] = round(size_mb / took_s, 1)
         result[f"{way}_ratio"] = round(copy_s / took_s, 3)
+        result[f"{way}_bound_ratio"] = round((copy_s + hash_s) / took_s, 3)
         result[f"{way}_cpu_s_per_gb"] = round(cpu * 1024 / size_mb, 2)
     return result
 

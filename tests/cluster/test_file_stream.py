@@ -22,6 +22,7 @@ from shoal.cluster.file_stream import (
     client_context,
     pieces,
     server_context,
+    start_writeback,
 )
 from shoal.cluster.tls import read_cluster_tls
 
@@ -134,3 +135,33 @@ def test_a_paced_stream_takes_as_long_as_its_rate_says(original, tmp_path):
     receive(server.offer, 0, size, tmp_path / "copy", rate=size / 0.5)
     thread.join()
     assert time.monotonic() - started >= 0.45
+
+
+def test_a_copy_that_cannot_be_written_stops_with_the_reason_and_nothing_reached(
+        original, tmp_path):
+    size = original.stat().st_size
+    server, thread, _ = serve(original, 0, size)
+    target = tmp_path / "copy"
+    target.touch()
+    fd = os.open(target, os.O_RDONLY)  # every write fails
+    try:
+        with pytest.raises(StreamBroken, match="cannot write the copy") as error:
+            StreamReceiver(server.offer, 0, size, fd, context=None, connect_timeout_s=2.0,
+                           read_timeout_s=2.0, rate=None, on_piece=lambda *_: None).run()
+    finally:
+        os.close(fd)
+    server.cancel()
+    thread.join()
+    assert error.value.reached == 0
+
+
+def test_starting_writeback_leaves_the_bytes_and_never_raises(tmp_path):
+    target = tmp_path / "copy"
+    fd = os.open(target, os.O_RDWR | os.O_CREAT)
+    try:
+        os.pwrite(fd, b"x" * PIECE, 0)
+        start_writeback(fd, 0, PIECE)
+    finally:
+        os.close(fd)
+    start_writeback(fd, 0, PIECE)  # closed: the copy's fsync reports such failures
+    assert target.read_bytes() == b"x" * PIECE

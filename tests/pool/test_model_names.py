@@ -57,3 +57,36 @@ def test_a_missing_model_comes_from_a_peer_first_and_from_outside_only_without_o
     failing.fetch_from_peers = from_peers
     with pytest.raises(ModelNotFound, match="every holder failed; no source has broken"):
         asyncio.run(failing.resolve("broken"))
+
+
+def test_another_node_s_path_is_asked_of_peers_and_found_here_by_the_id_that_node_gives_it(
+        tmp_path):
+    """Node A serves /models/tiny.gguf as "tiny" (its stem); this node has no such path: it
+    copies the model from A by that id and resolves the copy by it, and the path means the
+    model from then on."""
+    weights = tmp_path / "tiny.gguf"
+    weights.write_bytes(b"GGUF")
+    here: set[str] = set()
+    asked: list[str] = []
+
+    def resolve_here(name):
+        if name not in here:
+            raise ModelNotFound(f"{name} is not on disk")
+        return ModelSource(model_id=name, format="gguf", path=weights)
+
+    async def from_peers(name):
+        asked.append(name)
+        here.add(name)  # the copy lands in the store under the holder's id
+        return True
+
+    names = ModelNames(resolve_here)
+    names.fetch_from_peers = from_peers
+    names.cluster_id = lambda name: name.rsplit("/", 1)[-1].removesuffix(".gguf")
+
+    async def main():
+        assert await names.peer_id("/models/tiny.gguf") == "tiny"
+        assert await names.identify("/models/tiny.gguf") == ("tiny", resolve_here("tiny"))
+        assert await names.identify("/models/tiny.gguf") == ("tiny", None)  # known now
+
+    asyncio.run(main())
+    assert asked == ["tiny"]

@@ -10,7 +10,9 @@ bytes. Pieces split the file at multiples of the offer's piece size, so a whole 
 of the chunks FileHashes hashed when the holder listed the file: the holder sends those with
 their cached digest through os.sendfile (plain) or big buffered writes (TLS), hashing only
 the pieces it has no digest for. The asker checks every piece (on a few threads) and writes
-it in file order, so what it wrote is always a verified prefix of its range to resume from.
+it in file order, so what it wrote is always a verified prefix of its range to resume from;
+each written piece starts its way to disk at once (start_writeback), so the copy's final
+fsync waits for little more than the last piece.
 
 Blocking: StreamServer.run and StreamReceiver.run run on threads; cancel() from any thread
 ends either within a moment.
@@ -18,6 +20,8 @@ ends either within a moment.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import hmac
 import os
@@ -330,11 +334,39 @@ class StreamReceiver:
         if checked.result() != digest:
             raise OSError(f"the piece at offset {start} does not match its sha256")
         written = 0
-        while written < len(data):
-            written += os.pwrite(self._fd, data[written:], start + written)
+        try:
+            while written < len(data):
+                written += os.pwrite(self._fd, data[written:], start + written)
+        except OSError as error:
+            raise OSError(f"cannot write the copy: {_describe(error)}") from None
+        start_writeback(self._fd, start, len(data))
         spare.append(buffer)
         self._on_piece(start, len(data))
         return start + len(data)
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing fd's bytes [offset, offset + length) to disk without waiting for them
+    (Linux's sync_file_range; elsewhere nothing): a large copy's fsync then finds little
+    left to write, where it would otherwise write the whole file after the last byte came
+    (a tenth of a second for 256 MiB here). The pages stay cached for the model's load."""
+    sync_file_range = _sync_file_range()
+    if sync_file_range is not None:
+        sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # a failure: fsync's job
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):  # not Linux, or no such call in its C library
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
 
 
 def _read_exactly(sock: socket.socket, length: int) -> bytes:

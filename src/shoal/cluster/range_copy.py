@@ -32,6 +32,7 @@ from shoal.cluster.file_stream import (
     StreamReceiver,
     StreamUnavailable,
     client_context,
+    start_writeback,
 )
 from shoal.cluster.held_models import HeldFile, HeldModel
 from shoal.cluster.tls import ClusterTls
@@ -281,6 +282,8 @@ def _checked(part: dict[str, Any], offset: int, file: HeldFile) -> bytes:
 def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
     out.seek(offset)
     out.write(data)
+    out.flush()  # on its way to disk now, so that the copy's fsync finds little left
+    start_writeback(out.fileno(), offset, len(data))
 
 
 def _check_and_write(part: dict[str, Any], offset: int, file: HeldFile, out: BinaryIO) -> bytes:

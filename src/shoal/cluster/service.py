@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -42,7 +43,7 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.catalog.file_hashes import FileHashes
-from shoal.catalog.resolve import data_dir_or_default
+from shoal.catalog.resolve import cluster_model_id, data_dir_or_default
 from shoal.catalog.store import ModelStore
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.held_models import HeldModels
@@ -154,6 +155,7 @@ class ClusterService:
             plane.transport, self.held, ModelStore.of_data_dir(data_dir_or_default(data_dir)),
             self._peer_readings, self.config.transfer, host=self._own_host)
         pool.names.fetch_from_peers = self.transfer.fetch
+        pool.names.cluster_id = functools.partial(cluster_model_id, data_dir=data_dir)
         self._scanning: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()  # a model newly resolved here: list it at once
         pool.names.on_new_model = lambda _model: self._scan_now.set()

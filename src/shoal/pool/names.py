@@ -15,6 +15,9 @@ from shoal.catalog.resolve import ModelNotFound, resolve_model
 from shoal.engine.config import ModelSource, ModelTask
 
 Resolver = Callable[[str], ModelSource]
+# The id every node of the cluster knows a model by, for a name as a client gave it
+# (catalog.resolve.cluster_model_id: a path on another machine goes by its file's stem).
+ClusterId = Callable[[str], str]
 # A model's files copied from another node: True once here, False when no node holds them;
 # ModelNotFound when every holder failed.
 PeerFetch = Callable[[str], Awaitable[bool]]
@@ -39,13 +42,15 @@ _USE_INSTEAD = {"embed": "; use it through the embeddings API",
 class ModelNames:
     """resolve: how a name becomes files (may pull from the outside source); resolve_here:
     the same without any download (default: resolve). A model on no disk here is copied
-    from another node (fetch_from_peers, which the cluster sets) before any pull."""
+    from another node (fetch_from_peers, which the cluster sets) before any pull, asked
+    for by the id other nodes know it by (cluster_id, which the cluster sets too)."""
 
     def __init__(self, resolve: Resolver | None = None,
                  resolve_here: Resolver | None = None) -> None:
         self._resolve = resolve or resolve_model
         self._resolve_here = resolve_here or self._resolve
         self.fetch_from_peers: PeerFetch | None = None
+        self.cluster_id: ClusterId | None = None  # None: a name is its own id
         # Told each model id newly resolved here (the cluster lists its files soon after).
         self.on_new_model: Callable[[str], None] | None = None
         self._ids: dict[str, str] = {}  # any name a client used (lower case) -> model id
@@ -100,9 +105,12 @@ class ModelNames:
                 if self._resolve_here is self._resolve:
                     raise
                 return await asyncio.to_thread(self._resolve, name)
+        # Peers list the model under its cluster id (a path's stem, say), and the copy
+        # lands in the store under that id.
+        model_id = await self.peer_id(name)
         try:
-            if await self.fetch_from_peers(name):
-                return await asyncio.to_thread(self._resolve_here, name)
+            if await self.fetch_from_peers(model_id):
+                return await asyncio.to_thread(self._resolve_here, model_id)
         except ModelNotFound as failed:
             try:  # the outside source, when the resolver pulls
                 return await asyncio.to_thread(self._resolve, name)
@@ -122,6 +130,14 @@ class ModelNames:
     def sources(self) -> dict[str, ModelSource]:
         """model id -> where its weights are, for every model resolved here so far."""
         return dict(self._sources)
+
+    async def peer_id(self, name: str) -> str:
+        """The id other nodes know name's model by: the id it was identified as here, else
+        the cluster's id for the name (blocking reads, off the event loop)."""
+        known = self._ids.get(name.lower())
+        if known is not None or self.cluster_id is None:
+            return known or name
+        return await asyncio.to_thread(self.cluster_id, name)
 
     def canonical_id(self, name: str) -> str:
         """The id name was identified as; name itself if it has not been."""

@@ -59,7 +59,11 @@ class Naming:
         elsewhere in the cluster; ModelNotFound if neither, WrongModelTask if the model
         does not do task."""
         # An instance elsewhere serves it as it is: no copy of its files is fetched here.
+        # (A name that means nothing here may be another node's path for the model: its
+        # instances go by the id that node gives it.)
         elsewhere = self.chooser.model_named(name)
+        if elsewhere is None and self.names.task_of(name) is None:
+            elsewhere = self.chooser.model_named(await self.names.peer_id(name))
         try:
             model_id, source = await self.names.identify(name, task,
                                                          from_peers=elsewhere is None)
