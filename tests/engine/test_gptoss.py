@@ -69,6 +69,23 @@ def test_gguf_experts_stay_packed_in_mxfp4(checkpoint):
                       DenseLinear)  # float32: dequantized
 
 
+def test_the_grouped_kernel_equals_the_expert_loop_bit_for_bit(checkpoint):
+    # Packed clamped-SwiGLU experts run as one compiled call per step (GroupedExperts); the
+    # Python loop over experts is its definition: the same bits for generated rows, prompt
+    # rows and a mix, one row or many.
+    experts = packed(checkpoint).module.blocks[0].mlp
+    assert experts.grouped is not None
+    torch.manual_seed(0)
+    x = torch.randn(40, experts.router.weight.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows, prompt_from in ((1, None), (1, 0), (5, None), (40, 0), (40, 17)):
+            grouped = experts(x[:rows], prompt_from)
+            compiled, experts.grouped = experts.grouped, None
+            loop = experts(x[:rows], prompt_from)
+            experts.grouped = compiled
+            assert torch.equal(grouped, loop), (rows, prompt_from)
+
+
 def test_bf16_next_tokens_follow_float32(checkpoint):
     """The default precision (MXFP4 experts packed, bf16 activations, float32 routing) read
     along float32's greedy continuations of the same GGUF: its next token is float32's at

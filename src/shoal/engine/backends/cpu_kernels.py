@@ -20,7 +20,9 @@ from shoal.engine.backends.fused_decode import FusedDecoder, fusable
 from shoal.engine.backends.packing import QuantLinear, pack, packed_type
 from shoal.engine.models.layers.attention import Attend, AttentionGroup
 from shoal.engine.models.layers.experts import (
+    ClampedSwiGLU,
     GroupedRouter,
+    LogitTopKRouter,
     MixtureOfExperts,
     Router,
     SharedExpert,
@@ -73,20 +75,28 @@ class CpuKernels(Backend):
     def gated_mlp(self, gate_up: nn.Module, down: nn.Module, activation: str) -> GatedMLP:
         return GatedMLP(gate_up, down, activation, self.kernel.gated)
 
-    def experts(self, router: Router | GroupedRouter, experts: list[GatedMLP],
+    def experts(self, router: Router | GroupedRouter | LogitTopKRouter,
+                experts: list[GatedMLP] | list[ClampedSwiGLU],
                 shared: SharedExpert | None, first_expert: int = 0) -> MixtureOfExperts:
         """Experts whose linears are all packed run in one compiled call per step
         (GroupedExperts: the same bits as the per-expert loop, without Python between
         experts)."""
         grouped = None
-        # Only plain gated MLPs of packed linears on this kernel's activation (silu or
-        # gelu_tanh, one for all); any other expert keeps the loop.
-        if all(type(e) is GatedMLP and e.gated is self.kernel.gated and e.gelu == experts[0].gelu
-               and type(e.gate_up) is QuantLinear and type(e.down) is QuantLinear
-               for e in experts):
+        packed = all(type(e.gate_up) is QuantLinear and type(e.down) is QuantLinear
+                     for e in experts)
+        first = experts[0]
+        # Plain gated MLPs on this kernel's activation (silu or gelu_tanh, one for all), or
+        # gpt-oss's clamped SwiGLU (one alpha and limit for all); any other keeps the loop.
+        if packed and all(type(e) is GatedMLP and e.gated is self.kernel.gated
+                          and e.gelu == first.gelu for e in experts):
             grouped = self.kernel.GroupedExperts([e.gate_up.op for e in experts],
                                                  [e.down.op for e in experts],
-                                                 experts[0].gelu).forward
+                                                 first.gelu).forward
+        elif packed and all(type(e) is ClampedSwiGLU and e.alpha == first.alpha
+                            and e.limit == first.limit for e in experts):
+            grouped = self.kernel.GroupedExperts(
+                [e.gate_up.op for e in experts], [e.down.op for e in experts], False,
+                swiglu_alpha=first.alpha, swiglu_limit=first.limit).forward
         return MixtureOfExperts(router, experts, shared, first_expert, grouped)
 
     def head(self, raw: RawTensor, embedding, spare_bytes: int) -> nn.Module:

@@ -62,8 +62,11 @@ void bind(pybind11::module& m) {
       .def_property_readonly("backend", &QuantLinear::backend);
   pybind11::class_<GroupedExperts, std::shared_ptr<GroupedExperts>>(m, "GroupedExperts")
       .def(pybind11::init<std::vector<std::shared_ptr<QuantLinear>>,
-                          std::vector<std::shared_ptr<QuantLinear>>, bool>(),
-           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("gelu"))
+                          std::vector<std::shared_ptr<QuantLinear>>, bool,
+                          std::optional<double>, std::optional<double>>(),
+           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("gelu"),
+           pybind11::arg("swiglu_alpha") = pybind11::none(),
+           pybind11::arg("swiglu_limit") = pybind11::none())
       .def("forward", &GroupedExperts::forward, pybind11::arg("x"), pybind11::arg("weights"),
            pybind11::arg("chosen"), pybind11::arg("prompt_from"),
            pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -44,13 +44,28 @@ at::Tensor gated_rows(const at::Tensor& gate_up, bool gelu) {
   return act;
 }
 
+// gpt-oss's clamped SwiGLU of a [rows, 2F] bf16 projection -> [rows, F] bf16: the ATen
+// ops of layers/experts.py's ClampedSwiGLU, in its order, so the same kernels and bits.
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
+  const std::vector<at::Tensor> halves = gate_up.to(at::kFloat).chunk(2, -1);
+  const at::Tensor gate = halves[0].clamp(std::nullopt, limit);
+  const at::Tensor up = halves[1].clamp(-limit, limit);
+  const at::Tensor glu = gate * at::sigmoid(gate * alpha);
+  return ((up + 1) * glu).to(at::kBFloat16);
+}
+
 }  // namespace
 
 GroupedExperts::GroupedExperts(std::vector<std::shared_ptr<QuantLinear>> gate_up,
-                               std::vector<std::shared_ptr<QuantLinear>> down, bool gelu)
-    : gate_up_(std::move(gate_up)), down_(std::move(down)), gelu_(gelu) {
+                               std::vector<std::shared_ptr<QuantLinear>> down, bool gelu,
+                               std::optional<double> swiglu_alpha,
+                               std::optional<double> swiglu_limit)
+    : gate_up_(std::move(gate_up)), down_(std::move(down)), gelu_(gelu),
+      swiglu_alpha_(swiglu_alpha), swiglu_limit_(swiglu_limit) {
   TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size(),
               "GroupedExperts: one gate_up and one down per expert");
+  TORCH_CHECK(swiglu_alpha_.has_value() == swiglu_limit_.has_value(),
+              "GroupedExperts: a clamped SwiGLU needs both its alpha and its limit");
   hidden_ = gate_up_[0]->in_features();
   ffn_ = down_[0]->in_features();
   for (size_t e = 0; e < gate_up_.size(); ++e)
@@ -123,7 +138,7 @@ at::Tensor GroupedExperts::forward(const at::Tensor& input, const at::Tensor& we
   std::vector<at::Tensor> inputs;
   for (const Group& g : groups) inputs.push_back(g.x);
   const std::vector<at::Tensor> gate_up = project(gate_up_, inputs);  // each [count, 2F]
-  for (size_t i = 0; i < groups.size(); ++i) inputs[i] = gated_rows(gate_up[i], gelu_);
+  for (size_t i = 0; i < groups.size(); ++i) inputs[i] = activate(gate_up[i]);
   const std::vector<at::Tensor> ys = project(down_, inputs);  // each [count, H] bf16
 
   at::Tensor out = at::zeros({t, hidden_}, x.options().dtype(at::kFloat));
@@ -139,6 +154,11 @@ at::Tensor GroupedExperts::forward(const at::Tensor& input, const at::Tensor& we
     }
   }
   return out;
+}
+
+at::Tensor GroupedExperts::activate(const at::Tensor& gate_up) const {
+  if (swiglu_limit_) return clamped_swiglu(gate_up, *swiglu_alpha_, *swiglu_limit_);
+  return gated_rows(gate_up, gelu_);
 }
 
 RoutedFeedForward::RoutedFeedForward(at::Tensor router, int64_t top_k, bool normalize,

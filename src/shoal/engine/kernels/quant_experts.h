@@ -15,7 +15,10 @@
 namespace shoal_quant {
 
 // Expert e is down(act(gate) * up) over gate_up[e] ([2F, H]: gate rows, then up rows) and
-// down[e] ([H, F]), each a packed QuantLinear.
+// down[e] ([H, F]), each a packed QuantLinear (with its bias, if any). act is silu or
+// gelu_tanh, or with swiglu_limit gpt-oss's clamped SwiGLU: (clamp(up, -limit, limit) + 1)
+// * g * sigmoid(alpha * g), g = min(gate, limit), in float32 (layers/experts.py's
+// ClampedSwiGLU: the same ATen ops, so the same bits).
 //
 // forward's result is bit for bit the per-expert Python path's (layers/experts.py): rows
 // grouped by expert in ascending expert order (a group keeps its rows' order), each group
@@ -24,7 +27,9 @@ namespace shoal_quant {
 class GroupedExperts {
  public:
   GroupedExperts(std::vector<std::shared_ptr<QuantLinear>> gate_up,
-                 std::vector<std::shared_ptr<QuantLinear>> down, bool gelu);
+                 std::vector<std::shared_ptr<QuantLinear>> down, bool gelu,
+                 std::optional<double> swiglu_alpha = std::nullopt,
+                 std::optional<double> swiglu_limit = std::nullopt);
 
   // x [T, H] bf16, weights [T, k] float32, chosen [T, k] int64 (expert ids); rows from
   // prompt_from on are prompt tokens (T: none) -> float32 [T, H].
@@ -34,8 +39,12 @@ class GroupedExperts {
   int64_t experts() const { return static_cast<int64_t>(gate_up_.size()); }
 
  private:
+  // [rows, 2F] bf16 gate/up projections -> [rows, F] bf16 activations.
+  at::Tensor activate(const at::Tensor& gate_up) const;
+
   std::vector<std::shared_ptr<QuantLinear>> gate_up_, down_;
   bool gelu_;
+  std::optional<double> swiglu_alpha_, swiglu_limit_;
   int64_t hidden_, ffn_;
 };
 
