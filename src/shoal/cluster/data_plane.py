@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pydantic
 from pydantic import TypeAdapter
@@ -214,3 +214,33 @@ class RemoteStreams:
             self.unknown += 1
             return
         stream.push(seq, chunk)
+
+
+class StreamDeadlines(Protocol):
+    """How long the owner of a remote task waits at each stage (cluster/service.py's
+    ServiceConfig)."""
+
+    accept_timeout_s: float  # for the master to take the task
+    first_chunk_timeout_s: float  # for the first chunk (a model may load meanwhile)
+    silence_timeout_s: float  # between chunks once the first came
+    peer_gone_s: float  # with the serving node absent from the cluster
+
+
+def stream_failure(deadlines: StreamDeadlines, now: float, sent_at: float,
+                   last_chunk_at: float | None, accepted: bool, gone_since: float | None,
+                   server: NodeId | None) -> tuple[str, str] | None:
+    """(code, message) when a remote task's stream must end now, else None."""
+    if gone_since is not None and now - gone_since >= deadlines.peer_gone_s:
+        return ("unavailable", f"node {server} serving this request left the cluster")
+    if last_chunk_at is not None:
+        if now - last_chunk_at >= deadlines.silence_timeout_s:
+            return ("timeout", f"node {server} serving this request fell silent for "
+                               f"{deadlines.silence_timeout_s:.0f} s")
+        return None
+    if not accepted and now - sent_at >= deadlines.accept_timeout_s:
+        return ("unavailable", "the cluster master did not take the request within "
+                               f"{deadlines.accept_timeout_s:.0f} s; retry it")
+    if now - sent_at >= deadlines.first_chunk_timeout_s:
+        return ("timeout", f"node {server} did not start answering within "
+                           f"{deadlines.first_chunk_timeout_s:.0f} s")
+    return None

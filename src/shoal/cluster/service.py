@@ -27,7 +27,7 @@ from shoal.cluster.capabilities import Capabilities
 from shoal.cluster.card_exchange import CardConfig
 from shoal.cluster.control_plane import ControlPlane
 from shoal.cluster.decide import place_avoiding_failures, rendezvous_host
-from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams
+from shoal.cluster.data_plane import TERMINAL_KINDS, RemoteStream, RemoteStreams, stream_failure
 from shoal.cluster.events import (
     CancelTask,
     Command,
@@ -59,7 +59,6 @@ from shoal.cluster.placement import (
     Placement,
     PlacementPolicy,
     PlacementPreview,
-    place,
     previews,
 )
 from shoal.cluster.proposer_service import ProposerConfig
@@ -348,8 +347,8 @@ class ClusterService:
                 accepted = stream.request_id in self._accepted
                 present = server == self.node_id or server in self.plane.transport.peers
                 gone_since = None if present else (gone_since or now)
-                failure = self._stalled(now, sent_at, last_chunk_at, accepted, gone_since,
-                                        server)
+                failure = stream_failure(config, now, sent_at, last_chunk_at, accepted,
+                                         gone_since, server)
                 if failure is not None:
                     stream.fail(*failure)
                 elif not accepted and now - last_sent >= config.resend_s:
@@ -360,26 +359,6 @@ class ClusterService:
             yield chunk
             if chunk.kind in TERMINAL_KINDS:
                 return
-
-    def _stalled(self, now: float, sent_at: float, last_chunk_at: float | None,
-                 accepted: bool, gone_since: float | None,
-                 server: NodeId | None) -> tuple[str, str] | None:
-        """(code, message) when a remote stream must end, else None."""
-        config = self.config
-        if gone_since is not None and now - gone_since >= config.peer_gone_s:
-            return ("unavailable", f"node {server} serving this request left the cluster")
-        if last_chunk_at is not None:
-            if now - last_chunk_at >= config.silence_timeout_s:
-                return ("timeout", f"node {server} serving this request fell silent for "
-                                   f"{config.silence_timeout_s:.0f} s")
-            return None
-        if not accepted and now - sent_at >= config.accept_timeout_s:
-            return ("unavailable", "the cluster master did not take the request within "
-                                   f"{config.accept_timeout_s:.0f} s; retry it")
-        if now - sent_at >= config.first_chunk_timeout_s:
-            return ("timeout", f"node {server} did not start answering within "
-                               f"{config.first_chunk_timeout_s:.0f} s")
-        return None
 
     # --- administration for the API ------------------------------------------------------------
 
