@@ -35,3 +35,18 @@ def llama_server_binary():
             pytest.fail(f"llama-server was not built for the tests: {how}")
         pytest.skip(f"llama-server is not built here: {how}")
     return binary
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run where this machine has an NVIDIA GPU (NVML sees one), and are
+    skipped elsewhere (CI has none)."""
+    gpu_tests = [item for item in items if "gpu" in item.keywords]
+    if not gpu_tests:
+        return
+    from shoal.cluster.telemetry import gpu_readings
+
+    if gpu_readings():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none found here)")
+    for item in gpu_tests:
+        item.add_marker(skip)

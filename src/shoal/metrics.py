@@ -129,12 +129,17 @@ def _runner_metrics(pool: Any) -> Iterator[Metric]:
     resident = GaugeMetricFamily("shoal_runner_resident_bytes", "Resident memory of each "
                                  "runner process, by the backend that serves its model",
                                  labels=["model", "backend"])
+    device = GaugeMetricFamily("shoal_runner_device_bytes", "Accelerator (GPU) memory each "
+                               "runner holds, by the backend that serves its model",
+                               labels=["model", "backend"])
     for supervisor in pool.registry.supervisors:
         model = supervisor.model_id
         restarts.add_metric([model], supervisor.restarts)
         memory = supervisor.memory
         if memory is not None and memory.rss_bytes is not None:
             resident.add_metric([model, supervisor.backend], memory.rss_bytes)
+        if memory is not None and memory.device_bytes is not None:
+            device.add_metric([model, supervisor.backend], memory.device_bytes)
         if memory is None or memory.kv_bytes_capacity is None:
             continue
         in_use, cached = memory.kv_bytes_in_use or 0, memory.kv_bytes_cached or 0
@@ -152,7 +157,7 @@ def _runner_metrics(pool: Any) -> Iterator[Metric]:
                                     "room for another", labels=["model"])
     for model, count in sorted(pool.counts.evictions.items()):
         evictions.add_metric([model], count)
-    yield from (kv, restarts, resident, loads, evictions)
+    yield from (kv, restarts, resident, device, loads, evictions)
 
 
 def _cluster_metrics(cluster: Any) -> Iterator[Metric]:

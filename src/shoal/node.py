@@ -30,6 +30,7 @@ from shoal.catalog.pull.errors import PullError
 from shoal.catalog.pull.puller import Puller
 from shoal.catalog.resolve import DEFAULT_MODEL_ID, ModelNotFound, list_models, resolve_model
 from shoal.cluster.setup import open_cluster
+from shoal.cluster.telemetry import GpuReading
 from shoal.cluster.transport.base import TransportError
 from shoal.config import NodeConfig
 from shoal.config_file import ConfigFileError
@@ -106,7 +107,9 @@ def backend_factories(config: NodeConfig, backends: NodeBackends,
     if backends.llama_server is None:
         return {}
     launch = LaunchSettings(binary=backends.llama_server.path, slots=config.pool.queue.parallel,
-                            context=config.engine.max_model_len, threads=config.engine.threads)
+                            context=config.engine.max_model_len, threads=config.engine.threads,
+                            devices=tuple(d.name for d in backends.llama_server.devices),
+                            buffer_log=backends.llama_server.log_verbosity)
     options = SupervisorOptions(load_timeout_s=config.runner.load_timeout_s,
                                 max_in_flight=config.runner.max_in_flight)
 
@@ -304,6 +307,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _listed_gpus(backends: NodeBackends) -> tuple[GpuReading, ...]:
+    """The accelerators llama-server listed at start, with their memory then: telemetry's
+    reading where nothing on the machine reads them live (no NVML: Metal, Vulkan)."""
+    if backends.llama_server is None:
+        return ()
+    return tuple(GpuReading(index=index, name=device.description or device.name,
+                            memory_total=device.total_bytes, memory_available=device.free_bytes)
+                 for index, device in enumerate(backends.llama_server.devices))
+
+
 async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str],
                         backends: NodeBackends) -> Any:
     try:
@@ -313,7 +326,9 @@ async def _join_cluster(config: NodeConfig, pool: ModelPool, addresses: list[str
                                   memory_budget=config.pool.memory_budget,
                                   max_loaded_models=config.pool.max_loaded_models,
                                   kv_cache_dtype=config.engine.kv_cache_dtype,
-                                  backend_devices=backends.devices())
+                                  backend_devices=backends.devices(),
+                                  device_backends=backends.device_backends,
+                                  listed_gpus=_listed_gpus(backends))
     except (TransportError, ValueError, OSError) as error:
         await pool.shutdown()
         raise NodeStartError(f"cannot join the cluster: {error}") from error

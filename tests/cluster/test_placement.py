@@ -21,6 +21,8 @@ from shoal.cluster.placement import (
     shard_bytes,
     split_layers,
     tensor_share,
+    usable_device,
+    usable_ram,
     widen,
 )
 
@@ -246,13 +248,11 @@ def test_previews_list_every_option_with_fit_or_reason():
     assert table[("tensor", 2)].error is not None and "GiB" in table[("tensor", 2)].error
 
 
-def test_node_capacity_prefers_device_memory_and_caps_ram():
-    ram = NodeCapacity.from_memory("a", memory_total=100, memory_available=95)
-    assert ram.usable_bytes == 90
-    gpu = NodeCapacity.from_memory("b", memory_total=100, memory_available=95,
-                                   device_memory_total=80 * GIB,
-                                   device_memory_available=70 * GIB)
-    assert gpu.usable_bytes == 70 * GIB
+def test_usable_memory_leaves_the_system_and_the_driver_their_share():
+    assert usable_ram(memory_total=100, memory_available=95) == 90
+    assert usable_ram(memory_total=100, memory_available=50) == 50
+    assert usable_device(80 * GIB, 79 * GIB) == int(80 * GIB * 0.95)
+    assert usable_device(80 * GIB, 70 * GIB) == 70 * GIB
 
 
 def test_load_refusal_uses_the_same_memory_model_with_a_tolerance():

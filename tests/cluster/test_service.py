@@ -51,7 +51,7 @@ class Node:
                                                  name=name, memory_total=memory,
                                                  memory_available=memory))
         pool = make_pool(model_sources, self.events, queue=AdmissionQueue(queue))
-        self.service = ClusterService(plane, pool, lambda: usable, SERVICE)
+        self.service = ClusterService(plane, pool, lambda _backend: usable, SERVICE)
         self.router = Router(pool, self.service,
                              read_facts=lambda source: facts(model=source.model_id,
                                                              weight_bytes=GIB, n_layers=4))

@@ -51,10 +51,17 @@ def test_silent_nodes_time_out():
     assert table.silent_nodes(now=6) == frozenset() and table.reading(NodeId("a")) is None
 
 
-def test_capacity_prefers_the_gpu():
+def test_capacity_is_ram_unless_a_backend_drives_the_gpu():
     gpu = GpuReading(index=0, name="fake", memory_total=16 * GIB, memory_available=10 * GIB)
-    assert _reading("a", 1.0, gpus=(gpu,)).capacity().usable_bytes == 10 * GIB
-    assert _reading("a", 1.0, available=4 * GIB).capacity().usable_bytes == 4 * GIB
+    # shoal's engine runs in RAM: a GPU no backend drives adds nothing to place on.
+    engine_only = _reading("a", 1.0, gpus=(gpu,), available=4 * GIB).capacity()
+    assert (engine_only.usable_bytes, engine_only.device_bytes) == (4 * GIB, 0)
+    offloading = _reading("a", 1.0, gpus=(gpu,), available=4 * GIB,
+                          backends=("engine", "llama-server"),
+                          device_backends=("llama-server",)).capacity()
+    assert (offloading.usable_bytes, offloading.device_bytes) == (4 * GIB, 10 * GIB)
+    assert offloading.for_backend("llama-server").usable_bytes == 14 * GIB
+    assert offloading.for_backend("engine").usable_bytes == 4 * GIB
 
 
 def test_reading_this_machine(tmp_path):

@@ -84,6 +84,7 @@ def placements(state: Any) -> dict[str, list[dict[str, Any]]]:
             "node_id": described["ranks"][0]["node_id"],
             "nodes": [r["node_id"] for r in described["ranks"]],
             "instance_id": described["instance_id"], "status": described["status"],
-            "memory_bytes": described["memory_bytes"], "pinned": described["pinned"],
+            "memory_bytes": described["memory_bytes"],
+            "device_bytes": described["device_bytes"], "pinned": described["pinned"],
             "expires_at": described["expires_at"], "queue_depth": described["queue_depth"]})
     return out

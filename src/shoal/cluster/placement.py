@@ -27,6 +27,7 @@ the files before it loads.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,17 +52,30 @@ from shoal.ids import InstanceId, NodeId, runner_id_for
 from shoal.sharding import MULTI_RANK_SHARDINGS, Sharding
 
 GIB = 2**30
-# System RAM the engine may use at most; the rest stays with the OS and other processes.
+# System RAM models may use at most; the rest stays with the OS and other processes.
 RAM_USABLE_FRACTION = 0.9
-# Device memory the engine may use at most (the driver and fragmentation take the rest).
+# Accelerator memory a backend may use at most (the driver and fragmentation take the rest).
 DEVICE_USABLE_FRACTION = 0.95
 # How far a rank's share may exceed live usable memory at load before the worker refuses.
 LOAD_FIT_TOLERANCE = 0.10
 
 
+def usable_ram(memory_total: int, memory_available: int) -> int:
+    return max(0, min(memory_available, int(memory_total * RAM_USABLE_FRACTION)))
+
+
+def usable_device(device_total: int, device_available: int) -> int:
+    return max(0, min(device_available, int(device_total * DEVICE_USABLE_FRACTION)))
+
+
 @dataclass(frozen=True)
 class NodeCapacity:
-    """One node's memory as telemetry last reported it, reduced to what placement may use."""
+    """One node's memory as telemetry last reported it, reduced to what placement may use.
+
+    usable_bytes is RAM, where shoal's engine keeps a model. A backend that drives the
+    node's accelerators (device_backends: llama-server built for CUDA or Metal, say) keeps
+    what fits there in device_bytes and the rest in RAM, as llama.cpp's offload does:
+    for_backend() gives the view placement uses for a model of that backend."""
 
     node_id: NodeId
     usable_bytes: int
@@ -72,6 +86,9 @@ class NodeCapacity:
     # The backends it runs: a model goes only where its backend does (every node runs
     # shoal's engine).
     backends: frozenset[str] = frozenset({DEFAULT_BACKEND})
+    # Accelerator memory free for the backends that drive it.
+    device_bytes: int = 0
+    device_backends: frozenset[str] = frozenset()
 
     def holds_model(self, model: str) -> bool:
         return model.lower() in self.holds
@@ -80,16 +97,12 @@ class NodeCapacity:
     def has_slot(self) -> bool:
         return self.free_slots is None or self.free_slots > 0
 
-    @classmethod
-    def from_memory(cls, node_id: NodeId, memory_total: int, memory_available: int,
-                    device_memory_total: int | None = None,
-                    device_memory_available: int | None = None) -> NodeCapacity:
-        """Usable memory: the accelerator's when there is one (weights and KV live there)."""
-        if device_memory_total is not None and device_memory_available is not None:
-            usable = min(device_memory_available, int(device_memory_total * DEVICE_USABLE_FRACTION))
-        else:
-            usable = min(memory_available, int(memory_total * RAM_USABLE_FRACTION))
-        return cls(node_id=node_id, usable_bytes=max(0, usable))
+    def for_backend(self, backend: str) -> NodeCapacity:
+        """The room a model served by backend has here: RAM, plus the accelerators'
+        memory when backend drives them."""
+        if backend not in self.device_backends:
+            return self
+        return dataclasses.replace(self, usable_bytes=self.usable_bytes + self.device_bytes)
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,7 @@ class PlacementPreview:
 def place(request: PlacementRequest, nodes: Sequence[NodeCapacity],
           policy: PlacementPolicy = DEFAULT_POLICY) -> Placement | PlacementError:
     """The narrowest placement that fits, honouring sharding, min_nodes and excluded_nodes."""
-    runs = [n for n in nodes if request.backend in n.backends]
+    runs = [n.for_backend(request.backend) for n in nodes if request.backend in n.backends]
     if nodes and not runs:
         return PlacementError(f"cannot place model {request.model!r}: no node runs "
                               f"{request.backend}")
@@ -269,7 +282,8 @@ def previews(request: PlacementRequest, nodes: Sequence[NodeCapacity],
     request.sharding and min_nodes are ignored (a preview shows all options); excluded
     nodes and the backend are honoured.
     """
-    candidates = _candidates([n for n in nodes if request.backend in n.backends],
+    candidates = _candidates([n.for_backend(request.backend) for n in nodes
+                              if request.backend in n.backends],
                              request.excluded_nodes)
     if isinstance(candidates, PlacementError):
         return ()

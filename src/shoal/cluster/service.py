@@ -51,7 +51,7 @@ from shoal.cluster.instances import Instance, PlacementRequest, Rank
 from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.model_transfer import ModelTransfer, TransferConfig
 from shoal.catalog.measured_sizes import MeasuredSizes
-from shoal.cluster.node_budget import held_bytes, node_capacities
+from shoal.cluster.node_budget import Accelerators, node_capacities
 from shoal.cluster.prefix_share import PrefixShare
 from shoal.cluster.queries import ClusterQueries
 from shoal.cluster.placement import (
@@ -64,7 +64,7 @@ from shoal.cluster.placement import (
 from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.state import ClusterState
 from shoal.cluster.telemetry import NodeReading
-from shoal.cluster.views import describe_instance
+from shoal.cluster.views import describe_instance, describe_node
 from shoal.cluster.worker_driver import WorkerConfig, WorkerDriver
 from shoal.engine.config import ModelSource
 from shoal.ids import CommandId, InstanceId, NodeId, RequestId, new_command_id
@@ -116,7 +116,7 @@ class ServiceConfig:
 
 
 class ClusterService:
-    def __init__(self, plane: ControlPlane, pool: ModelPool, usable_memory: Callable[[], int],
+    def __init__(self, plane: ControlPlane, pool: ModelPool, usable_memory: Callable[[str], int],
                  config: ServiceConfig | None = None, held: HeldModels | None = None,
                  data_dir: Path | None = None, **worker_options: Any) -> None:
         """held: the model files this node advertises (None: only what its pool resolved);
@@ -136,6 +136,7 @@ class ClusterService:
         self.measured_sizes = MeasuredSizes.of_data_dir(data_dir)
         self.worker = WorkerDriver(self.node_id, self, plane.transport, pool, usable_memory,
                                    self.config.worker, memory_budget=lambda: self.budget()[0],
+                                   accelerators=self.accelerators,
                                    rank_source=self._rank_source,
                                    measured_sizes=self.measured_sizes, **worker_options)
         self.recent: deque[IndexedEvent] = deque(maxlen=self.config.recent_events)
@@ -386,6 +387,11 @@ class ClusterService:
             return None, None
         return reading.memory_budget, reading.max_loaded_models
 
+    def accelerators(self) -> Accelerators | None:
+        """This node's accelerator budget as it last reported it (None: no backend here
+        keeps models on its GPUs)."""
+        return Accelerators.of(self.plane.telemetry.table.reading(self.node_id))
+
     async def place(self, request: PlacementRequest) -> Instance:
         """Place an instance and return it once the master has created it.
 
@@ -459,24 +465,7 @@ class ClusterService:
         for node_id, info in sorted(state.nodes.items()):
             if node_id not in present:
                 continue  # its presence is gone: the master is removing it
-            reading = readings.get(node_id)
-            nodes.append({
-                "node_id": node_id, "name": info.name, "addresses": list(info.addresses),
-                "memory_total": reading.memory_total if reading else None,
-                "memory_available": reading.memory_available if reading else None,
-                "memory_budget": reading.memory_budget if reading else None,
-                "memory_held": held_bytes(state, node_id, self.policy),
-                "max_loaded_models": reading.max_loaded_models if reading else None,
-                "cpu_percent": reading.cpu_percent if reading else None,
-                "cpu_count": reading.cpu_count if reading else None,
-                "queue_depth": sum(reading.queue_depths.values()) if reading else 0,
-                "backends": list(reading.backends) if reading else [],
-                "backend_devices": ({k: list(v) for k, v in reading.backend_devices.items()}
-                                    if reading else {}),
-                # The model files on its disk (placement prefers these nodes).
-                "models": [{"model": m.model, "size": m.size, "files": len(m.files)}
-                           for m in reading.models] if reading else [],
-                "last_seen": reading.taken_at if reading else None})
+            nodes.append(describe_node(state, info, readings.get(node_id), self.policy))
         master = self.master_id
         if master not in {node["node_id"] for node in nodes}:
             master = None  # not yet in the state's nodes: as good as still electing

@@ -25,7 +25,7 @@ from shoal.cluster.model_transfer import TransferConfig
 from shoal.cluster.placement import PlacementPolicy
 from shoal.cluster.proposer_service import ProposerConfig
 from shoal.cluster.service import ClusterService, ServiceConfig
-from shoal.cluster.telemetry import NodeReading, read_node
+from shoal.cluster.telemetry import GpuReading, NodeReading, read_node
 from shoal.cluster.transport.base import Transport
 from shoal.cluster.transport.memory import MemoryHub
 from shoal.cluster.transport.topics import check_node_id
@@ -92,6 +92,8 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
                        max_loaded_models: int | None = None,
                        kv_cache_dtype: str = "auto",
                        backend_devices: Mapping[str, Sequence[str]] | None = None,
+                       device_backends: Sequence[str] = (),
+                       listed_gpus: Sequence[GpuReading] = (),
                        ) -> ClusterService:
     """Join (or form) the cluster and start this node's part in it.
 
@@ -102,7 +104,9 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     in all (None: what placement reckons the node can use, its own runners' memory counted as
     usable); max_loaded_models: how many models it may hold (None: no limit);
     backend_devices: the backends this node runs and the devices each drives (telemetry
-    advertises them; None: shoal's engine alone)."""
+    advertises them; None: shoal's engine alone); device_backends: those of them that keep
+    models in accelerator memory; listed_gpus: that memory as a backend listed it at start,
+    used where no live reading of it can be had (no NVML: a Mac, a Vulkan device)."""
     node_id = load_node_id(data_dir)
     name = settings.name or socket.gethostname()
     held = held_models(data_dir, pool)
@@ -110,18 +114,24 @@ async def open_cluster(settings: ClusterSettings, data_dir: Path, pool: ModelPoo
     def read() -> NodeReading:
         reading = read_node(node_id, data_dir, name, tuple(addresses()))
         backends = dict(backend_devices or {DEFAULT_BACKEND: ()})
+        reading = reading.model_copy(update={
+            "gpus": reading.gpus or tuple(listed_gpus),
+            "device_backends": tuple(device_backends)})
         budget = memory_budget
         if budget is None:
             budget = reading.capacity().usable_bytes + pool.resident_bytes()
+        device_budget = None
+        if device_backends:  # what the accelerators may hold: free now plus what we hold
+            device_budget = reading.usable_device_bytes() + pool.device_bytes()
         return reading.model_copy(update={
             "backends": tuple(backends),
             "backend_devices": {name: tuple(devices) for name, devices in backends.items()},
-            "memory_budget": budget,
+            "memory_budget": budget, "device_budget": device_budget,
             "max_loaded_models": max_loaded_models, "queue_depths": pool.queue.depths(),
             "expiries": pool.expiries(), "models": held.current()})
 
-    def usable_memory() -> int:
-        return read().capacity().usable_bytes
+    def usable_memory(backend: str = DEFAULT_BACKEND) -> int:
+        return read().capacity().for_backend(backend).usable_bytes
 
     # Built first: a bad --propose-for source fails before any port is opened.
     service_config = ServiceConfig(

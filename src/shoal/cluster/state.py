@@ -41,6 +41,8 @@ class RunnerStatus(Frozen):
     # What the rank holds, measured once loaded (resident memory plus KV blocks reserved
     # but not yet touched): what it counts against its node's memory budget.
     memory_bytes: int | None = None
+    # What it holds on the node's accelerators (GPU memory), beside memory_bytes.
+    device_bytes: int | None = None
 
 
 class Task(Frozen):

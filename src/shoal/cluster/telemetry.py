@@ -1,7 +1,7 @@
 """The telemetry plane: per-node readings, last writer wins, never event-sourced.
 
 Every node publishes a NodeReading every `interval_s` (memory, CPU, disk of its data dir,
-GPUs when torch sees one, its backends and API addresses) and keeps every node's latest in a
+its GPUs' memory, its backends and API addresses) and keeps every node's latest in a
 TelemetryTable. Which reading is newer is decided by the sender's own clock (`taken_at`, one
 clock per node, so skew between nodes does not matter); liveness uses this node's monotonic
 receive time, so a node silent for `timeout_s` counts as gone.
@@ -10,7 +10,7 @@ receive time, so a node silent for `timeout_s` counts as gone.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -28,7 +28,7 @@ from shoal.backend_names import DEFAULT_BACKEND
 from shoal.cluster.background import cancel_and_wait
 from shoal.cluster.held_models import HeldModel
 from shoal.cluster.instances import Frozen
-from shoal.cluster.placement import NodeCapacity
+from shoal.cluster.placement import NodeCapacity, usable_device, usable_ram
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.cluster.transport.topics import Topic
 from shoal.ids import NodeId
@@ -64,8 +64,12 @@ class NodeReading(Frozen):
     # as the backend itself lists them (empty: the CPU).
     backends: tuple[str, ...] = ()
     backend_devices: dict[str, tuple[str, ...]] = pydantic.Field(default_factory=dict)
-    # What this node's models may hold in all (node_budget.py); None: place on live memory.
+    # The backends that keep their models in the accelerators' memory (`gpus`) here.
+    device_backends: tuple[str, ...] = ()
+    # What this node's models may hold in all (node_budget.py), in RAM and on its
+    # accelerators; None: place on live memory.
     memory_budget: int | None = None
+    device_budget: int | None = None
     max_loaded_models: int | None = None  # None: no limit
     # Requests waiting in this node's queue, per model.
     queue_depths: dict[str, int] = pydantic.Field(default_factory=dict)
@@ -76,14 +80,21 @@ class NodeReading(Frozen):
     models: tuple[HeldModel, ...] = ()
 
     def capacity(self) -> NodeCapacity:
-        """What placement may use here: the first GPU's memory when there is one, else RAM."""
-        gpu = self.gpus[0] if self.gpus else None
-        capacity = NodeCapacity.from_memory(
-            self.node_id, self.memory_total, self.memory_available,
-            None if gpu is None else gpu.memory_total,
-            None if gpu is None else gpu.memory_available)
-        return dataclasses.replace(capacity, holds=self.held_model_names(),
-                                   backends=frozenset({DEFAULT_BACKEND, *self.backends}))
+        """What placement may use here, live: usable RAM (shoal's engine keeps its models
+        there), and the accelerators' usable memory for the backends that drive them."""
+        return NodeCapacity(
+            node_id=self.node_id,
+            usable_bytes=usable_ram(self.memory_total, self.memory_available),
+            holds=self.held_model_names(),
+            backends=frozenset({DEFAULT_BACKEND, *self.backends}),
+            device_bytes=self.usable_device_bytes(),
+            device_backends=frozenset(self.device_backends))
+
+    def usable_device_bytes(self) -> int:
+        """The accelerators' memory a backend may still use (0 when none drives them)."""
+        if not self.device_backends:
+            return 0
+        return sum(usable_device(g.memory_total, g.memory_available) for g in self.gpus)
 
     def held_model_names(self) -> frozenset[str]:
         """Every name (lower case) of the models whose files this node holds."""
@@ -174,15 +185,59 @@ def read_node(node_id: NodeId, data_dir: Path, name: str = "",
 
 
 def gpu_readings() -> tuple[GpuReading, ...]:
-    """Memory of each GPU torch sees; () when there is none.
+    """Memory of each GPU on this machine; () when there is none.
 
-    torch is used only if already imported, or importable on a machine with a GPU device
-    file: on a CPU-only node the node process never pays for importing it.
+    NVIDIA's management library (NVML, through nvidia-ml-py) answers whatever the torch
+    build is (shoal's own install is a CPU torch; llama-server brings its own CUDA); torch
+    answers for other GPUs it drives (ROCm). Neither is touched on a machine without a GPU
+    device file, so a CPU-only node never pays for loading them.
     """
+    if not any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+        return ()
+    found = _nvml_readings()
+    return found if found is not None else _torch_readings()
+
+
+def _nvml_readings() -> tuple[GpuReading, ...] | None:
+    """None when NVML is not there to ask (no NVIDIA driver, or not installed)."""
+    pynvml = _nvml()
+    if pynvml is None:
+        return None
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            gpus.append(GpuReading(
+                index=index, name=name.decode() if isinstance(name, bytes) else name,
+                memory_total=int(memory.total), memory_available=int(memory.free)))
+        return tuple(gpus)
+    except pynvml.NVMLError as error:
+        log.warning("NVML cannot read GPU memory: %s", error)
+        return None
+
+
+@functools.cache
+def _nvml() -> Any:
+    """nvidia-ml-py's pynvml, initialised once for the process (it keeps the driver's
+    handle; initialising on every reading costs milliseconds); None where NVML cannot be
+    had."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        log.debug("no NVML here: %s", error)
+        return None
+    return pynvml
+
+
+def _torch_readings() -> tuple[GpuReading, ...]:
     torch = sys.modules.get("torch")
     if torch is None:
-        if not any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
-            return ()
         if importlib.util.find_spec("torch") is None:
             return ()
         import torch

@@ -33,7 +33,7 @@ from shoal.cluster.events import (
     WorkerEvent,
 )
 from shoal.cluster.instances import Instance, Rank
-from shoal.cluster.node_budget import has_room_for, holdings
+from shoal.cluster.node_budget import Accelerators, has_room_for, holdings
 from shoal.cluster.placement import load_refusal
 from shoal.cluster.state import ClusterState, RunnerPhase, RunnerStatus, Task
 from shoal.cluster.transport.base import Transport, TransportError
@@ -121,6 +121,7 @@ class _Runner:
     message: str = ""
     loading: asyncio.Task | None = None
     memory_bytes: int | None = None  # measured once loaded (MemoryUsage.footprint_bytes)
+    device_bytes: int | None = None  # on the accelerators (MemoryUsage.device_bytes)
 
 
 @dataclass
@@ -144,13 +145,15 @@ class _Resends:
 
 class WorkerDriver:
     def __init__(self, node_id: NodeId, link: ClusterLink, transport: Transport, pool: ModelPool,
-                 usable_memory: Callable[[], int], config: WorkerConfig | None = None,
+                 usable_memory: Callable[[str], int], config: WorkerConfig | None = None,
                  group_connect_s: float = DEFAULT_GROUP_CONNECT_S,
                  memory_budget: Callable[[], int | None] = lambda: None,
+                 accelerators: Callable[[], Accelerators | None] = lambda: None,
                  rank_source: RankSource | None = None,
                  measured_sizes: MeasuredSizes | None = None) -> None:
         """pool: this node's model pool (its registry runs the runners); usable_memory: bytes
-        this node can give a model now (checked before starting a rank); rank_source: a
+        this node can give a model of a backend now (checked before starting a rank);
+        memory_budget, accelerators: this node's budgets as it last reported them; rank_source: a
         rank's own copy of only what it needs, when the model is not on disk here (None:
         the whole model, as any request would find it)."""
         self.node_id = node_id
@@ -160,6 +163,7 @@ class WorkerDriver:
         self._registry = pool.registry
         self._usable_memory = usable_memory
         self._memory_budget = memory_budget
+        self._accelerators = accelerators
         self.config = config or WorkerConfig()
         self._group_connect_s = group_connect_s
         self._rank_source = rank_source
@@ -228,10 +232,12 @@ class WorkerDriver:
                                   if runner.phase == "failed" else "")
                 memory = supervisor.memory
                 measured = runner.memory_bytes
-                runner.memory_bytes = (memory.footprint_bytes if memory is not None
-                                       and runner.phase == "ready" else None)
+                ready = memory is not None and runner.phase == "ready"
+                runner.memory_bytes = memory.footprint_bytes if ready else None
+                runner.device_bytes = memory.device_bytes if ready else None
                 if measured is None and runner.memory_bytes is not None:
-                    self._record_size(state, runner, supervisor, runner.memory_bytes)
+                    self._record_size(state, runner, supervisor,
+                                      runner.memory_bytes + (runner.device_bytes or 0))
             elif runner.phase not in ("failed", "stopped"):
                 runner.phase = "failed"
                 runner.message = runner.message or "the model's runner stopped"
@@ -270,7 +276,8 @@ class WorkerDriver:
         runner = _Runner(rank.runner_id, instance.instance_id, instance.model, rank.rank,
                          "loading")
         self._runners[rank.runner_id] = runner
-        refusal = load_refusal(instance, self.node_id, self._usable_memory())
+        refusal = load_refusal(instance, self.node_id,
+                               self._usable_memory(instance.request.backend))
         if refusal is not None:
             log.warning("refusing rank %d of %s: %s", rank.rank, instance.instance_id, refusal)
             # Not reported as failed: the refusal alone makes the master place it anew.
@@ -321,7 +328,8 @@ class WorkerDriver:
         if budget is None:
             return None
         state = self._link.state
-        others = sum(h.bytes for h in holdings(state, self.node_id)
+        others = sum(h.bytes for h in holdings(state, self.node_id,
+                                               devices=self._accelerators())
                      if h.instance.instance_id != instance.instance_id)
         return max(0, budget - others)
 
@@ -335,7 +343,8 @@ class WorkerDriver:
                 for (instance_id, _), supervisor in self._registry.items()
                 if (memory := supervisor.memory) is not None
                 and memory.footprint_bytes is not None}
-        granted = has_room_for(self._link.state, self.node_id, budget, extra_bytes, live)
+        granted = has_room_for(self._link.state, self.node_id, budget, extra_bytes, live,
+                               devices=self._accelerators())
         if not granted:
             log.debug("no room in the memory budget for %s to grow its KV cache by %.0f MiB",
                      key[0], extra_bytes / 2**20)
@@ -387,14 +396,15 @@ class WorkerDriver:
                 continue
             if (reported is not None and reported.phase == runner.phase
                     and reported.message == runner.message
-                    and _same_memory(reported.memory_bytes, runner.memory_bytes)):
+                    and _same_memory(reported.memory_bytes, runner.memory_bytes)
+                    and _same_memory(reported.device_bytes, runner.device_bytes)):
                 continue
             if self._resends.due(("status", runner.runner_id, runner.phase, runner.message,
-                                  runner.memory_bytes)):
+                                  runner.memory_bytes, runner.device_bytes)):
                 self._link.send_worker_event(RunnerStatusChanged(status=RunnerStatus(
                     runner_id=runner.runner_id, instance_id=runner.instance_id,
                     node_id=self.node_id, phase=runner.phase, message=runner.message,
-                    memory_bytes=runner.memory_bytes)))
+                    memory_bytes=runner.memory_bytes, device_bytes=runner.device_bytes)))
 
     def _prune(self, state: ClusterState) -> None:
         for task_id in [t for t in self._progress if t not in state.tasks]:

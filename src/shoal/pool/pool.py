@@ -182,6 +182,11 @@ class ModelPool:
         return sum(s.memory.rss_bytes or 0 for s in self.registry.supervisors
                    if s.memory is not None)
 
+    def device_bytes(self) -> int:
+        """Accelerator memory every runner on this node holds, as they last reported it."""
+        return sum(s.memory.device_bytes or 0 for s in self.registry.supervisors
+                   if s.memory is not None)
+
     def resident(self, instance_id: str, model: str, size: int,
                  busy_models: set[str]) -> Resident:
         """The instance as eviction sees it (busy: held by a request, or its model has

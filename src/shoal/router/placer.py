@@ -91,7 +91,8 @@ class Placer:
             placed = await self._try_place(whole)
             if isinstance(placed, Instance):
                 return placed
-            room = room_for(self.cluster, self.pool, facts, self.pool.queue.busy_models())
+            room = room_for(self.cluster, self.pool, facts, self.pool.queue.busy_models(),
+                            backend)
             if room.victims and runs_here:
                 await evict(self.cluster, self.pool, room, model_id)
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shoal.backend_names import DEFAULT_BACKEND
 from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.node_budget import describe_holdings, holdings, loaded_count
 from shoal.cluster.placement import bytes_to_find, gib, shard_bytes
@@ -33,27 +34,36 @@ class Room:
 
 
 def room_for(cluster: ClusterService, pool: ModelPool, facts: ModelFacts,
-             busy_models: set[str]) -> Room:
-    """Whether facts' model fits on this node whole, and what to evict for it."""
+             busy_models: set[str], backend: str = DEFAULT_BACKEND) -> Room:
+    """Whether facts' model, served by backend, fits on this node whole, and what to evict
+    for it. A backend that drives this node's accelerators has their budget too, and an
+    evicted model frees what it held in both."""
     policy = cluster.policy
     needed = shard_bytes(facts, facts.n_layers, 1, policy)
     budget, max_loaded = cluster.budget()
     if budget is None:
         return Room(needed=needed, budget=None)
+    devices = cluster.accelerators()
     state, here = cluster.state, cluster.node_id
+    held = holdings(state, here, policy, devices)
+    free = budget - sum(h.bytes for h in held)
+    counted = {h.instance.instance_id: h.bytes for h in held}
+    if devices is not None and devices.drive(backend):
+        budget += devices.budget
+        free += devices.budget - sum(h.device_bytes for h in held)
+        counted = {h.instance.instance_id: h.total_bytes for h in held}
     # An estimate a little over the room is tried: the runner's pre-load guard decides.
     to_find = bytes_to_find(facts, needed, whole=True)
     if to_find > budget:
         return Room(needed=needed, budget=budget, never=(
             f"model {facts.model!r} needs about {gib(needed)} but this node's memory budget "
             f"is {gib(budget)}"))
-    held = holdings(state, here, policy)
-    free = budget - sum(h.bytes for h in held)
     slots = 0
     if max_loaded is not None:
         slots = max(0, loaded_count(state, here) + 1 - max_loaded)
     served_here = [h for h in held if h.instance.ranks[0].node_id == here]
-    residents = [pool.resident(h.instance.instance_id, h.instance.model, h.bytes, busy_models)
+    residents = [pool.resident(h.instance.instance_id, h.instance.model,
+                               counted[h.instance.instance_id], busy_models)
                  for h in served_here]
     victims = choose_victims(residents, to_find, free, slots)
     if victims is not None:

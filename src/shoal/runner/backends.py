@@ -32,6 +32,14 @@ class NodeBackends:
                 for d in self.llama_server.devices) or ("cpu",)
         return devices
 
+    @property
+    def device_backends(self) -> tuple[str, ...]:
+        """The backends that keep their models in accelerator memory here: llama-server
+        when its build drives a device (a CPU build keeps them in RAM)."""
+        if self.llama_server is not None and self.llama_server.devices:
+            return (LLAMA_SERVER,)
+        return ()
+
     def describe(self) -> list[str]:
         """One line per backend, for the log at start."""
         lines = ["backend engine: shoal's own, on the CPU"]

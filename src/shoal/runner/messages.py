@@ -156,6 +156,9 @@ class MemoryUsage(RunnerMessage):
     # private_resident_bytes: not shared libraries' pages); a server that maps its weights
     # file (llama-server) counts its whole RSS, the mapped weights included.
     rss_bytes: int | None = None
+    # Memory it holds on accelerators (a GPU's), which no RSS counts: llama-server's
+    # buffers on the devices its build drives. None: it holds none, or cannot tell.
+    device_bytes: int | None = None
 
     @property
     def held_bytes(self) -> int | None:

@@ -124,14 +124,17 @@ def running_json(model: ListedModel) -> dict[str, Any]:
                  "context_length": model.max_model_len}
     memory = supervisor.memory
     if memory is not None:
+        device = memory.device_bytes or 0  # on a GPU: Ollama's size counts it, size_vram too
         if memory.footprint_bytes is not None:  # what the node counts it holding
-            described["size"] = memory.footprint_bytes
+            described["size"] = memory.footprint_bytes + device
+        described["size_vram"] = device
         described["shoal"] = {"weights_bytes": memory.weights_bytes,
                               "kv_bytes_in_use": memory.kv_bytes_in_use,
                               "kv_bytes_cached": memory.kv_bytes_cached,
                               "kv_bytes_granted": memory.kv_bytes_granted,
                               "kv_bytes_capacity": memory.kv_bytes_capacity,
-                              "rss_bytes": memory.rss_bytes}
+                              "rss_bytes": memory.rss_bytes,
+                              "device_bytes": memory.device_bytes}
     return described
 
 
@@ -165,7 +168,8 @@ async def running(request: Request) -> dict[str, Any]:
 def _remote_json(model: ListedModel, place: dict[str, Any]) -> dict[str, Any]:
     """An instance served by another node, as the cluster state counts it."""
     expires = place["expires_at"]
-    return {**model_json(model), "size": place["memory_bytes"], "size_vram": 0,
+    device = place.get("device_bytes") or 0
+    return {**model_json(model), "size": place["memory_bytes"] + device, "size_vram": device,
             "expires_at": (None if expires is None
                            else datetime.fromtimestamp(expires, UTC).isoformat()),
             "context_length": model.max_model_len}

@@ -36,6 +36,9 @@ class LlamaServerBinary:
     path: Path
     version: str
     devices: tuple[Device, ...] = ()  # empty: a CPU build
+    # Whether it filters its log by --log-verbosity (newer builds; at the default, 3, they
+    # leave out the buffer sizes its runner reads its device memory from).
+    log_verbosity: bool = False
 
     def describe(self) -> str:
         drives = ", ".join(f"{d.name} ({d.description}, {d.total_bytes // _MIB} MiB)"
@@ -74,7 +77,8 @@ def probe(path: Path) -> LlamaServerBinary:
     match = re.search(r"version: (\S+(?: \([0-9a-f]+\))?)", version_text)
     version = match.group(1) if match else "unknown version"
     return LlamaServerBinary(path=path, version=version,
-                             devices=parse_devices(_run(path, "--list-devices")))
+                             devices=parse_devices(_run(path, "--list-devices")),
+                             log_verbosity="--log-verbosity" in _run(path, "--help"))
 
 
 def find_llama_server(named: Path | None) -> LlamaServerBinary | None:

@@ -26,6 +26,11 @@ class LaunchSettings:
     context: int | None = None  # tokens; None: DEFAULT_CONTEXT
     threads: int | None = None
     extra_args: tuple[str, ...] = ()  # given as they are, after shoal's own
+    # The devices its build drives (--list-devices names: CUDA0, MTL0, ...); empty: CPU.
+    devices: tuple[str, ...] = ()
+    # Ask for the log level that names each buffer it allocates (--log-verbosity 4): how its
+    # runner knows what it holds on each device. Only for builds that know the flag.
+    buffer_log: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -53,6 +58,8 @@ def launch_command(settings: LaunchSettings, model_id: str, model_path: Path,
                "--parallel", str(settings.slots), "--kv-unified", "--jinja", "--no-webui"]
     if settings.threads is not None:
         command += ["--threads", str(settings.threads)]
+    if settings.buffer_log:
+        command += ["--log-verbosity", "4"]
     return command + list(settings.extra_args)
 
 

@@ -32,6 +32,7 @@ from shoal.protocol import (
     GenerationRequest,
     Usage,
 )
+from shoal.runner.llama_server.buffers import DeviceBuffers
 from shoal.runner.llama_server.events import EventReader, error_chunk
 from shoal.runner.llama_server.launch import (
     LaunchSettings,
@@ -81,6 +82,7 @@ class LlamaServerSupervisor(RunnerLifecycle):
         self._readers: dict[str, asyncio.Task] = {}
         self._supports_tools = True  # whether the model's chat template takes tools (/props)
         self._log_tail: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL_LINES)
+        self._buffers = DeviceBuffers(launch.devices)  # what it put on GPUs, from its log
 
     # ---- what the registry and the pool ask -------------------------------------------
 
@@ -96,6 +98,7 @@ class LlamaServerSupervisor(RunnerLifecycle):
                 "in_flight": self.num_in_flight, "restarts": self.restarts,
                 "error": self.last_error, "task": "generate", "backend": BACKEND,
                 "size_bytes": self.memory.rss_bytes if self.memory else None,
+                "device_bytes": self.memory.device_bytes if self.memory else None,
                 "expires_at": self.expires_at,
                 "load": {"stage": self.load_stage, "progress": self.load_progress}}
 
@@ -268,6 +271,7 @@ class LlamaServerSupervisor(RunnerLifecycle):
         port = free_port()
         command = launch_command(self.launch, self.model_id, self.config.source.path, port)
         self._log_tail.clear()
+        self._buffers.reset()
         self._report_load("starting", 0.0)
         try:
             process = await asyncio.create_subprocess_exec(
@@ -326,17 +330,21 @@ class LlamaServerSupervisor(RunnerLifecycle):
         while line := await process.stdout.readline():
             text = line.decode(errors="replace").rstrip()
             self._log_tail.append(text)
+            self._buffers.read(text)
             self.log.debug("llama-server %s: %s", self.model_id, text)
 
     async def _poll_memory(self, process: asyncio.subprocess.Process) -> None:
-        """The process's resident memory, as the pool, /api/ps and /metrics count it."""
+        """The process's resident memory and its buffers on devices, as the pool, /api/ps
+        and /metrics count them. Its whole RSS: the weights it keeps on the CPU are its
+        mapping of the file (llama.cpp unmaps what it copied to a device)."""
         weights = self.config.source.path.stat().st_size
         while process.returncode is None:
             try:
                 rss = psutil.Process(process.pid).memory_info().rss
             except psutil.Error:
                 return
-            self.memory = MemoryUsage(weights_bytes=weights, rss_bytes=rss)
+            self.memory = MemoryUsage(weights_bytes=weights, rss_bytes=rss,
+                                      device_bytes=self._buffers.total_bytes)
             await asyncio.sleep(_MEMORY_POLL_S)
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
