@@ -81,6 +81,25 @@ def browser_page():
             browser.close()
 
 
+GPU_NODES = """async () => {
+  const { renderNodes } = await import("/dashboard/cluster.js");
+  const table = document.createElement("table");
+  table.createTHead().insertRow().append(document.createElement("th"));
+  table.append(document.createElement("tbody"));
+  const gib = 2 ** 30;
+  const node = (id, extra) => ({ node_id: id, memory_total: 8 * gib, memory_available: 4 * gib,
+    memory_held: gib, memory_budget: 6 * gib, cpu_percent: 5, cpu_count: 2, queue_depth: 0,
+    last_seen: Date.now() / 1000, ...extra });
+  renderNodes(table, { node_id: "a", master_id: "a", nodes: [
+    node("a", { gpus: [{ index: 0, name: "NVIDIA L4", memory_total: 24 * gib,
+                         memory_available: 20 * gib }],
+                device_budget: 20 * gib, device_held: 7.5 * gib }),
+    node("b", { gpus: [{ index: 0, name: "NVIDIA T4", memory_total: 16 * gib,
+                         memory_available: 16 * gib }], device_budget: null })] });
+  return [...table.querySelectorAll("tr[data-node-id]")].map((row) => row.textContent);
+}"""
+
+
 def test_dashboard_shows_the_cluster_and_streams_a_chat_reply(two_nodes, browser_page):
     page, errors = browser_page
     node1 = two_nodes[0]
@@ -123,6 +142,12 @@ def test_dashboard_shows_the_cluster_and_streams_a_chat_reply(two_nodes, browser
     assert "layers 0–30" in page.inner_text("#instances")
     assert "smollm2-135m-instruct" in page.inner_text("#models")
     assert errors == []
+
+    # A node with a GPU that llama-server drives shows what models hold there; one whose
+    # GPU no backend drives says so (rendered from a made-up answer: no GPU here).
+    gpu_rows = page.evaluate(GPU_NODES)
+    assert "GPU 7.5 GiB / 20.0 GiB (NVIDIA L4)" in gpu_rows[0]
+    assert "GPU NVIDIA T4: no backend drives it" in gpu_rows[1]
 
     shot = Image.open(io.BytesIO(page.screenshot()))
     assert shot.format == "PNG" and shot.size == (VIEWPORT["width"], VIEWPORT["height"])

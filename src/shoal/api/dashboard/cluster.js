@@ -65,6 +65,18 @@ function healthCell(node) {
     `${fresh ? "ok" : "silent"}, seen ${formatSeconds(age)} ago`);
 }
 
+// A node's GPUs (their names and memory), and what models hold there where a backend
+// drives them (llama-server built for the GPU).
+function gpuLines(node) {
+  const gpus = node.gpus || [];
+  if (!gpus.length) return [];
+  const names = gpus.map((g) => g.name).join(", ");
+  const text = node.device_budget === null || node.device_budget === undefined
+    ? `GPU ${names}: no backend drives it`
+    : `GPU ${formatBytes(node.device_held)} / ${formatBytes(node.device_budget)} (${names})`;
+  return [el("br"), el("span", { class: "gpu" }, text)];
+}
+
 export function renderNodes(table, cluster) {
   const rows = (cluster.nodes || []).map((node) => {
     const badges = [];
@@ -77,7 +89,8 @@ export function renderNodes(table, cluster) {
       el("td", { title: [node.node_id, ...(node.models || []).map((m) => `holds ${m.model} (${formatBytes(m.size)})`)].join("\n") },
         el("span", { class: "node-name" }, nodeName(cluster, node.node_id)), ...badges),
       el("td", {}, usageBar(used, node.memory_total)),
-      el("td", {}, `${formatBytes(node.memory_held)} / ${formatBytes(node.memory_budget)}`),
+      el("td", {}, `${formatBytes(node.memory_held)} / ${formatBytes(node.memory_budget)}`,
+        ...gpuLines(node)),
       el("td", {}, load),
       el("td", {}, node.queue_depth ?? 0),
       healthCell(node));
