@@ -169,7 +169,7 @@ class ClusterService:
 
     async def start(self) -> None:
         self.plane.replica.on_event(self._on_event)
-        self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
+        self.plane.replica.on_reset(self._on_reset)
         self.streams.start()
         self.queries.start()
         self.transfer.start()
@@ -271,6 +271,23 @@ class ClusterService:
                 stream.fail(event.code, event.message)
         elif isinstance(event, (InstanceCreated, PlacementFailed)):
             self._answer_placement(event)
+        self._wake_waiters()
+        self.worker.wake()
+
+    def _on_reset(self, state: ClusterState) -> None:
+        """A state sync replaced the state wholesale: the events it skipped reached no
+        callback. A task of this node's that the new state holds was accepted; one accepted
+        before and missing now was failed or finished unheard (a new master's session fails
+        the tasks in flight), and its stream ends here instead of waiting out its silence
+        bound (unfinished: the router may retry it)."""
+        for task_id in self.streams.open_ids():
+            task = state.tasks.get(task_id)
+            if task is not None and task.owner_node == self.node_id:
+                self._accepted.add(task_id)
+            elif task_id in self._accepted:
+                self.streams.get(task_id).fail(
+                    "unavailable", "the cluster no longer holds this request's task (its "
+                                   "master changed while it was in flight); retry it")
         self._wake_waiters()
         self.worker.wake()
 
