@@ -49,7 +49,8 @@ class MemorySupervisor:
     a prompt "hold:<seconds>" keeps its request running that long; "tokens:<n>:<seconds>"
     streams n tokens "t0 ", "t1 ", ... that far apart; "crash" ends it as a runner crash
     would, and "crash-once:<path>" does so while the file at path exists (removing it), else
-    streams two tokens. `submitted` lists the request ids it was given."""
+    streams two tokens; "held-crash-once:<path>" is crash-once after a token whose text is
+    held back (none shown yet). `submitted` lists the request ids it was given."""
 
     backend = "engine"
 
@@ -95,11 +96,13 @@ class MemorySupervisor:
             yield AcceptedChunk(request_id=request.request_id, prompt_tokens=1)
             count = 0
             if _crashes(request.prompt):
+                if request.prompt.startswith("held-"):
+                    yield TokenChunk(request_id=request.request_id, text="", token_ids=(0,))
                 finished = True
                 yield ErrorChunk(request_id=request.request_id, code="runner_crashed",
                                  message=f"the runner of {self.model_id} exited")
                 return
-            if request.prompt.startswith("crash-once:"):
+            if request.prompt.startswith(("crash-once:", "held-crash-once:")):
                 request = request.model_copy(update={"prompt": "tokens:2:0"})
             if request.prompt.startswith("hold:"):
                 await asyncio.sleep(float(request.prompt[5:]))
@@ -139,7 +142,7 @@ class MemorySupervisor:
 def _crashes(prompt: str) -> bool:
     if prompt == "crash":
         return True
-    if prompt.startswith("crash-once:"):
+    if prompt.startswith(("crash-once:", "held-crash-once:")):
         marker = Path(prompt.split(":", 1)[1])
         if marker.exists():
             marker.unlink()

@@ -335,3 +335,34 @@ def test_a_request_whose_serving_node_vanishes_before_its_first_token_is_retried
     assert [c.kind for c in rest] == ["token", "token", "token", "finish"]
     assert served_by_survivor == ["g-tokens:3:0.5~retry"]
     assert waited < SERVICE.silence_timeout_s + 2.0
+
+
+def test_a_task_failed_unheard_while_its_owner_followed_another_master_ends_its_stream(
+        tmp_path, sources):  # noqa: F811
+    """e is the master; a's request streams from b. e dies while a hears nothing from d, the
+    next master, whose new session fails every task in flight: a catches up through a state
+    sync, whose skipped events reach no callback. Its stream ends at the sync, with an error
+    the router may retry, not at its silence bound."""
+    async def main():
+        nodes = await start_cluster(tmp_path, sources, names=("a", "b", "c", "d", "e"))
+        a, b, hub = nodes["a"], nodes["b"], nodes["hub"]
+        try:
+            await b.router.preload(["chat"])
+            await wait_until(lambda: statuses(a, "chat") == [(True, "b", "ready")])
+            stream = a.router.submit(generate("chat", "tokens:500:0.01"))
+            assert [(await anext(stream)).kind for _ in range(2)] == ["accepted", "token"]
+            hub.mute(NodeId("a"), NodeId("d"))
+            hub.drop(NodeId("e"))
+            await wait_until(lambda: b.state.session_master == "d" and not b.state.tasks,
+                             timeout=5, what="d's session failed the task")
+            hub.heal()
+            healed = time.monotonic()
+            last = [chunk async for chunk in stream][-1]
+            return last, time.monotonic() - healed
+        finally:
+            await stop_cluster(nodes)
+
+    last, waited = asyncio.run(main())
+    assert last.kind == "error" and last.code == "unavailable", last
+    assert "the cluster master changed (now d)" in last.message
+    assert waited < SERVICE.silence_timeout_s

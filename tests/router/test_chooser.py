@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shoal.cluster.instances import Instance, PlacementRequest, Rank
+from shoal.cluster.instances import Instance, PlacementRequest, Rank, Rendezvous
 from shoal.cluster.model_facts import ModelFacts
 from shoal.cluster.prefix_index import PrefixIndex, PrefixUpdate
 from shoal.engine.kv.prefix_cache import extend_block_hashes
@@ -20,12 +20,22 @@ BLOCK = extend_block_hashes([], list(range(16)), 16)[0]
 
 
 def single(instance_id: str, on: str) -> Instance:
+    return pipeline(instance_id, on)
+
+
+def pipeline(instance_id: str, *nodes: str) -> Instance:
+    """An instance of the two-layer model over the given nodes, one layer range per rank."""
     facts = ModelFacts(model=ModelId("tiny"), weight_bytes=1, n_layers=2, n_heads=2,
                        n_kv_heads=1, head_dim=8)
-    rank = Rank(runner_id=runner_id_for(InstanceId(instance_id), 0), node_id=NodeId(on),
-                rank=0, world_size=1, layer_start=0, layer_end=2)
+    bounds = [0, 1, 2] if len(nodes) == 2 else [0, 2]
+    ranks = tuple(Rank(runner_id=runner_id_for(InstanceId(instance_id), rank),
+                       node_id=NodeId(node), rank=rank, world_size=len(nodes),
+                       layer_start=bounds[rank], layer_end=bounds[rank + 1])
+                  for rank, node in enumerate(nodes))
+    split = len(nodes) > 1
     return Instance(instance_id=InstanceId(instance_id), request=PlacementRequest(facts=facts),
-                    sharding="single", ranks=(rank,))
+                    sharding="pipeline" if split else "single", ranks=ranks,
+                    rendezvous=Rendezvous(host="127.0.0.1", port=29500) if split else None)
 
 
 class FakeState:
@@ -110,3 +120,12 @@ def test_among_equals_the_least_busy_serves():
     first, second = single("first", "there"), single("second", "there")
     choose, _ = chooser([first, second], tasks={"first": 3})
     assert choose.choose("tiny", False, request()) is second
+
+
+def test_an_instance_with_a_rank_on_a_vanished_node_is_not_live():
+    """A retry must not go to a pipeline whose serving rank is here or present but whose
+    other rank's node is gone: it would fail a second time."""
+    broken, whole = pipeline("broken", "here", "gone"), pipeline("whole", "there", "here")
+    choose, _ = chooser([broken, whole])
+    assert choose.live("tiny") == [whole]
+    assert choose.choose("tiny", False, request()) is whole

@@ -200,6 +200,9 @@ class RemoteStreams:
     def get(self, request_id: str) -> RemoteStream | None:
         return self._streams.get(request_id)
 
+    def open_ids(self) -> list[str]:
+        return list(self._streams)
+
     def _on_data(self, message: Any) -> None:
         if isinstance(message, dict) and any(f in message for f in _OTHER_FIELDS):
             return  # query answers, capability cards, proposals share this key

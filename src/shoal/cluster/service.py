@@ -37,6 +37,7 @@ from shoal.cluster.events import (
     InstanceDeleted,
     PlaceInstance,
     PlacementFailed,
+    SessionStarted,
     SubmitTask,
     TaskCreated,
     TaskFailed,
@@ -170,7 +171,7 @@ class ClusterService:
 
     async def start(self) -> None:
         self.plane.replica.on_event(self._on_event)
-        self.plane.replica.on_reset(lambda _state: (self._wake_waiters(), self.worker.wake()))
+        self.plane.replica.on_reset(self._on_reset)
         self.streams.start()
         self.queries.start()
         self.transfer.start()
@@ -272,8 +273,31 @@ class ClusterService:
                 stream.fail(event.code, event.message)
         elif isinstance(event, (InstanceCreated, PlacementFailed)):
             self._answer_placement(event)
+        elif isinstance(event, SessionStarted):
+            self._settle_streams(self.state)
         self._wake_waiters()
         self.worker.wake()
+
+    def _on_reset(self, state: ClusterState) -> None:
+        """A state sync replaced the state wholesale: the events it skipped reached no
+        callback, so the streams are checked against what it holds."""
+        self._settle_streams(state)
+        self._wake_waiters()
+        self.worker.wake()
+
+    def _settle_streams(self, state: ClusterState) -> None:
+        """After the state was replaced (a new session began, or a sync): a task of this
+        node's that state holds was accepted; one accepted before and missing now was failed
+        or finished unheard (a new session carries no task in flight), and its stream ends
+        now, retryable, instead of at its silence bound."""
+        for task_id in self.streams.open_ids():
+            task = state.tasks.get(task_id)
+            if task is not None and task.owner_node == self.node_id:
+                self._accepted.add(task_id)
+            elif task_id in self._accepted:
+                self.streams.get(task_id).fail(
+                    "unavailable", f"the cluster master changed (now {state.session_master}) "
+                                   "while this request was in flight; retry it")
 
     async def wait_for(self, holds: Callable[[ClusterState], bool], timeout_s: float) -> bool:
         """Until holds(state) is true after some event (True), or timeout_s passes (False)."""

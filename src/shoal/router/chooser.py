@@ -1,9 +1,9 @@
 """Which live instance of a model serves a request (pure reads of the cluster state).
 
-Live means not failed, not retiring, and served from a node that is present. Among them:
-ready ones first; for a generation request, then the one its x_session_id went to last, then
-the one holding the longest prefix of its prompt (cluster/prefix_index.py); then those
-served from this node, then the least busy.
+Live means not failed, not retiring, and with every rank on a node that is present. Among
+them: ready ones first; for a generation request, then the one its x_session_id went to
+last, then the one holding the longest prefix of its prompt (cluster/prefix_index.py); then
+those served from this node, then the least busy.
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ class InstanceChooser:
         state, peers = self.cluster.state, self.cluster.peers
         out = []
         for instance in state.instances_of(model_id):
-            server = instance.ranks[0].node_id
-            if server != self.cluster.node_id and server not in peers:
+            # Every rank's node, not only the serving one's: a pipeline whose other rank's
+            # node vanished cannot answer (a retry sent there would fail a second time).
+            if any(rank.node_id != self.cluster.node_id and rank.node_id not in peers
+                   for rank in instance.ranks):
                 continue
             if (self.pool.is_retiring(instance.instance_id)
                     or state.instance_status(instance.instance_id) == "failed"):

@@ -45,6 +45,7 @@ from shoal.router.ladders import Ladder
 from shoal.router.naming import Named, Naming
 from shoal.router.placer import Placer
 from shoal.router.refusal import refusal
+from shoal.router.relay import Relay
 from shoal.runner.supervisor import RunnerSupervisor
 
 __all__ = ["ModelUnavailable", "Router", "WrongModelTask"]
@@ -56,10 +57,6 @@ _LOAD_SPAN_MIN_NS = 1_000_000
 # Requests one model runs at once, by task, where fewer than the queue's --parallel: a
 # diffusers pipeline draws one request at a time, so the rest wait their turn in the queue.
 _SLOTS_BY_TASK: dict[ModelTask, int] = {"image": 1}
-# Errors that say the serving runner or node went away (or its instance could not take the
-# request): one that comes before the first token is retried once on another instance, so
-# the client never sees it. After the first token the error goes to the client.
-_LOST_SERVER_CODES = ("runner_crashed", "unavailable")
 
 
 def _retry_of(request: GenerationRequest) -> GenerationRequest:
@@ -128,8 +125,7 @@ class Router:
         ticket, named = turn
         try:
             clock.queued()
-            accepted = False  # an AcceptedChunk went to the client (a retry sends none)
-            started = False  # a chunk past the AcceptedChunk went to the client
+            relay = Relay(request.request_id)  # what of each attempt the client sees
             avoid: str | None = None  # the instance a first attempt lost
             for attempt in (request, _retry_of(request)):
                 placing_ns = time.time_ns()
@@ -147,21 +143,14 @@ class Router:
                 async with contextlib.aclosing(self._attempt(
                         attempt, named, ticket, instance, runner, clock)) as chunks:
                     async for chunk in chunks:
-                        if chunk.kind == "accepted":
-                            if accepted:
-                                continue
-                            accepted = True
-                        elif (chunk.kind == "error" and avoid is None and not started
-                              and chunk.code in _LOST_SERVER_CODES):
+                        if relay.lost(chunk, retry_left=avoid is None):
                             lost = chunk
                             break
-                        else:
-                            started = True
-                        if attempt is not request:
-                            chunk = chunk.model_copy(update={"request_id": request.request_id})
-                        yield chunk
+                        for passed in relay.pass_on(chunk):
+                            yield passed
                 if lost is None:
                     return
+                relay.drop_attempt()
                 log.info("request %s lost instance %s before its first token (%s); retrying "
                          "it once elsewhere", request.request_id, instance.instance_id,
                          lost.message)
