@@ -50,10 +50,15 @@ def _cluster(request: Request) -> ClusterService:
 
 async def _resolved(request: Request, name: str) -> ModelSource:
     """name's files on this node; remembered by its pool's names, so that a runner this
-    node starts for the placed instance finds them by the model's id (a path's stem)."""
-    source = await asyncio.to_thread(resolve_model, name)
+    node starts for the placed instance finds them by the model's id (a path's stem). A
+    name this node already knows (the id of a model it was given by path, say) means what
+    it meant before."""
     router = getattr(request.app.state, "router", None)
     names = getattr(getattr(router, "pool", None), "names", None)
+    known = None if names is None else names.sources().get(names.canonical_id(name))
+    if known is not None:
+        return known
+    source = await asyncio.to_thread(resolve_model, name)
     if names is not None:
         names.remember(name, source)
     return source
