@@ -38,6 +38,7 @@ from shoal.runner.llama_server.launch import (
     LaunchSettings,
     free_port,
     launch_command,
+    projector_beside,
     wait_healthy,
 )
 from shoal.runner.llama_server.request_body import (
@@ -173,6 +174,11 @@ class LlamaServerSupervisor(RunnerLifecycle):
             return ErrorChunk(request_id=request_id, code="invalid_request", param="tools",
                               message=f"model {self.model_id!r} is served by llama-server, "
                                       "and its chat template does not take tools")
+        if request.has_images and not (self.model_info and self.model_info.takes_images):
+            return ErrorChunk(request_id=request_id, code="invalid_request", param="messages",
+                              message=f"model {self.model_id!r} does not take images: "
+                                      "llama-server serves it without a projector (an "
+                                      "mmproj*.gguf file beside the model)")
         return call
 
     def _cancel_in_runner(self, request_id: str) -> None:
@@ -269,7 +275,9 @@ class LlamaServerSupervisor(RunnerLifecycle):
 
     async def _spawn(self) -> None:
         port = free_port()
-        command = launch_command(self.launch, self.model_id, self.config.source.path, port)
+        model_path = self.config.source.path
+        command = launch_command(self.launch, self.model_id, model_path, port,
+                                 projector_beside(model_path))
         self._log_tail.clear()
         self._buffers.reset()
         self._report_load("starting", 0.0)
@@ -317,7 +325,9 @@ class LlamaServerSupervisor(RunnerLifecycle):
         return ModelInfo(model_id=self.model_id,
                          max_model_len=int(settings.get("n_ctx") or props.get("n_ctx") or 0),
                          vocab_size=int(meta.get("n_vocab") or 0),
-                         has_chat_template=bool(props.get("chat_template")))
+                         has_chat_template=bool(props.get("chat_template")),
+                         # It loaded a projector (--mmproj): its chats take images.
+                         takes_images=bool((props.get("modalities") or {}).get("vision")))
 
     async def _get(self, path: str) -> dict[str, Any]:
         response = await self._client.get(self._base_url + path)
