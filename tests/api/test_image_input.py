@@ -9,9 +9,13 @@ import base64
 import httpx
 import pytest
 
+from random_gguf import write_random_llama_gguf
 from shoal.api.image_input import MAX_IMAGE_BYTES
+from shoal.catalog.projector import projector_beside
+from shoal.cluster.model_facts import model_facts_from_source
+from shoal.engine.config import ModelSource
 from shoal.protocol import ChatMessage, GenerationRequest, ImageInput
-from shoal.runner.llama_server.launch import LaunchSettings, launch_command, projector_beside
+from shoal.runner.llama_server.launch import LaunchSettings, launch_command
 from shoal.runner.llama_server.request_body import to_llama_server
 
 # The first bytes of a PNG are what decides its type here; llama-server decodes the rest.
@@ -115,14 +119,17 @@ def test_llama_server_gets_images_as_data_url_parts():
         {"type": "text", "text": "look"}]
 
 
-def test_a_projector_beside_the_model_is_passed(tmp_path):
+def test_a_projector_beside_the_model_is_passed_and_counted(tmp_path):
     model = tmp_path / "tiny-Q8_0.gguf"
-    model.write_bytes(b"")
+    write_random_llama_gguf(model, hidden=64, layers=1, ffn=128, heads=4)
+    source = ModelSource(model_id="tiny", format="gguf", path=model)
+    alone = model_facts_from_source(source).weight_bytes
     assert projector_beside(model) is None
-    (tmp_path / "mmproj-tiny-F32.gguf").write_bytes(b"")
-    (tmp_path / "mmproj-tiny-F16.gguf").write_bytes(b"")
+    (tmp_path / "mmproj-tiny-F32.gguf").write_bytes(b"\0" * 2000)
+    (tmp_path / "mmproj-tiny-F16.gguf").write_bytes(b"\0" * 1000)
     projector = projector_beside(model)
     assert projector == tmp_path / "mmproj-tiny-F16.gguf"
+    assert model_facts_from_source(source).weight_bytes == alone + 1000  # placement holds it
     command = launch_command(LaunchSettings(binary=tmp_path / "llama-server"), "m", model,
                              8080, projector)
     assert command[command.index("--mmproj") + 1] == str(projector)

@@ -47,21 +47,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def projector_beside(model_path: Path) -> Path | None:
-    """The multimodal projector laid beside a GGUF model, as Hugging Face GGUF repositories
-    and llama.cpp's own model directories keep it: an `mmproj*.gguf` in the same directory
-    (of several, such as mmproj-F16 and mmproj-F32, the first by name)."""
-    if model_path.suffix.lower() != ".gguf":
-        return None
-    try:
-        found = sorted(path for path in model_path.parent.iterdir()
-                       if path.name.lower().startswith("mmproj")
-                       and path.suffix.lower() == ".gguf" and path != model_path)
-    except OSError:
-        return None
-    return found[0] if found else None
-
-
 def launch_command(settings: LaunchSettings, model_id: str, model_path: Path,
                    port: int, projector: Path | None = None) -> list[str]:
     """llama-server serving one model on 127.0.0.1:port (with projector: taking images).

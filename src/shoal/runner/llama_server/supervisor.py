@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import psutil
 
+from shoal.catalog.projector import projector_beside
 from shoal.engine.config import EngineConfig
 from shoal.protocol import (
     AcceptedChunk,
@@ -38,7 +39,6 @@ from shoal.runner.llama_server.launch import (
     LaunchSettings,
     free_port,
     launch_command,
-    projector_beside,
     wait_healthy,
 )
 from shoal.runner.llama_server.request_body import (
