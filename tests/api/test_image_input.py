@@ -34,6 +34,12 @@ def _openai(url: str) -> dict:
         {"type": "image_url", "image_url": {"url": url}}]}]}
 
 
+def _responses(url: str) -> dict:
+    return {"model": "fake-model", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": url}]}]}
+
+
 def _ollama(image: str) -> dict:
     return {"model": "fake-model", "stream": False, "messages": [
         {"role": "user", "content": "what is this?", "images": [image]}]}
@@ -75,6 +81,10 @@ CASES = [
      f"{URL_PARAM}|larger than"),
     ("/v1/chat/completions", _openai("data:image/png;base64,aGVsbG8="), _openai_error,
      f"{URL_PARAM}|not a PNG, JPEG, GIF or BMP"),
+    ("/v1/responses", _responses(f"data:image/png;base64,{PNG_B64}"), _openai_error,
+     "does not take images"),
+    ("/v1/responses", _responses("https://example.com/cat.png"), _openai_error,
+     "input.0.content.1.image_url|only data URLs"),
     ("/api/chat", _ollama(PNG_B64), _ollama_error, "does not take images"),
     ("/api/chat", _ollama("@@not base64@@"), _ollama_error,
      "messages.0.images.0: the image is not valid base64"),

@@ -86,6 +86,16 @@ def openai_chat(node: str, image: str | None, model: str = VISION,
         "model": model, **GREEDY, "messages": [{"role": "user", "content": content}]})
 
 
+def responses_input(node: str, image: str | None, model: str = VISION) -> httpx.Response:
+    content: list[dict] = [{"type": "input_text", "text": QUESTION}]
+    if image is not None:
+        content.insert(0, {"type": "input_image",
+                           "image_url": f"data:image/png;base64,{image}"})
+    return post(node, "/v1/responses", {"model": model, "temperature": 0,
+                                        "max_output_tokens": 8,
+                                        "input": [{"role": "user", "content": content}]})
+
+
 def ollama_chat(node: str, image: str | None, model: str = VISION) -> httpx.Response:
     message = {"role": "user", "content": QUESTION}
     if image is not None:
@@ -110,6 +120,14 @@ def openai_reply(response: httpx.Response) -> tuple[str, int]:
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
 
 
+def responses_reply(response: httpx.Response) -> tuple[str, int]:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    text = "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+    return text, body["usage"]["input_tokens"]
+
+
 def ollama_reply(response: httpx.Response) -> tuple[str, int]:
     assert response.status_code == 200, response.text
     body = response.json()
@@ -124,11 +142,12 @@ def anthropic_reply(response: httpx.Response) -> tuple[str, int]:
         usage["input_tokens"] + usage["cache_read_input_tokens"]
 
 
-DIALECTS = [(openai_chat, openai_reply), (ollama_chat, ollama_reply),
-            (anthropic_message, anthropic_reply)]
+DIALECTS = [(openai_chat, openai_reply), (responses_input, responses_reply),
+            (ollama_chat, ollama_reply), (anthropic_message, anthropic_reply)]
 
 
-@pytest.mark.parametrize("ask,reply", DIALECTS, ids=["openai", "ollama", "anthropic"])
+@pytest.mark.parametrize("ask,reply", DIALECTS,
+                         ids=["openai", "responses", "ollama", "anthropic"])
 def test_each_dialects_image_reaches_the_model(node, ask, reply):
     _, plain_tokens = reply(ask(node, None))
     red, red_tokens = reply(ask(node, RED))
@@ -182,3 +201,14 @@ def test_bad_images_are_400_naming_the_field(node):
     # A PNG's signature over bytes that are no image: llama-server's own refusal, a 400.
     broken = openai_chat(node, base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode())
     assert broken.status_code == 400, broken.text
+
+
+
+def test_counting_tokens_counts_the_images(node):
+    counted = post(node, "/v1/messages/count_tokens", {"model": VISION, "messages": [
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": RED}},
+            {"type": "text", "text": QUESTION}]}]})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == anthropic_reply(anthropic_message(node, RED))[1]

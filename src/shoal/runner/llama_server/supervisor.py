@@ -247,24 +247,30 @@ class LlamaServerSupervisor(RunnerLifecycle):
 
     async def _count(self, request: GenerationRequest, call: LlamaServerCall) -> list[Any]:
         """Count the prompt's tokens, generating nothing (GenerationRequest.count_only)."""
-        if request.messages is not None:
+        if request.has_images:
+            # An image's tokens are known only once the projector encodes it: run the
+            # prompt with one token to generate (0 still generates one), then read its
+            # length; the prompt stays in llama-server's cache for the request that follows.
+            body = {**call.body, "stream": False, "max_tokens": 1}
+            body.pop("stream_options", None)
+            count = int((await self._post(call.path, body))["usage"]["prompt_tokens"])
+        elif request.messages is not None:
             applied = await self._post("/apply-template", {
                 key: call.body[key] for key in ("messages", "tools", "tool_choice",
                                                 "chat_template_kwargs") if key in call.body})
             # Tokenized as llama-server tokenizes a chat's rendered prompt.
-            tokens = (await self._post("/tokenize", {"content": applied["prompt"],
-                                                     "add_special": True,
-                                                     "parse_special": True}))["tokens"]
+            count = len((await self._post("/tokenize", {"content": applied["prompt"],
+                                                        "add_special": True,
+                                                        "parse_special": True}))["tokens"])
         elif request.prompt is not None:
-            tokens = (await self._post("/tokenize", {"content": request.prompt,
-                                                     "add_special": True}))["tokens"]
+            count = len((await self._post("/tokenize", {"content": request.prompt,
+                                                        "add_special": True}))["tokens"])
         else:
-            tokens = list(request.prompt_token_ids or ())
+            count = len(request.prompt_token_ids or ())
         request_id = request.request_id
-        return [AcceptedChunk(request_id=request_id, prompt_tokens=len(tokens),
-                              model=self.model_id),
+        return [AcceptedChunk(request_id=request_id, prompt_tokens=count, model=self.model_id),
                 FinishChunk(request_id=request_id, finish_reason="stop",
-                            usage=Usage(prompt_tokens=len(tokens), completion_tokens=0))]
+                            usage=Usage(prompt_tokens=count, completion_tokens=0))]
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         response = await self._client.post(self._base_url + path, json=body)
