@@ -23,11 +23,13 @@ def byte_level_tokens() -> list[str]:
 
 
 def write_random_llama_gguf(path: Path, hidden: int = 1024, layers: int = 8,
-                            ffn: int = 2816, heads: int = 16, seed: int = 0) -> int:
-    """Writes the file; returns the bytes its tensors take."""
+                            ffn: int = 2816, heads: int = 16, seed: int = 0,
+                            extra_tokens: tuple[tuple[str, int], ...] = ()) -> int:
+    """Writes the file; returns the bytes its tensors take. extra_tokens: (text, GGUF token
+    type) appended to the vocabulary (a projector's image markers)."""
     import gguf
 
-    tokens = byte_level_tokens()
+    tokens = byte_level_tokens() + [text for text, _ in extra_tokens]
     vocab = len(tokens)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
@@ -42,7 +44,8 @@ def write_random_llama_gguf(path: Path, hidden: int = 1024, layers: int = 8,
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    writer.add_token_types([3, 3, 3] + [1] * (vocab - 3 - len(extra_tokens))
+                           + [kind for _, kind in extra_tokens])
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

@@ -28,9 +28,22 @@ class ToolCall(WireModel):
     arguments: str
 
 
+ImageMediaType = Literal["image/png", "image/jpeg", "image/gif", "image/bmp"]
+
+
+class ImageInput(WireModel):
+    """An image a chat turn shows the model: its encoded file, as the client sent it."""
+
+    media_type: ImageMediaType
+    data: bytes
+
+
 class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    # Images the turn shows the model, placed before its text; only a model that takes
+    # images (llama-server with a projector) accepts a request that has any.
+    images: tuple[ImageInput, ...] = ()
     name: str | None = None
     # An assistant turn's reasoning as the client sent it back (reasoning_content,
     # thinking); the chat format decides whether the model sees it again.
@@ -114,6 +127,10 @@ class GenerationRequest(WireModel):
     # x_session_id: a conversation's turns go to the instance that served it last (its KV
     # is there) while that instance lives; never reaches the model.
     session_id: str | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return any(message.images for message in self.messages or ())
 
 
 class Usage(WireModel):

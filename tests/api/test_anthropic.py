@@ -102,7 +102,7 @@ def test_count_tokens(fake_node):
     ({**BODY, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({**BODY, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "data": "aGk="}}]}]},
-     "messages.0.content.0.type: image blocks"),
+     "messages.0.content.0.source.data: the image is not a PNG"),
     ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}},
      "thinking.budget_tokens must be less than max_tokens"),
     ({**BODY, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 1024}},

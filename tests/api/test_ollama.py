@@ -87,7 +87,7 @@ def test_generate_logprobs(fake_node):
     ({**CHAT, "think": True}, "think: model 'fake-model' does not support reasoning"),
     ({**CHAT, "think": "max"}, "think"),
     ({**CHAT, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
-     "messages.0.images"),
+     "messages.0.images.0: the image is not a PNG"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": CHAT["messages"]}, "model"),
     ({**CHAT, "tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type"),

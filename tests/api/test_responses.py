@@ -101,7 +101,7 @@ def test_stream_completes(fake_node):
     ({**BODY, "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({**BODY, "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({**BODY, "input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type"),
+        {"type": "input_file", "file_id": "file-1"}]}]}, "input.0.content.0.type"),
     ({**BODY, "input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
     ({**BODY, "input": [{"type": "message", "content": "x"}]}, "input.0.role"),
     ({**BODY, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from shoal.catalog.projector import projector_beside
 from shoal.diffusion.files import pipeline_weight_bytes
 from shoal.engine.config import ModelSource
 from shoal.engine.errors import UnsupportedModel
@@ -130,8 +131,11 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
     heads = int(field("num_heads"))
     hidden = int(field("hidden_size"))
     intermediate = metadata.get(f"{arch}.{keys['intermediate_size']}")
+    # A projector beside it (llama-server loads it to take images) is held with it.
+    projector = projector_beside(path)
     return ModelFacts(
-        model=model, weight_bytes=path.stat().st_size,
+        model=model, weight_bytes=path.stat().st_size + (
+            projector.stat().st_size if projector is not None else 0),
         # GLM-4.5's block_count counts its multi-token-prediction layers, which never run.
         n_layers=int(field("num_layers")) - int(metadata.get(f"{arch}.nextn_predict_layers") or 0),
         n_heads=heads,

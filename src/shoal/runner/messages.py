@@ -116,6 +116,7 @@ class ModelInfo(RunnerMessage):
     # Its chat format streams reasoning apart (harmony, think tags): Ollama's "thinking".
     reasons: bool = False
     embedding_dimensions: int | None = None  # set for embedding models
+    takes_images: bool = False  # chat turns may carry images (llama-server with a projector)
 
 
 class Status(RunnerMessage):

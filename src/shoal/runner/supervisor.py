@@ -100,6 +100,12 @@ class RunnerSupervisor(RunnerLifecycle):
 
         Closing the iterator early (client gone) cancels the request in the runner.
         """
+        if request.has_images:
+            yield ErrorChunk(request_id=request.request_id, code="invalid_request",
+                             param="messages", message=f"model {self.model_id!r} does not "
+                             "take images: shoal's engine serves text; a GGUF model with its "
+                             "mmproj file served by llama-server takes them")
+            return
         # aclosing: closing this generator closes _stream's at once (its finally cancels).
         async with contextlib.aclosing(self._stream(request.request_id,
                                                     Submit(request=request))) as stream:

@@ -24,6 +24,7 @@ from shoal.api.anthropic.schemas import (
     ToolChoiceIn,
 )
 from shoal.api.errors import invalid_parameter
+from shoal.api.image_input import image_from_base64
 from shoal.api.reasoning import effort_request
 from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.sampling import build_sampling_params
@@ -33,6 +34,7 @@ from shoal.protocol import (
     ChatMessage,
     ForcedTool,
     GenerationRequest,
+    ImageInput,
     ReasoningEffort,
     ReasoningRequest,
     ResponseFormat,
@@ -65,9 +67,8 @@ def _text(blocks: str | list[ContentBlock] | None, where: str) -> str:
 
 
 def _unsupported_block(block: ContentBlock, where: str):
-    if block.type in ("image", "document"):
-        return invalid_parameter(f"{where}.type", f"{block.type} blocks are not supported: "
-                                                  f"shoal serves text models")
+    if block.type == "document":
+        return invalid_parameter(f"{where}.type", "document blocks are not supported")
     return invalid_parameter(f"{where}.type", f"content blocks of type {block.type!r} are "
                                               f"not supported here")
 
@@ -75,7 +76,7 @@ def _unsupported_block(block: ContentBlock, where: str):
 def _user_turn(message: MessageIn, where: str) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(role="user", content=message.content)]
-    results, text = [], []
+    results, text, images = [], [], []
     for n, block in enumerate(message.content):
         if block.type == "tool_result":
             if not block.tool_use_id:
@@ -88,10 +89,22 @@ def _user_turn(message: MessageIn, where: str) -> list[ChatMessage]:
                                        tool_call_id=block.tool_use_id))
         elif block.type == "text" and block.text is not None:
             text.append(block.text)
+        elif block.type == "image":
+            images.append(_image(block, f"{where}.{n}.source"))
         else:
             raise _unsupported_block(block, f"{where}.{n}")
-    turn = [ChatMessage(role="user", content="".join(text))] if text or not results else []
+    turn = [ChatMessage(role="user", content="".join(text), images=tuple(images))] \
+        if text or images or not results else []
     return results + turn
+
+
+def _image(block: ContentBlock, where: str) -> ImageInput:
+    """An image block's base64 source; a URL or file source is refused (never fetched)."""
+    source = block.source
+    if source is None or source.type != "base64" or source.data is None:
+        raise invalid_parameter(where, "only base64 image sources are taken; shoal does not "
+                                       "fetch images from URLs or files")
+    return image_from_base64(source.data, f"{where}.data")
 
 
 def _assistant_turn(message: MessageIn, where: str) -> ChatMessage:

@@ -14,6 +14,13 @@ class AnthropicModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ImageSource(AnthropicModel):
+    type: str  # "base64" is taken; "url" and "file" are refused
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class ContentBlock(AnthropicModel):
     """Any content block; the adapter checks which fields its type needs."""
 
@@ -26,6 +33,7 @@ class ContentBlock(AnthropicModel):
     content: str | list[ContentBlock] | None = None  # tool_result
     is_error: bool | None = None  # tool_result
     thinking: str | None = None  # thinking (its signature is not checked: shoal signs none)
+    source: ImageSource | None = None  # image
 
 
 class MessageIn(AnthropicModel):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.generation import collect_reply
+from shoal.api.image_input import image_from_base64
 from shoal.api.ollama.errors import error_body
 from shoal.api.ollama.options import (
     OPTION_NAMES,
@@ -33,6 +34,7 @@ from shoal.protocol import (
     ChatMessage,
     FinishChunk,
     GenerationRequest,
+    ImageInput,
     LogprobItem,
     ReasoningRequest,
     ToolCall,
@@ -85,17 +87,20 @@ def _reasoning(think: bool | str | None) -> ReasoningRequest | None:
 
 def _message(message: MessageIn, index: int) -> ChatMessage:
     where = f"messages.{index}"
-    if message.images:
-        raise invalid_parameter(f"{where}.images", "images are not supported: shoal serves "
-                                                   "text models")
     calls = tuple(
         ToolCall(id=call.id or new_call_id(), name=call.function.name,
                  arguments=arguments_text(call.function.arguments,
                                           f"{where}.tool_calls.{n}.function.arguments"))
         for n, call in enumerate(message.tool_calls or ()))
     return ChatMessage(role=message.role, content=message.content, tool_calls=calls,
+                       images=_images(message.images, f"{where}.images"),
                        name=message.tool_name if message.role == "tool" else None,
                        reasoning=message.thinking or None)
+
+
+def _images(images: list[str] | None, where: str) -> tuple[ImageInput, ...]:
+    """Ollama's images: each a file in bare base64."""
+    return tuple(image_from_base64(image, f"{where}.{n}") for n, image in enumerate(images or ()))
 
 
 def chat_to_internal(body: ChatRequest, request_id: str) -> GenerationRequest:
@@ -119,12 +124,14 @@ def generate_to_internal(body: GenerateRequest, request_id: str) -> GenerationRe
     if body.context:
         raise invalid_parameter("context", "context is not supported; use /api/chat for "
                                            "multi-turn conversations")
-    if body.images:
-        raise invalid_parameter("images", "images are not supported: shoal serves text models")
     if body.raw:
+        if body.images:
+            raise invalid_parameter("images", "images need the model's chat template; a raw "
+                                              "prompt cannot carry them")
         return _request(body, request_id, prompt=body.prompt)
     messages = [ChatMessage(role="system", content=body.system)] if body.system else []
-    messages.append(ChatMessage(role="user", content=body.prompt))
+    messages.append(ChatMessage(role="user", content=body.prompt,
+                                images=_images(body.images, "images")))
     return _request(body, request_id, messages=tuple(messages))
 
 

@@ -208,8 +208,8 @@ async def show(body: ModelNameRequest, request: Request) -> dict[str, Any]:
 def capabilities(model: ListedModel, kind: str) -> list[str]:
     """Ollama's capabilities: every chat model takes tools (shoal writes them into the
     prompt when its template has no place for them); "thinking" where the loaded model's
-    chat format streams reasoning apart (known once a runner has loaded it); an image
-    model only draws."""
+    chat format streams reasoning apart and "vision" where it takes images (both known
+    once a runner has loaded it); an image model only draws."""
     info = getattr(model.supervisor, "model_info", None)
     if kind == "embedding" or (info is not None and info.task == "embed"):
         return ["embedding"]
@@ -220,6 +220,8 @@ def capabilities(model: ListedModel, kind: str) -> list[str]:
         found.append("tools")
     if info is not None and info.reasons:
         found.append("thinking")
+    if info is not None and info.takes_images:
+        found.append("vision")
     return found
 
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from shoal.api.errors import APIError, invalid_parameter
 from shoal.api.generation import SSEResponder, collect_reply
+from shoal.api.image_input import image_from_url
 from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.openai.schemas import (
     ChatCompletionRequest,
@@ -31,7 +32,7 @@ from shoal.api.sampling import build_sampling_params, stop_strings
 from shoal.api.sse import DONE, sse_event
 from shoal.api.tools import limit_tool_calls
 from shoal.engine.sampling import SamplingParams
-from shoal.protocol import ChatMessage, GenerationRequest, LogprobItem, Usage
+from shoal.protocol import ChatMessage, GenerationRequest, ImageInput, LogprobItem, Usage
 
 # OpenAI's documented default for the legacy completions endpoint.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -74,16 +75,21 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: bool
                                   "logprobs": logprobs, "top_logprobs": top_logprobs})
 
 
-def _message_text(message: ChatMessageIn, index: int) -> str:
+def _message_content(message: ChatMessageIn, index: int) -> tuple[str, tuple[ImageInput, ...]]:
+    """The turn's text and images (image_url parts, data URLs only)."""
     if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    parts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise invalid_parameter(f"messages.{index}.content",
+        return message.content or "", ()
+    parts, images = [], []
+    for n, part in enumerate(message.content):
+        where = f"messages.{index}.content.{n}"
+        if part.type == "image_url" and part.image_url is not None:
+            images.append(image_from_url(part.image_url.url, f"{where}.image_url.url"))
+        elif part.type == "text" and part.text is not None:
+            parts.append(part.text)
+        else:
+            raise invalid_parameter(f"{where}.type",
                                     f"content parts of type {part.type!r} are not supported")
-        parts.append(part.text)
-    return "".join(parts)
+    return "".join(parts), tuple(images)
 
 
 def chat_to_internal(body: ChatCompletionRequest, request_id: str) -> GenerationRequest:
@@ -105,8 +111,9 @@ def chat_to_internal(body: ChatCompletionRequest, request_id: str) -> Generation
 
 def _chat_message(message: ChatMessageIn, index: int) -> ChatMessage:
     check_tool_call_id(message, index)
-    return ChatMessage(role=message.role, content=_message_text(message, index),
-                       name=message.name, tool_calls=internal_tool_calls(message, index),
+    text, images = _message_content(message, index)
+    return ChatMessage(role=message.role, content=text, images=images, name=message.name,
+                       tool_calls=internal_tool_calls(message, index),
                        tool_call_id=message.tool_call_id,
                        reasoning=message.reasoning_content or message.reasoning or None)
 

@@ -1,6 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API): request bodies -> GenerationRequest.
 
-input is a string or a list of items: messages (input_text / output_text parts),
+input is a string or a list of items: messages (input_text / output_text parts, and
+input_image data URLs for a model that takes images),
 function_call and function_call_output items (a finished tool round trip), and reasoning
 items of earlier turns (their reasoning_text, else their summary), which become the next
 assistant turn's reasoning. reasoning.effort reaches reasoning models ("none": the reasoning
@@ -20,6 +21,7 @@ from fastapi.responses import Response
 from shoal.api.admission import admitted
 from shoal.api.errors import invalid_parameter
 from shoal.api.generation import respond
+from shoal.api.image_input import image_from_url
 from shoal.api.ollama.options import keep_alive_seconds
 from shoal.api.reasoning import effort_request
 from shoal.api.openai.responses_events import ResponsesResponder
@@ -30,6 +32,7 @@ from shoal.protocol import (
     ChatMessage,
     ForcedTool,
     GenerationRequest,
+    ImageInput,
     ReasoningRequest,
     ResponseFormat,
     ToolCall,
@@ -46,17 +49,28 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def _part_text(content: Any, where: str) -> str:
+def _part_content(content: Any, where: str) -> tuple[str, tuple[ImageInput, ...]]:
+    """The text and the images (input_image parts, data URLs only) of content."""
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
+        return content or "", ()
+    parts, images = [], []
     for n, part in enumerate(content):
-        if part.type not in _TEXT_PARTS or part.text is None:
+        if part.type == "input_image" and part.image_url is not None:
+            images.append(image_from_url(part.image_url, f"{where}.{n}.image_url"))
+        elif part.type in _TEXT_PARTS and part.text is not None:
+            parts.append(part.text)
+        else:
             raise invalid_parameter(f"{where}.{n}.type", f"content of type {part.type!r} is "
-                                                         f"not supported: shoal serves text "
-                                                         f"models")
-        parts.append(part.text)
-    return "".join(parts)
+                                                         f"not supported")
+    return "".join(parts), tuple(images)
+
+
+def _part_text(content: Any, where: str) -> str:
+    """Text alone (an assistant's message, a function's output): images are refused."""
+    text, images = _part_content(content, where)
+    if images:
+        raise invalid_parameter(where, "only user, system and developer messages take images")
+    return text
 
 
 def _append_call(messages: list[ChatMessage], item: InputItem, where: str) -> None:
@@ -102,11 +116,11 @@ def chat_messages(body: ResponsesRequest) -> tuple[ChatMessage, ...]:
                 raise invalid_parameter(f"{where}.role", "message items need a role")
             # "developer" instructions are what chat templates call the system turn
             role = "system" if item.role == "developer" else item.role
-            text = _part_text(item.content, f"{where}.content")
             if role == "assistant":
-                _append_assistant_text(messages, text)
+                _append_assistant_text(messages, _part_text(item.content, f"{where}.content"))
             else:
-                messages.append(ChatMessage(role=role, content=text))
+                text, images = _part_content(item.content, f"{where}.content")
+                messages.append(ChatMessage(role=role, content=text, images=images))
         elif kind == "reasoning":
             reasoning = _reasoning_text(item)
             if reasoning:

@@ -12,8 +12,9 @@ from shoal.api.openai.schemas import OpenAIModel
 
 
 class ContentPartIn(OpenAIModel):
-    type: str  # input_text / output_text carry text; images, files and audio are refused
-    text: str | None = None
+    type: str  # input_text / output_text carry text, input_image an image; files and audio
+    text: str | None = None  # are refused
+    image_url: str | None = None  # input_image: a data URL (a file_id is refused)
 
 
 class InputItem(OpenAIModel):

@@ -18,9 +18,15 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class ImageURL(OpenAIModel):
+    url: str
+    detail: str | None = None  # the projector sees the image at its own size either way
+
+
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # type "image_url": a data URL
 
 
 class FunctionCallIn(OpenAIModel):

@@ -48,14 +48,16 @@ def free_port() -> int:
 
 
 def launch_command(settings: LaunchSettings, model_id: str, model_path: Path,
-                   port: int) -> list[str]:
-    """llama-server serving one model on 127.0.0.1:port. One KV pool shared by the slots
-    (--kv-unified), so any one request may use the whole context; --jinja renders the
-    model's own chat template with tools."""
+                   port: int, projector: Path | None = None) -> list[str]:
+    """llama-server serving one model on 127.0.0.1:port (with projector: taking images).
+    One KV pool shared by the slots (--kv-unified), so any one request may use the whole
+    context; --jinja renders the model's own chat template with tools."""
     command = [str(settings.binary), "--model", str(model_path), "--alias", model_id,
                "--host", "127.0.0.1", "--port", str(port),
                "--ctx-size", str(settings.context or DEFAULT_CONTEXT),
                "--parallel", str(settings.slots), "--kv-unified", "--jinja", "--no-webui"]
+    if projector is not None:
+        command += ["--mmproj", str(projector)]
     if settings.threads is not None:
         command += ["--threads", str(settings.threads)]
     if settings.buffer_log:

@@ -11,6 +11,7 @@ dropped in silence.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,7 @@ def _schema_of(response_format: ResponseFormat) -> dict[str, Any]:
 def _message(message: ChatMessage) -> dict[str, Any]:
     # Chat templates know system, user, assistant and tool; a developer turn is the system's.
     role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": message.content}
+    out: dict[str, Any] = {"role": role, "content": _content(message)}
     if message.name is not None:
         out["name"] = message.name
     if message.reasoning:
@@ -137,3 +138,15 @@ def _message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _content(message: ChatMessage) -> str | list[dict[str, Any]]:
+    """The text, or with images OpenAI's content parts: each image a data URL, then the
+    text (llama-server puts each image's tokens where its part stands)."""
+    if not message.images:
+        return message.content
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {
+            "url": f"data:{image.media_type};base64,{base64.b64encode(image.data).decode()}"}}
+        for image in message.images]
+    return parts + [{"type": "text", "text": message.content}]

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import psutil
 
+from shoal.catalog.projector import projector_beside
 from shoal.engine.config import EngineConfig
 from shoal.protocol import (
     AcceptedChunk,
@@ -173,6 +174,11 @@ class LlamaServerSupervisor(RunnerLifecycle):
             return ErrorChunk(request_id=request_id, code="invalid_request", param="tools",
                               message=f"model {self.model_id!r} is served by llama-server, "
                                       "and its chat template does not take tools")
+        if request.has_images and not (self.model_info and self.model_info.takes_images):
+            return ErrorChunk(request_id=request_id, code="invalid_request", param="messages",
+                              message=f"model {self.model_id!r} does not take images: "
+                                      "llama-server serves it without a projector (an "
+                                      "mmproj*.gguf file beside the model)")
         return call
 
     def _cancel_in_runner(self, request_id: str) -> None:
@@ -241,24 +247,30 @@ class LlamaServerSupervisor(RunnerLifecycle):
 
     async def _count(self, request: GenerationRequest, call: LlamaServerCall) -> list[Any]:
         """Count the prompt's tokens, generating nothing (GenerationRequest.count_only)."""
-        if request.messages is not None:
+        if request.has_images:
+            # An image's tokens are known only once the projector encodes it: run the
+            # prompt with one token to generate (0 still generates one), then read its
+            # length; the prompt stays in llama-server's cache for the request that follows.
+            body = {**call.body, "stream": False, "max_tokens": 1}
+            body.pop("stream_options", None)
+            count = int((await self._post(call.path, body))["usage"]["prompt_tokens"])
+        elif request.messages is not None:
             applied = await self._post("/apply-template", {
                 key: call.body[key] for key in ("messages", "tools", "tool_choice",
                                                 "chat_template_kwargs") if key in call.body})
             # Tokenized as llama-server tokenizes a chat's rendered prompt.
-            tokens = (await self._post("/tokenize", {"content": applied["prompt"],
-                                                     "add_special": True,
-                                                     "parse_special": True}))["tokens"]
+            count = len((await self._post("/tokenize", {"content": applied["prompt"],
+                                                        "add_special": True,
+                                                        "parse_special": True}))["tokens"])
         elif request.prompt is not None:
-            tokens = (await self._post("/tokenize", {"content": request.prompt,
-                                                     "add_special": True}))["tokens"]
+            count = len((await self._post("/tokenize", {"content": request.prompt,
+                                                        "add_special": True}))["tokens"])
         else:
-            tokens = list(request.prompt_token_ids or ())
+            count = len(request.prompt_token_ids or ())
         request_id = request.request_id
-        return [AcceptedChunk(request_id=request_id, prompt_tokens=len(tokens),
-                              model=self.model_id),
+        return [AcceptedChunk(request_id=request_id, prompt_tokens=count, model=self.model_id),
                 FinishChunk(request_id=request_id, finish_reason="stop",
-                            usage=Usage(prompt_tokens=len(tokens), completion_tokens=0))]
+                            usage=Usage(prompt_tokens=count, completion_tokens=0))]
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         response = await self._client.post(self._base_url + path, json=body)
@@ -269,7 +281,9 @@ class LlamaServerSupervisor(RunnerLifecycle):
 
     async def _spawn(self) -> None:
         port = free_port()
-        command = launch_command(self.launch, self.model_id, self.config.source.path, port)
+        model_path = self.config.source.path
+        command = launch_command(self.launch, self.model_id, model_path, port,
+                                 projector_beside(model_path))
         self._log_tail.clear()
         self._buffers.reset()
         self._report_load("starting", 0.0)
@@ -317,7 +331,9 @@ class LlamaServerSupervisor(RunnerLifecycle):
         return ModelInfo(model_id=self.model_id,
                          max_model_len=int(settings.get("n_ctx") or props.get("n_ctx") or 0),
                          vocab_size=int(meta.get("n_vocab") or 0),
-                         has_chat_template=bool(props.get("chat_template")))
+                         has_chat_template=bool(props.get("chat_template")),
+                         # It loaded a projector (--mmproj): its chats take images.
+                         takes_images=bool((props.get("modalities") or {}).get("vision")))
 
     async def _get(self, path: str) -> dict[str, Any]:
         response = await self._client.get(self._base_url + path)
