@@ -85,6 +85,42 @@ def _patch_amx(source: Path) -> None:
     path.write_text(text.replace(_LOAD, _BARRIER + _LOAD))
 
 
+# llama.cpp's converter, kept from the same source for tests that make GGUF files with it
+# (tests/tiny_vision_model.py), so they never download the source again.
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+
+
+def converter_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "shoal" / "llama-converter" / VERSION / "tree"
+
+
+def keep_converter(tree: Path) -> Path:
+    """Copy the converter's parts out of an unpacked llama.cpp tree into converter_dir()
+    (whole or not at all); returns converter_dir()."""
+    kept = converter_dir()
+    if all((kept / part).exists() for part in CONVERTER_PARTS):
+        return kept
+    partial = kept.with_name("tree.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for part in CONVERTER_PARTS:
+        copy = shutil.copytree if (tree / part).is_dir() else shutil.copy2
+        copy(tree / part, partial / part)
+    shutil.rmtree(kept, ignore_errors=True)
+    partial.rename(kept)
+    return kept
+
+
+def fetch_converter() -> Path:
+    """converter_dir(), downloading llama.cpp's source first if it is not kept yet."""
+    kept = converter_dir()
+    if all((kept / part).exists() for part in CONVERTER_PARTS):
+        return kept
+    with tempfile.TemporaryDirectory(prefix="shoal-llama-converter-") as scratch:
+        return keep_converter(_download(Path(scratch)) / "vendor" / "llama.cpp")
+
+
 def _cmake() -> str:
     """cmake from this Python's environment (pip's cmake package) or from PATH."""
     beside = Path(sys.executable).parent / "cmake"
@@ -110,6 +146,7 @@ def build(log=print) -> Path:
     """Builds llama-server unless the cache holds it; returns the binary's path."""
     found = cached_binary()
     if found is not None:
+        fetch_converter()  # kept by builds before the converter was
         return found
     target = cache_dir()
     cmake = _cmake()
@@ -119,6 +156,7 @@ def build(log=print) -> Path:
         source = _download(work)
         _patch_amx(source)
         tree = source / "vendor" / "llama.cpp"
+        keep_converter(tree)
         build_dir = work / "build"
         log(f"building llama-server {VERSION} (cmake, {JOBS} jobs) in {build_dir}")
         subprocess.run([cmake, "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS],

@@ -6,7 +6,8 @@ the projector's output width. Nothing comes from a model hub.
 
 The converter, its `conversion` package and its gguf-py come from the llama.cpp tree inside
 llama-cpp-python's source distribution (the one tests/llama_server_build.py builds
-llama-server from), kept under ~/.cache/shoal/llama-converter/<version>/. The projector is
+llama-server from), kept by make test's install step under
+~/.cache/shoal/llama-converter/<version>/tree (tests/llama_server_build.py). The projector is
 cached beside it by its config, so only the first run pays for transformers and the
 conversion (~15 s on two cores); later runs copy ~100 KB.
 
@@ -35,7 +36,6 @@ TEXT = {"model_type": "llama", "hidden_size": TEXT_WIDTH, "intermediate_size": 1
         "vocab_size": 300}
 PREPROCESSOR = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
                 "size": {"longest_edge": 32}}
-_TREE_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 # The tokens llama.cpp's Idefics3 projector wraps an image's embeddings in, looked up in the
 # text model's vocabulary by their text: (byte-level text, GGUF token type: 1 normal,
 # 3 control). "ĊĊ" is "\n\n"; "\n" is a byte token already.
@@ -43,30 +43,17 @@ IMAGE_MARKER_TOKENS = (("ĊĊ", 1), ("<fake_token_around_image>", 3), ("<global-
 
 
 def _cache_root() -> Path:
-    from llama_server_build import VERSION
+    from llama_server_build import converter_dir
 
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "shoal" / "llama-converter" / VERSION
+    return converter_dir().parent
 
 
 def converter_tree() -> Path:
-    """llama.cpp's converter for the version llama-server is built from (fetched once)."""
-    from llama_server_build import _download
+    """llama.cpp's converter for the version llama-server is built from (make test's
+    install step keeps it; fetched here only if it has not)."""
+    from llama_server_build import fetch_converter
 
-    tree = _cache_root() / "tree"
-    if all((tree / part).exists() for part in _TREE_PARTS):
-        return tree
-    with tempfile.TemporaryDirectory(prefix="shoal-llama-converter-") as scratch:
-        source = _download(Path(scratch)) / "vendor" / "llama.cpp"
-        partial = tree.with_name("tree.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        for part in _TREE_PARTS:
-            copy = shutil.copytree if (source / part).is_dir() else shutil.copy2
-            copy(source / part, partial / part)
-        shutil.rmtree(tree, ignore_errors=True)
-        partial.rename(tree)
-    return tree
+    return fetch_converter()
 
 
 def tiny_projector(target: Path) -> Path:
@@ -96,10 +83,11 @@ def _build(out: Path) -> None:
         checkpoint = Path(scratch)
         Idefics3ForConditionalGeneration(config).save_pretrained(checkpoint)
         (checkpoint / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-        converter = next(Path(p) for p in sys.path if (Path(p) / _TREE_PARTS[0]).is_file())
-        sys.argv = [_TREE_PARTS[0], str(checkpoint), "--mmproj", "--outtype", "f32",
+        script = "convert_hf_to_gguf.py"
+        converter = next(Path(p) for p in sys.path if (Path(p) / script).is_file())
+        sys.argv = [script, str(checkpoint), "--mmproj", "--outtype", "f32",
                     "--outfile", str(out)]
-        runpy.run_path(str(converter / _TREE_PARTS[0]), run_name="__main__")
+        runpy.run_path(str(converter / script), run_name="__main__")
 
 
 if __name__ == "__main__":
