@@ -46,8 +46,11 @@ $(TEST_STAMP): $(STAMP) Makefile tests/llama_server_build.py
 # llama.cpp's llama-server for the llama-server backend's tests: only that target, built
 # from the llama.cpp tree in llama-cpp-python's source distribution for this CPU, cached
 # under ~/.cache/shoal/llama-server/ (a later run builds nothing).
+# Where an NVIDIA GPU and nvcc are, a CUDA build too, for the gpu-marked tests.
 install-llama-server: $(PY)
 	$(PY) tests/llama_server_build.py
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
+		&& command -v nvcc >/dev/null 2>&1; then $(PY) tests/llama_server_build.py --cuda; fi
 
 # Debian's chromium package, installed with apt-get as root (or through sudo without a
 # password) when $(CHROMIUM) is missing; anything else stops make with the reason.

@@ -1,6 +1,7 @@
 """Builds llama.cpp's `llama-server` for the test run and caches it.
 
-`python tests/llama_server_build.py` (the Makefile's test install step) builds only the
+`python tests/llama_server_build.py [--cuda]` (the Makefile's test install step; with --cuda
+where an NVIDIA GPU and CUDA's compiler are, for the gpu-marked tests) builds only the
 llama-server target (CPU, Release, GGML_NATIVE, two jobs) from the llama.cpp tree inside
 llama-cpp-python's source distribution and keeps the binary under
 ~/.cache/shoal/llama-server/<key>/, the key naming the version, the source patch, the
@@ -57,21 +58,33 @@ def cpu_flags() -> str:
     return os.uname().machine
 
 
-def cache_key() -> str:
+# For the gpu-marked tests on a machine with an NVIDIA GPU and CUDA's compiler: the same
+# target built with CUDA, for the GPU's own architecture, without the FlashAttention kernels
+# (a third of the compile time; llama-server runs without them).
+CUDA_OPTIONS = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native", "-DGGML_CUDA_FA=OFF",
+                "-DGGML_CUDA_NCCL=OFF")
+
+
+def options(cuda: bool) -> tuple[str, ...]:
+    return CMAKE_OPTIONS + (CUDA_OPTIONS if cuda else ())
+
+
+def cache_key(cuda: bool = False) -> str:
     digest = hashlib.sha256()
-    for part in (VERSION, _BARRIER, cpu_flags(), *CMAKE_OPTIONS):
+    for part in (VERSION, _BARRIER, cpu_flags(), *options(cuda)):
         digest.update(part.encode() + b"\0")
-    return f"{VERSION}-{digest.hexdigest()[:16]}"
+    return f"{VERSION}{'-cuda' if cuda else ''}-{digest.hexdigest()[:16]}"
 
 
-def cache_dir() -> Path:
+def cache_dir(cuda: bool = False) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "shoal" / "llama-server" / cache_key()
+    return base / "shoal" / "llama-server" / cache_key(cuda)
 
 
-def cached_binary() -> Path | None:
-    """The built llama-server for this CPU and these options, or None."""
-    binary = cache_dir() / "llama-server"
+def cached_binary(cuda: bool = False) -> Path | None:
+    """The built llama-server for this CPU and these options (with CUDA: for the gpu
+    tests), or None."""
+    binary = cache_dir(cuda) / "llama-server"
     return binary if binary.is_file() and os.access(binary, os.X_OK) else None
 
 
@@ -142,13 +155,14 @@ def _download(work: Path) -> Path:
     return work / f"llama_cpp_python-{VERSION}"
 
 
-def build(log=print) -> Path:
+def build(log=print, cuda: bool = False) -> Path:
     """Builds llama-server unless the cache holds it; returns the binary's path."""
-    found = cached_binary()
+    found = cached_binary(cuda)
     if found is not None:
         fetch_converter()  # kept by builds before the converter was
         return found
-    target = cache_dir()
+    target = cache_dir(cuda)
+    jobs = (os.cpu_count() or JOBS) if cuda else JOBS
     cmake = _cmake()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shoal-llama-server-") as scratch:
@@ -158,11 +172,12 @@ def build(log=print) -> Path:
         tree = source / "vendor" / "llama.cpp"
         keep_converter(tree)
         build_dir = work / "build"
-        log(f"building llama-server {VERSION} (cmake, {JOBS} jobs) in {build_dir}")
-        subprocess.run([cmake, "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS],
+        log(f"building llama-server {VERSION}{' with CUDA' if cuda else ''} (cmake, {jobs} "
+            f"jobs) in {build_dir}")
+        subprocess.run([cmake, "-S", str(tree), "-B", str(build_dir), *options(cuda)],
                        check=True, stdout=subprocess.DEVNULL)
         subprocess.run([cmake, "--build", str(build_dir), "--target", "llama-server",
-                        "-j", str(JOBS)], check=True, stdout=subprocess.DEVNULL)
+                        "-j", str(jobs)], check=True, stdout=subprocess.DEVNULL)
         built = build_dir / "bin" / "llama-server"
         target.mkdir(parents=True, exist_ok=True)
         # Copy then rename, so a reader never sees half a binary.
@@ -174,4 +189,4 @@ def build(log=print) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(log=lambda line: print(line, file=sys.stderr)))
+    print(build(log=lambda line: print(line, file=sys.stderr), cuda="--cuda" in sys.argv[1:]))

@@ -10,6 +10,7 @@ available that test fails, saying so and how to enable them."""
 from __future__ import annotations
 
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -49,17 +50,29 @@ def run_tests_in_namespace(module: Path, net: bool = False, timeout_s: float = 1
     require_user_namespaces(net)
     command = [*unshare_command(net), sys.executable, "-m", "pytest", "-q", "-x",
                "-p", "no:cacheprovider", "-o", "addopts=", str(module), *args]
+    # A session of its own: whatever the tests inside start (nodes, runners, the processes
+    # that hold namespaces open) goes with it, even when a timeout cuts their cleanup short.
+    process = subprocess.Popen(command, env={**os.environ, IN_NAMESPACE: "1"},
+                               cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     try:
-        result = subprocess.run(command, env={**os.environ, IN_NAMESPACE: "1"},
-                                cwd=REPOSITORY, capture_output=True, text=True,
-                                timeout=timeout_s)
-    except subprocess.TimeoutExpired as expired:
-        output = (expired.stdout or b"").decode(errors="replace")[-6000:]
-        pytest.fail(f"{module.name} in namespaces ran past {timeout_s:.0f} s:\n{output}")
-    if result.returncode != 0:
-        pytest.fail(f"{module.name} failed in namespaces:\n"
-                    f"{(result.stdout + result.stderr)[-8000:]}")
-    return result.stdout
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(process.pid)
+        stdout, _ = process.communicate()
+        pytest.fail(f"{module.name} in namespaces ran past {timeout_s:.0f} s:\n"
+                    f"{stdout[-6000:]}")
+    _kill_group(process.pid)  # anything left behind
+    if process.returncode != 0:
+        pytest.fail(f"{module.name} failed in namespaces:\n{(stdout + stderr)[-8000:]}")
+    return stdout
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def require_namespace() -> None:

@@ -3,8 +3,9 @@ gpu: only where one is). The node reads the GPU through NVML and says llama-serv
 it; a model llama-server offloads counts its GPU buffers in the node's accelerator budget,
 in /api/ps (size_vram), /cluster (device_held) and /metrics, and NVML's own count of used
 memory grew by at least as much; shoal's engine on the same node (whatever torch the
-machine has) serves from RAM beside it. The binary: SHOAL_TEST_LLAMA_SERVER, else
-llama-server on PATH."""
+machine has) serves from RAM beside it. The binary: SHOAL_TEST_LLAMA_SERVER, else the CUDA
+build make test's install step makes where nvcc is (tests/llama_server_build.py --cuda),
+else llama-server on PATH."""
 
 from __future__ import annotations
 
@@ -39,12 +40,18 @@ CONTEXT = 4096
 
 @pytest.fixture(scope="module")
 def gpu_binary():
-    named = os.environ.get("SHOAL_TEST_LLAMA_SERVER") or shutil.which("llama-server")
+    from llama_server_build import cached_binary
+
+    named = (os.environ.get("SHOAL_TEST_LLAMA_SERVER") or cached_binary(cuda=True)
+             or shutil.which("llama-server"))
     if named is None:
-        pytest.skip("no llama-server built for the GPU: name one in SHOAL_TEST_LLAMA_SERVER")
+        pytest.fail("no llama-server built for the GPU: make test builds one where nvcc is "
+                    "(tests/llama_server_build.py --cuda), or name one in "
+                    "SHOAL_TEST_LLAMA_SERVER")
     binary = probe(Path(named))
     if not binary.devices:
-        pytest.skip(f"{named} drives no GPU (a CPU build)")
+        pytest.fail(f"{named} drives no GPU (a CPU build): name a GPU build in "
+                    "SHOAL_TEST_LLAMA_SERVER")
     return binary
 
 
