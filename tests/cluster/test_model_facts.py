@@ -138,12 +138,14 @@ def test_glm_and_deepseek_facts_count_their_experts_layers_and_cache_heads(tmp_p
     writer.close()
     facts = model_facts_from_source(ModelSource("glm", "gguf", path))
     assert (facts.n_layers, facts.n_experts, facts.n_kv_heads) == (46, 128, 8)
-    # DeepSeek's files say one latent KV head; shoal caches every head's key and value.
+    # DeepSeek's files say one latent KV head; shoal caches one latent row per token and
+    # layer: the 512 latent and the 64 rope key, in place of 128 heads' keys and values.
     path = tmp_path / "deepseek.gguf"
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     for key, value in (("block_count", 61), ("expert_count", 256), ("embedding_length", 7168),
                        ("attention.head_count", 128), ("attention.head_count_kv", 1),
-                       ("attention.key_length", 576), ("attention.key_length_mla", 192)):
+                       ("attention.key_length", 576), ("attention.key_length_mla", 192),
+                       ("attention.kv_lora_rank", 512), ("rope.dimension_count", 64)):
         writer.add_uint32(f"deepseek2.{key}", value)
     writer.add_tensor("token_embd.weight", np.zeros((32, 96), dtype=np.float32))
     writer.write_header_to_file()
@@ -153,8 +155,13 @@ def test_glm_and_deepseek_facts_count_their_experts_layers_and_cache_heads(tmp_p
     facts = model_facts_from_source(ModelSource("ds", "gguf", path))
     assert (facts.n_layers, facts.n_experts, facts.n_kv_heads, facts.head_dim) == \
         (61, 256, 128, 192)
+    assert facts.kv_latent_dim == 576
+    assert facts.kv_bytes_per_token_per_layer(2) == 576 * 2
+    assert facts.kv_bytes_per_token_per_layer(1, scale_bytes=2) == 576 + 2 * 576 // 16
     for architecture, extra in (("Glm4MoeForCausalLM", {"head_dim": 128}),
-                                ("DeepseekV3ForCausalLM", {"qk_head_dim": 192})):
+                                ("DeepseekV3ForCausalLM", {"qk_head_dim": 192,
+                                                           "kv_lora_rank": 512,
+                                                           "qk_rope_head_dim": 64})):
         directory = tmp_path / architecture
         directory.mkdir()
         (directory / "config.json").write_text(json.dumps({
@@ -163,3 +170,4 @@ def test_glm_and_deepseek_facts_count_their_experts_layers_and_cache_heads(tmp_p
             "n_routed_experts": 128, **extra}))
         facts = model_facts_from_source(ModelSource("x", "safetensors", directory))
         assert facts.n_experts == 128 and facts.head_dim == next(iter(extra.values()))
+        assert facts.kv_latent_dim == (576 if "kv_lora_rank" in extra else 0)

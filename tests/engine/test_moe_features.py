@@ -116,9 +116,10 @@ def test_int8_kv_logits_follow_the_compute_dtypes_cache(checkpoints, family, dty
     then flips a router's top-k choice, which a dense model has none of: measured, rows of
     cosine similarity > 0.995: qwen3moe 96.6% (bf16) / 98.3% (float32), qwen2moe 100 / 100,
     mixtral 98.3 / 99.1 (the dense llama: 100 / 100, worst row 0.9997); worst row 0.972,
-    1.0, 0.905; the same next token at 97.4% or more of positions. DeepSeek's caches hold
-    its latent attention's decompressed heads, whose int8 rounding moves more rows:
-    deepseek3 94.0%, deepseek2 94.9% (bf16); the same next token at 94.9% (deepseek2)."""
+    1.0, 0.905; the same next token at 97.4% or more of positions. DeepSeek's rows are its
+    latents (one per token, which every head's keys and values are read from), whose int8
+    rounding moves more rows: deepseek3 95.7% (bf16) / 96.6% (float32), deepseek2 99.1 /
+    98.3, worst row 0.918; the same next token at 94.9% or more."""
     runners = {}
     for kv in (dtype, "int8"):
         loaded = load_model(ModelSource("moe", "gguf", checkpoints[family].gguf_path), dtype,

@@ -53,6 +53,10 @@ class ModelFacts(BaseModel):
     # The checkpoint's architecture name (GGUF general.architecture, config.json's
     # architectures[0]): which backends can run it. None when facts were made by hand.
     architecture: str | None = None
+    # Multi-head latent attention (DeepSeek): each token caches one row of this many
+    # elements per layer (the latent and the rope key), read as keys and values alike, in
+    # place of a key and a value per KV head; 0: no latent.
+    kv_latent_dim: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> ModelFacts:
@@ -74,6 +78,8 @@ class ModelFacts(BaseModel):
             raise ValueError("expert_bytes needs n_experts")
         if self.vocab_size < 0:
             raise ValueError("vocab_size must be >= 0")
+        if self.kv_latent_dim < 0:
+            raise ValueError("kv_latent_dim must be >= 0")
         if self.measured_bytes is not None and self.measured_bytes < 1:
             raise ValueError("measured_bytes must be >= 1")
         return self
@@ -82,11 +88,13 @@ class ModelFacts(BaseModel):
                                      scale_bytes: int = 0, scale_group: int = 16) -> int:
         """K and V of one token in one layer: 2 * kv_heads * (head_dim * element_bytes +
         the row's scales), a row holding scale_bytes per scale_group channels (one scale
-        where head_dim is not a multiple of it), as engine/kv/quant.py lays out int8 rows."""
-        heads = self.n_kv_heads if kv_heads is None else kv_heads
-        dim = self.head_dim
+        where head_dim is not a multiple of it), as engine/kv/quant.py lays out int8 rows.
+        With latent attention: its one row of kv_latent_dim (every rank holds it whole)."""
+        rows, dim = 2 * (self.n_kv_heads if kv_heads is None else kv_heads), self.head_dim
+        if self.kv_latent_dim:
+            rows, dim = 1, self.kv_latent_dim
         scales = dim // scale_group if dim % scale_group == 0 else 1
-        return 2 * heads * (dim * element_bytes + scale_bytes * scales)
+        return rows * (dim * element_bytes + scale_bytes * scales)
 
 
 def model_facts_from_source(source: ModelSource) -> ModelFacts:
@@ -149,7 +157,20 @@ def _gguf_facts(model: ModelId, path: Path) -> ModelFacts:
                          if "_exps." in name),
         vocab_size=_gguf_vocab_size(reader),
         generates=family is None or family.task == "generate",
-        architecture=str(arch) if arch is not None else None)
+        architecture=str(arch) if arch is not None else None,
+        kv_latent_dim=_latent_dim(keys, lambda key: metadata.get(f"{arch}.{key}")))
+
+
+def _latent_dim(keys, read) -> int:
+    """A latent-attention family's cached row (kv_lora_rank + kv_rope_dim, as its config
+    keys name them; read(key) -> value or None), else 0."""
+    if "kv_lora_rank" not in keys:
+        return 0
+    rank, rope = read(keys["kv_lora_rank"]), read(keys["kv_rope_dim"])
+    if rank is None or rope is None:
+        raise UnsupportedModel(f"latent attention needs {keys['kv_lora_rank']} and "
+                               f"{keys['kv_rope_dim']}")
+    return int(rank) + int(rope)
 
 
 def _gguf_vocab_size(reader) -> int:
@@ -187,7 +208,8 @@ def _safetensors_facts(model: ModelId, directory: Path) -> ModelFacts:
             expert_bytes=_safetensors_expert_bytes(directory) if experts else 0,
             vocab_size=int(hf.get("vocab_size") or 0),
             generates=family is None or family.task == "generate",
-            architecture=hf_architecture_name(hf))
+            architecture=hf_architecture_name(hf),
+            kv_latent_dim=_latent_dim(keys, hf.get))
     except (KeyError, TypeError) as error:
         raise UnsupportedModel(f"{config_path}: missing or bad field {error}") from error
 

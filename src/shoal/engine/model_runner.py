@@ -82,8 +82,9 @@ class ModelRunner:
         self.mask_dtype = backend.attention_dtype
         # Where the backend attends row by row (the compiled kernels), each group is
         # described by its rows' keys: a row's result does not depend on how its prompt
-        # was split.
-        self._row_attention = backend.attends_rows
+        # was split. A model whose attention is torch's on every backend (latent
+        # attention) takes views of its keys instead.
+        self._row_attention = backend.attends_rows and self.model.row_attention
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every cache tensor whose axis 1 is the slot axis, layer by layer: what moving a

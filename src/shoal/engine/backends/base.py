@@ -124,6 +124,16 @@ class Backend(ABC):
         sinks: [H] float32 logits joining each head's softmax denominator (gpt-oss)."""
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale, sinks).attend
 
+    def latent_attention(self, num_heads: int, latent_dim: int, value_dim: int,
+                         scale: float) -> Attend:
+        """DeepSeek's absorbed latent attention (models/deepseek2.py): q [T, H, latent_dim]
+        against one cached row per token [1, slots, latent_dim], whose first value_dim
+        elements are the values; the output is [rows, H * value_dim]. torch's on every
+        backend: the compiled row attention reads a key and a value row per KV head. A
+        backend whose rows attend on their own keeps a decode's bits free of its batch."""
+        return TorchPagedAttention(num_heads, 1, latent_dim, scale, latent_values=value_dim,
+                                   exact_rows=self.attends_rows).attend
+
     def norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
         return RMSNorm(weight, eps)
 

@@ -1,5 +1,8 @@
 """Paged KV cache tensors: per layer one tensor [2 * H_kv, num_blocks * block_size, W]:
-W = D elements, or for an int8 cache D values and their scale's 4 bytes (kv/quant.py).
+W = D elements, or for an int8 cache D values and their scales' bytes (kv/quant.py).
+Latent attention (DeepSeek, models/deepseek2.py) caches one row per token instead,
+[1, slots, W] with D = kv_lora_rank + rope: keys read all of it, values its first
+kv_lora_rank elements (ModelConfig.kv_cache_rows, kv_row_dim).
 
 Rows 0 .. H_kv - 1 hold keys and rows H_kv .. 2 H_kv - 1 values, so a layer writes a token's
 k and v with one index_copy_ and reads them with one index_select (half the small ops of
@@ -22,7 +25,8 @@ from shoal.engine.models.config import ModelConfig
 def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu",
                       row_buffer_slots: int = 0) -> list[torch.Tensor]:
-    """One [2 * H_kv, slots, W] tensor per local layer; slot = block_id * block_size + offset.
+    """One [rows, slots, W] tensor per local layer (rows = 2 * H_kv, or 1 for latent
+    attention); slot = block_id * block_size + offset.
 
     row_buffer_slots more slots follow the paged blocks: the decode row buffer
     (kv/row_buffer.py).
@@ -31,8 +35,8 @@ def allocate_kv_cache(config: ModelConfig, num_layers: int, num_blocks: int, blo
         raise ValueError("num_blocks and block_size must be >= 1")
     if row_buffer_slots < 0:
         raise ValueError("row_buffer_slots must be >= 0")
-    shape = (2 * config.num_kv_heads, num_blocks * block_size + row_buffer_slots,
-             row_width(config.head_dim, dtype))
+    shape = (config.kv_cache_rows, num_blocks * block_size + row_buffer_slots,
+             row_width(config.kv_row_dim, dtype))
     return [_lazy_cache(shape, dtype, device) for _ in range(num_layers)]
 
 

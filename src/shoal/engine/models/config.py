@@ -59,6 +59,11 @@ class LatentAttention:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def cached_dim(self) -> int:
+        """A token's cache row: the latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -92,8 +97,8 @@ class ModelConfig:
     # rotary), DeepSeek's last (its rope part, latent_attention); None: all.
     rotary_dim: int | None = None
     rope_yarn: YarnScaling | None = None
-    # DeepSeek's latent attention (models/deepseek2.py); head_dim is then its key heads'
-    # size (nope + rope), each KV cache row a head's key or its value padded to head_dim.
+    # DeepSeek's latent attention (models/deepseek2.py); head_dim is then its query heads'
+    # size (nope + rope), and the KV cache holds one row per token (kv_cache_rows).
     latent_attention: LatentAttention | None = None
     # Attention logits are multiplied by this; None means head_dim ** -0.5.
     attention_scale: float | None = None
@@ -159,6 +164,18 @@ class ModelConfig:
 
     def layer_type(self, layer_index: int) -> LayerType:
         return self.layer_types[layer_index] if self.layer_types else "full"
+
+    @property
+    def kv_cache_rows(self) -> int:
+        """Rows one token fills in a layer's KV cache (kv/tensors.py): a key and a value per
+        KV head, or latent attention's one row, which its keys and values both read."""
+        return 1 if self.latent_attention is not None else 2 * self.num_kv_heads
+
+    @property
+    def kv_row_dim(self) -> int:
+        """Elements of one cache row: a head's size, or the latent's and rope key's."""
+        latent = self.latent_attention
+        return latent.cached_dim if latent is not None else self.head_dim
 
     @property
     def scale(self) -> float:

@@ -3,11 +3,16 @@ self-attention (and the MoE feed-forward of models/moe.py after dense leading la
 
 Latent attention, per token: q = q_b(norm(q_a(x))) (or q(x) without a q rank), and one
 latent c = norm(kv_a(x)[:rank]) plus one rope key part kv_a(x)[rank:] shared by all heads;
-kv_b(c) gives every head its key's nope part and its value. The KV cache holds the
-decompressed heads ([2 * H, slots, D], D = nope + rope): keys [nope | rope], values padded
-from v_head_dim to D, so the paged attention and its backends serve it unchanged. That
-costs 2 * H * D elements per token and layer where the latent is rank + rope (DeepSeek-V3:
-2 * 128 * 192 = 49,152 against 576, 85x; V2-Lite: 6,144 against 576, 11x).
+kv_b(c) would give every head its key's nope part and its value. The KV cache holds only
+[c | rotated rope key] (rank + rope elements per token and layer: 576 for V2-Lite and V3,
+where the decompressed heads were 2 * H * (nope + rope) = 6,144 and 49,152), and attention
+runs in the absorbed form, as llama.cpp's and vLLM's MLA do: head h's q_nope times its
+key slice of kv_b (W_UK[h], [nope, rank]) lands in latent space, so
+q_nope . (W_UK[h] c) = (q_nope W_UK[h]) . c, and the heads attend as one multi-query
+attention with keys [c | rope key] and values c (the first rank elements of the same
+cached row); each head's [rank] output then goes through its value slice W_UV[h]
+([v, rank]) before o. Prompts attend the same way, so a row's result does not depend on
+how its prompt was split or cached. The softmax scale stays the (nope + rope) heads' one.
 
 The checkpoints store each rope part's dimensions as interleaved pairs (x0, x1), (x2, x3)
 (llama.cpp rotates adjacent pairs); the loader reorders those weight rows to Hugging
@@ -18,7 +23,6 @@ outputs, so RoPE here is the skeleton's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.errors import UnsupportedModel
@@ -48,21 +52,61 @@ from shoal.engine.weights.quant import RawTensor
 LATENT_NORM_EPS = 1e-6
 
 
+class Absorbed(Layer):
+    """kv_b split per head for the absorbed form, in the attention dtype:
+    key_up [H, nope, rank] (W_UK) and value_up_t [H, rank, v] (W_UV transposed).
+
+    exact_rows: generated rows are multiplied one at a time, so a row's bits do not depend
+    on the rows beside it (torch's float32 bmm sums in another order for other row counts,
+    which bf16 rounding after it can turn into a different token): where the backend's
+    other layers promise that (Backend.attends_rows). Prompt rows go together.
+    """
+
+    def __init__(self, key_up: torch.Tensor, value_up_t: torch.Tensor,
+                 exact_rows: bool = False) -> None:
+        super().__init__()
+        self.key_up, self.value_up_t, self.exact_rows = key_up, value_up_t, exact_rows
+
+    def queries(self, q_nope: torch.Tensor, prompt_from: int | None) -> torch.Tensor:
+        """[T, H, nope] -> [T, H, rank]: each head's query in latent space."""
+        return self._per_head(q_nope, self.key_up, prompt_from)
+
+    def values(self, out: torch.Tensor, prompt_from: int | None) -> torch.Tensor:
+        """[rows, H, rank] attention outputs over latents -> [rows, H, v] head values."""
+        return self._per_head(out, self.value_up_t, prompt_from)
+
+    def _per_head(self, x: torch.Tensor, weight: torch.Tensor,
+                  prompt_from: int | None) -> torch.Tensor:
+        # x: [T, H, a], weight: [H, a, b] -> [T, H, b]
+        alone = 0
+        if self.exact_rows:
+            alone = x.shape[0] if prompt_from is None else prompt_from
+        parts = [torch.bmm(x[row:row + 1].transpose(0, 1), weight) for row in range(alone)]
+        if alone < x.shape[0] or not parts:  # (a chunk may keep no rows)
+            parts.append(torch.bmm(x[alone:].transpose(0, 1), weight))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [H, T, b]
+        return out.transpose(0, 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.key_up, self.value_up_t))
+
+
 class LatentSelfAttention(Layer):
     """x [T, hidden] -> [T, hidden] (or the kept rows): DeepSeek's multi-head latent
-    attention over the paged cache of decompressed heads (see the module docstring).
+    attention in the absorbed form over a cache of latents (see the module docstring).
 
     x_proj: x -> [q_in | latent | rope key] in one matmul ([T, Q + rank + rope], Q the q
-    rank or H * D); q_b None where q comes straight from x_proj.
+    rank or H * D); q_b None where q comes straight from x_proj. attend: the backend's
+    latent_attention (q [T, H, rank + rope] -> [rows, H * rank]).
     """
 
     def __init__(self, x_proj: nn.Module, q_a_norm: RMSNorm | None, q_b: nn.Module | None,
-                 kv_a_norm: RMSNorm, kv_b: nn.Module, o: nn.Module, latent: LatentAttention,
-                 num_heads: int, attend: Attend,
+                 kv_a_norm: RMSNorm, absorbed: Absorbed, o: nn.Module,
+                 latent: LatentAttention, num_heads: int, attend: Attend,
                  attention_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.x_proj, self.q_a_norm, self.q_b = x_proj, q_a_norm, q_b
-        self.kv_a_norm, self.kv_b, self.o = kv_a_norm, kv_b, o
+        self.kv_a_norm, self.absorbed, self.o = kv_a_norm, absorbed, o
         self.latent, self.num_heads = latent, num_heads
         self.attend, self.attention_dtype = attend, attention_dtype
         q_width = latent.q_lora_rank or num_heads * latent.qk_head_dim
@@ -72,28 +116,30 @@ class LatentSelfAttention(Layer):
                 kv_cache: KVCache, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         tokens, heads, latent = x.shape[0], self.num_heads, self.latent
-        nope, dim, v_dim = latent.qk_nope_head_dim, latent.qk_head_dim, latent.v_head_dim
+        nope, rank = latent.qk_nope_head_dim, latent.kv_lora_rank
         q, kv_latent, rope_key = self.x_proj(x, meta.prompt_from).split(self.split, dim=-1)
         if self.q_b is not None:
             q = self.q_b(self.q_a_norm(q.contiguous()), meta.prompt_from)
-        kv = self.kv_b(self.kv_a_norm(kv_latent.contiguous()), meta.prompt_from)
-        q = q.reshape(tokens, heads, dim)                                # [T, H, nope + rope]
-        kv = kv.view(tokens, heads, nope + v_dim)                        # [T, H, nope + v]
+        kv_latent = self.kv_a_norm(kv_latent.contiguous())              # [T, rank]
+        q = q.reshape(tokens, heads, latent.qk_head_dim)                 # [T, H, nope + rope]
         rope_key = rope_key.reshape(tokens, 1, latent.qk_rope_head_dim)  # [T, 1, rope]
         if self.attention_dtype is not None:
-            q, kv, rope_key = (t.to(self.attention_dtype) for t in (q, kv, rope_key))
+            q, kv_latent, rope_key = (t.to(self.attention_dtype)
+                                      for t in (q, kv_latent, rope_key))
         apply_rotary_(q[..., nope:], *rope)
-        rope_key = apply_rotary(rope_key, *rope).expand(tokens, heads, -1)
-        keys = torch.cat((kv[..., :nope], rope_key), dim=-1)             # [T, H, D]
-        values = F.pad(kv[..., nope:], (0, dim - v_dim))                 # [T, H, D]
-        new_kv = stored(torch.cat((keys, values), dim=1), kv_cache.dtype)  # [T, 2 H, D]
+        row = torch.cat((kv_latent.unsqueeze(1), apply_rotary(rope_key, *rope)), dim=-1)
+        new_kv = stored(row, kv_cache.dtype)                           # [T, 1, rank + rope]
         kv_cache.index_copy_(1, meta.slot_mapping, new_kv.transpose(0, 1))
+        q = torch.cat((self.absorbed.queries(q[..., :nope], meta.prompt_from),
+                       q[..., nope:]), dim=-1)
         outputs = [self.attend(q, new_kv, kv_cache, group, False) for group in meta.groups]
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [rows, H * D]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [rows, H * rank]
         if keep is not None:
             out = out[keep]
         rows = out.shape[0]  # (spelled out: a chunk may keep no rows)
-        out = out.view(rows, heads, dim)[..., :v_dim].reshape(rows, heads * v_dim)
+        out = self.absorbed.values(out.view(rows, heads, rank),        # [rows, H, v]
+                                   prompt_from_of(meta, keep))
+        out = out.reshape(rows, heads * latent.v_head_dim)
         return self.o(out.to(x.dtype), prompt_from_of(meta, keep))
 
 
@@ -119,12 +165,25 @@ def make_latent_attention(config: ModelConfig, index: int, weights: Weights,
     return LatentSelfAttention(
         x_proj=build_linear([q_in, kv_a], None, plan), q_a_norm=q_a_norm, q_b=q_b,
         kv_a_norm=_latent_norm(weights[prefix + "kv_a_norm.weight"], plan),
-        kv_b=build_linear([_kv_b(weights, prefix, latent, heads)], None, plan),
+        absorbed=_absorbed(_kv_b(weights, prefix, latent, heads), latent, heads, plan),
         o=build_linear([weights[prefix + "o.weight"]], None, plan),
         latent=latent, num_heads=heads,
-        attend=plan.backend.attention(heads, heads, dim, config.scale),
+        attend=plan.backend.latent_attention(heads, latent.cached_dim, latent.kv_lora_rank,
+                                             config.scale),
         attention_dtype=(None if plan.backend.attention_dtype == plan.compute_dtype
                          else plan.backend.attention_dtype))
+
+
+def _absorbed(kv_b: RawTensor, latent: LatentAttention, heads: int,
+              plan: WeightPlan) -> Absorbed:
+    """kv_b [H * (nope + v), rank] as each head's W_UK and W_UV, with the compute dtype's
+    values (what kv_b as a linear layer would multiply by) held in the attention dtype."""
+    nope, v_dim = latent.qk_nope_head_dim, latent.v_head_dim
+    whole = plan.backend.dense(kv_b).to(plan.backend.attention_dtype)
+    whole = whole.view(heads, nope + v_dim, latent.kv_lora_rank)
+    return Absorbed(key_up=whole[:, :nope].contiguous(),
+                    value_up_t=whole[:, nope:].transpose(1, 2).contiguous(),
+                    exact_rows=plan.backend.attends_rows)
 
 
 def _latent_norm(raw: RawTensor, plan: WeightPlan) -> RMSNorm:
@@ -170,6 +229,7 @@ class DeepseekBlock(LlamaBlock):
 class DeepseekModel(LlamaModel):
     block_class = DeepseekBlock
     fused_decode_family = False  # the compiled decode kernel has no latent attention
+    row_attention = False  # its attention is torch's on every backend (latent_attention)
 
     def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
         if config.latent_attention is None:

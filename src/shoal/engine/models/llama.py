@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from shoal.engine.backends.fused_decode import FusedDecoder
 
 Weights = dict[str, RawTensor]
-KVCache = torch.Tensor  # [2 * H_kv, slots, D]: key heads then value heads (kv/tensors.py)
+# [2 * H_kv, slots, D]: key heads then value heads; latent attention's [1, slots, D]
+# (kv/tensors.py)
+KVCache = torch.Tensor
 
 
 def make_norm(raw: RawTensor, config: ModelConfig, plan: WeightPlan,
@@ -134,6 +136,9 @@ class LlamaModel(Layer):
     block_class: type[nn.Module] = LlamaBlock
     # Whether the compiled decode kernel (kernels/decode.cpp) implements this family's block.
     fused_decode_family = True
+    # Whether its attention is the backend's Backend.attention, which attends row by row
+    # where the backend does (Backend.attends_rows); else always views of the keys.
+    row_attention = True
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], weights: Weights,
                  plan: WeightPlan, progress: Callable[[float], None] | None = None) -> None:

@@ -140,7 +140,7 @@ def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype,
     if kv_cache_dtype == "auto":
         return compute_dtype
     if kv_cache_dtype == "int8":
-        check_head_dim(config.head_dim)
+        check_head_dim(config.kv_row_dim)
         return torch.int8
     if kv_cache_dtype not in ("bfloat16", "float32"):
         raise ValueError("kv_cache_dtype must be one of auto, bfloat16, float32, int8, not "
@@ -151,8 +151,8 @@ def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype,
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | str,
                        num_layers: int | None = None) -> int:
     """Bytes of K and V cache one token occupies across `num_layers` (default: all layers),
-    an int8 cache's scales included."""
+    an int8 cache's scales included (latent attention: its one latent row per layer)."""
     if isinstance(kv_dtype, str):
         kv_dtype = torch.int8 if kv_dtype == "int8" else resolve_compute_dtype(kv_dtype, "cpu")
     layers = config.num_layers if num_layers is None else num_layers
-    return 2 * layers * config.num_kv_heads * row_bytes(config.head_dim, kv_dtype)
+    return layers * config.kv_cache_rows * row_bytes(config.kv_row_dim, kv_dtype)

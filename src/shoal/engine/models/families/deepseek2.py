@@ -34,10 +34,10 @@ def _softmax_scale(latent: LatentAttention, yarn: YarnScaling | None) -> float:
     return scale
 
 
-def _attention_fields(latent: LatentAttention, heads: int,
-                      yarn: YarnScaling | None) -> dict[str, Any]:
-    # Every head has its own key and value (the cache holds them decompressed).
-    return dict(latent_attention=latent, head_dim=latent.qk_head_dim, num_kv_heads=heads,
+def _attention_fields(latent: LatentAttention, yarn: YarnScaling | None) -> dict[str, Any]:
+    # Absorbed, the heads attend as multi-query attention: one KV head, the cached latent
+    # row (ModelConfig.kv_cache_rows); head_dim is the query heads' nope + rope.
+    return dict(latent_attention=latent, head_dim=latent.qk_head_dim, num_kv_heads=1,
                 rope_yarn=yarn, rotary_dim=latent.qk_rope_head_dim,
                 attention_scale=_softmax_scale(latent, yarn))
 
@@ -65,7 +65,7 @@ def gguf_config_extras(read: Callable[[str, Any], Any], common: dict[str, Any]) 
                            beta_slow=float(read("rope.scaling.yarn_beta_slow", 1.0)),
                            mscale=mscale, mscale_all_dim=mscale)
     values = gguf_grouped_expert_config(read, common, scoring="softmax")
-    return values | _attention_fields(latent, common["num_heads"], yarn)
+    return values | _attention_fields(latent, yarn)
 
 
 def hf_config_extras(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def hf_config_extras(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str,
     values = hf_grouped_expert_config(hf, scoring=scoring, norm_topk_prob=v3)
     if not v3 and hf.get("topk_method", "greedy") == "greedy":
         values |= dict(expert_groups=1, expert_groups_used=1)  # V2's groups unused
-    return values | _attention_fields(latent, common["num_heads"], _hf_yarn(hf))
+    return values | _attention_fields(latent, _hf_yarn(hf))
 
 
 def _hf_yarn(hf: Mapping[str, Any]) -> YarnScaling | None:
@@ -106,11 +106,15 @@ DEEPSEEK2 = ModelFamily(
     hf_model_types=("deepseek_v2", "deepseek_v3"),
     gguf_architectures=("deepseek2",),
     tensor_tables="deepseek2",
-    # The cache's heads, as the cluster's model facts count them: every query head has its
-    # key of qk_nope + qk_rope dimensions (llama.cpp's files say one latent "head").
+    # The heads as the cluster's model facts count them: every query head has its key of
+    # qk_nope + qk_rope dimensions (llama.cpp's newer files say one latent "head"); the
+    # cache holds one row of kv_lora_rank + kv_rope_dim per token and layer.
     gguf_config_keys={**GGUF_CONFIG_KEYS, "num_kv_heads": "attention.head_count",
-                      "head_dim": "attention.key_length_mla"},
-    hf_config_keys={**HF_CONFIG_KEYS, "head_dim": "qk_head_dim"},
+                      "head_dim": "attention.key_length_mla",
+                      "kv_lora_rank": "attention.kv_lora_rank",
+                      "kv_rope_dim": "rope.dimension_count"},
+    hf_config_keys={**HF_CONFIG_KEYS, "head_dim": "qk_head_dim",
+                    "kv_lora_rank": "kv_lora_rank", "kv_rope_dim": "qk_rope_head_dim"},
     rope_scalings=("none", "yarn"),
     gguf_config_extras=gguf_config_extras,
     hf_config_extras=hf_config_extras,

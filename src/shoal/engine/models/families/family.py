@@ -16,7 +16,9 @@ from typing import Any, Literal
 from shoal.engine.config import ModelTask
 
 # ModelConfig field (rope_scaling_type: the reader's check) -> GGUF metadata key, after the
-# "<general.architecture>." prefix. Family-only keys are read by the family's extras.
+# "<general.architecture>." prefix. Family-only keys are read by the family's extras; a
+# latent-attention family adds kv_lora_rank and kv_rope_dim, which the cluster's model facts
+# read for the size of its cached row (both maps).
 GGUF_CONFIG_KEYS: Mapping[str, str] = MappingProxyType({
     "num_layers": "block_count",
     "hidden_size": "embedding_length",
