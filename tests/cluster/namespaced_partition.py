@@ -1,7 +1,8 @@
 """Run by test_netns_faults.py inside user, mount and network namespaces: three `shoal serve`
 nodes in namespaces of their own (netns.py), linked through relays (relay.py), form a cluster
 over links with latency and loss, serve a steady load of chat streams while node3's cluster
-link is cut (a 2|1 partition), then healed, and copy a model over a rate-limited link."""
+link is cut (a 2|1 partition), then healed, copy a model over a rate-limited link, and fetch
+a prompt's KV blocks from another node over the impaired links again."""
 
 from __future__ import annotations
 
@@ -279,6 +280,66 @@ def test_a_peer_copy_over_a_rate_limited_link_completes_while_node1_serves(forme
     assert copied == size  # the whole file came from node1, each byte once
     assert before and during and all(streamed_fine(o) for o in before + during)
     assert slowest_during < max(3 * slowest_before, 5.0)
+
+
+def test_a_prefix_fetch_over_impaired_links(formed):
+    """Links back at LATENCY_S and LOSS: a long prompt served on node1, then the same prompt
+    in a session pinned to a SmolLM2 instance on node2, which fetches the prompt's KV blocks
+    from node1 over the data plane (node2 reaches node1 only through its relayed cluster
+    link); then the same with another prompt over clean links, for the slowdown."""
+    cluster, ids, servers = formed.cluster, formed.ids, formed.servers
+    near = httpx.post(cluster.nodes[0].url + "/instances", timeout=30, json={
+        "model": "smollm2", "excluded_nodes": [ids[0], ids[2]]})
+    assert near.status_code == 201, near.text
+    near_id = near.json()["instance_id"]
+    wait_for(lambda: statuses(servers[0], near_id) == ["ready"], 120,
+             "a SmolLM2 instance on node2")
+
+    def fetch(story: str, session: str) -> tuple[dict, dict, float]:
+        prompt = story * 12  # ~400 tokens: 24 blocks to fetch
+        local = prefix_complete(cluster.nodes[0], prompt)
+        prefix_complete(cluster.nodes[1], "Hello there.", session=session)  # pins node2
+        time.sleep(1.0)  # node1's blocks reach node2's prefix index
+        started = time.monotonic()
+        fetched = prefix_complete(cluster.nodes[1], prompt, session=session)
+        return local, fetched, time.monotonic() - started
+
+    formed.impairment.latency_s, formed.impairment.loss = LATENCY_S, LOSS
+    try:
+        impaired = fetch(PREFIX_STORY, "netns-prefix-impaired")
+    finally:
+        formed.impairment.latency_s, formed.impairment.loss = 0.0, 0.0
+    clean = fetch(PREFIX_STORY.replace("ferryman", "boatman"), "netns-prefix-clean")
+    print(f"links {LATENCY_S * 1000:g} ms + {LOSS:.0%} loss: "
+          f"{impaired[1]['usage']['prompt_tokens_details']['cached_tokens']} prompt tokens "
+          f"fetched from node1 in a {impaired[2]:.2f} s request, against {clean[2]:.2f} s "
+          f"over clean links")
+    for local, fetched, _ in (impaired, clean):
+        cached = fetched["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert local["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Every full block but the last token's came from node1.
+        assert cached == (fetched["usage"]["prompt_tokens"] - 1) // 16 * 16
+    log = cluster.nodes[1].serve.log_tail(400_000)
+    assert log.count("prefix fetch for") >= 2 and "complete" in log.split("prefix fetch for")[1][:80]
+    assert impaired[2] < clean[2] + SLOWDOWN_BOUND_S
+
+
+def statuses(server, *instance_ids: str) -> list[str | None]:
+    by_id = {i["instance_id"]: i["status"] for i in cluster_of(server)["instances"]}
+    return [by_id.get(instance_id) for instance_id in instance_ids]
+
+
+PREFIX_STORY = ("The ferryman rowed the river at dawn and counted the herons on the bank, "
+                "writing each count in a book beside the tide. ")
+
+
+def prefix_complete(node, prompt: str, session: str | None = None) -> dict:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    if session is not None:
+        body["x_session_id"] = session
+    response = httpx.post(node.url + "/v1/completions", json=body, timeout=REQUEST_BOUND_S)
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 def peer_bytes(node) -> float:

@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 def test_lossy_links_a_partition_under_load_and_a_rate_limited_link():
     """namespaced_partition.py: a cluster forms and serves over links with latency and loss;
     a 2|1 partition under a steady load of chat streams heals to one master and one state; a
-    peer copy over a tc-tbf-limited link completes while the other nodes serve on."""
+    peer copy over a tc-tbf-limited link completes while the other nodes serve on; a prefix
+    fetch works over the impaired links."""
     output = run_tests_in_namespace(Path(__file__).parent / "namespaced_partition.py",
                                     net=True, timeout_s=300, args=("-s",))
-    assert "3 passed" in output
+    assert "4 passed" in output
     print(output[-3000:])
