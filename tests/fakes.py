@@ -309,7 +309,9 @@ class FakeKVEngine(FakeEngine):
 
     def __init__(self, config, progress=None) -> None:
         super().__init__(config, progress)
-        shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
+        # A key and a value row per KV head (ModelConfig.kv_cache_rows / kv_row_dim).
+        shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, kv_cache_rows=4,
+                                kv_row_dim=8)
         self.loaded = SimpleNamespace(weight_bytes=WEIGHT_BYTES, config=shape,
                                       cache_dtype="float32", layer_range=(0, 2))
 

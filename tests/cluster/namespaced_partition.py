@@ -26,6 +26,7 @@ from namespaces import require_namespace  # noqa: E402
 from netns import NetCluster  # noqa: E402
 from relay import Impairment  # noqa: E402
 from test_multinode import agreed_master, cluster_of, wait_for  # noqa: E402
+from test_multinode_prefix import complete as prefix_complete  # noqa: E402
 
 SECRET = "netns-partition-secret"
 # A request ends, with its answer or a clear error, within this (a hang fails the test).
@@ -331,15 +332,6 @@ def statuses(server, *instance_ids: str) -> list[str | None]:
 
 PREFIX_STORY = ("The ferryman rowed the river at dawn and counted the herons on the bank, "
                 "writing each count in a book beside the tide. ")
-
-
-def prefix_complete(node, prompt: str, session: str | None = None) -> dict:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    if session is not None:
-        body["x_session_id"] = session
-    response = httpx.post(node.url + "/v1/completions", json=body, timeout=REQUEST_BOUND_S)
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def peer_bytes(node) -> float:
