@@ -23,6 +23,7 @@ from pydantic import TypeAdapter
 from shoal.cluster.card_exchange import CARDS_FIELD
 from shoal.cluster.proposer_service import PROPOSAL_FIELD
 from shoal.cluster.queries import ANSWER_FIELD
+from shoal.cluster.state import ClusterState
 from shoal.cluster.transport.base import Subscription, Transport
 from shoal.ids import NodeId
 from shoal.protocol import Chunk, ErrorChunk, ErrorCode, chunk_to_wire
@@ -175,6 +176,9 @@ class RemoteStreams:
         self._transport = transport
         self.limits = limits or StreamLimits()
         self._streams: dict[str, RemoteStream] = {}
+        # This node's streams whose task the master created (TaskCreated, or a state
+        # holding it): one missing from a later state was failed or finished unheard.
+        self._accepted: set[str] = set()
         self._subscription: Subscription | None = None
         self.unknown = 0  # chunks for streams this node does not hold (late, or cancelled)
 
@@ -196,12 +200,31 @@ class RemoteStreams:
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._accepted.discard(request_id)
+
+    def accept(self, request_id: str) -> None:
+        """The master created the task of this node's stream request_id."""
+        self._accepted.add(request_id)
+
+    def accepted(self, request_id: str) -> bool:
+        return request_id in self._accepted
+
+    def settle(self, state: ClusterState, node_id: NodeId) -> None:
+        """After the state was replaced (a new session began, or a sync) for node_id: a task
+        of its open streams that state holds was accepted; one accepted before and missing
+        now was failed or finished unheard (a new session carries no task in flight), and
+        its stream ends now, retryable, instead of at its silence bound."""
+        for request_id, stream in list(self._streams.items()):
+            task = state.tasks.get(request_id)
+            if task is not None and task.owner_node == node_id:
+                self._accepted.add(request_id)
+            elif request_id in self._accepted:
+                stream.fail("unavailable", f"the cluster master changed (now "
+                                           f"{state.session_master}) while this request "
+                                           "was in flight; retry it")
 
     def get(self, request_id: str) -> RemoteStream | None:
         return self._streams.get(request_id)
-
-    def open_ids(self) -> list[str]:
-        return list(self._streams)
 
     def _on_data(self, message: Any) -> None:
         if isinstance(message, dict) and any(f in message for f in _OTHER_FIELDS):

@@ -145,7 +145,6 @@ class ClusterService:
         self.capabilities = Capabilities(
             plane.transport, pool, plane.telemetry.table, self.config.cards,
             self.config.proposer, target_tokenizer=lambda m: self.transfer.fetch_tokenizer(m))
-        self._accepted: set[RequestId] = set()
         self._placements: dict[CommandId, asyncio.Future[Instance]] = {}
         self._waiters: list[asyncio.Future[None]] = []  # wait_for, woken on every event
         pool.unloader = lambda instance_id, reason: self.delete(instance_id, reason)
@@ -266,7 +265,7 @@ class ClusterService:
         self.recent.append(indexed)
         event = indexed.event
         if isinstance(event, TaskCreated) and event.task.owner_node == self.node_id:
-            self._accepted.add(event.task.task_id)
+            self.streams.accept(event.task.task_id)
         elif isinstance(event, TaskFailed):
             stream = self.streams.get(event.task_id)
             if stream is not None:
@@ -274,30 +273,16 @@ class ClusterService:
         elif isinstance(event, (InstanceCreated, PlacementFailed)):
             self._answer_placement(event)
         elif isinstance(event, SessionStarted):
-            self._settle_streams(self.state)
+            self.streams.settle(self.state, self.node_id)
         self._wake_waiters()
         self.worker.wake()
 
     def _on_reset(self, state: ClusterState) -> None:
         """A state sync replaced the state wholesale: the events it skipped reached no
         callback, so the streams are checked against what it holds."""
-        self._settle_streams(state)
+        self.streams.settle(state, self.node_id)
         self._wake_waiters()
         self.worker.wake()
-
-    def _settle_streams(self, state: ClusterState) -> None:
-        """After the state was replaced (a new session began, or a sync): a task of this
-        node's that state holds was accepted; one accepted before and missing now was failed
-        or finished unheard (a new session carries no task in flight), and its stream ends
-        now, retryable, instead of at its silence bound."""
-        for task_id in self.streams.open_ids():
-            task = state.tasks.get(task_id)
-            if task is not None and task.owner_node == self.node_id:
-                self._accepted.add(task_id)
-            elif task_id in self._accepted:
-                self.streams.get(task_id).fail(
-                    "unavailable", f"the cluster master changed (now {state.session_master}) "
-                                   "while this request was in flight; retry it")
 
     async def wait_for(self, holds: Callable[[ClusterState], bool], timeout_s: float) -> bool:
         """Until holds(state) is true after some event (True), or timeout_s passes (False)."""
@@ -353,7 +338,6 @@ class ClusterService:
                 yield chunk
         finally:
             self.streams.close(task_id)
-            self._accepted.discard(task_id)
             if not stream.finished or stream.failed_here:  # the producer may still run
                 self.send_command(CancelTask(command_id=new_command_id(), task_id=task_id))
 
@@ -369,7 +353,7 @@ class ClusterService:
                 chunk = await stream.next(timeout_s=0.25)
             except TimeoutError:
                 now = time.monotonic()
-                accepted = stream.request_id in self._accepted
+                accepted = self.streams.accepted(stream.request_id)
                 present = server == self.node_id or server in self.plane.transport.peers
                 gone_since = None if present else (gone_since or now)
                 failure = stream_failure(config, now, sent_at, last_chunk_at, accepted,
